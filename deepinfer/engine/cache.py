@@ -1,0 +1,163 @@
+"""Paged cache pools and per-sequence block tables.
+
+Five kinds of rows are cached, each in its own pool of fixed-size blocks:
+
+- `window`: every layer's sliding-window KV, one row per token; rows older than the window are freed.
+- `csa_state` / `hca_state`: the compressor's per-token projections (its partial state), kept only
+  until the windows they feed are closed (CSA keeps one extra window for the overlap).
+- `csa_entries` / `hca_entries`: compressed rows (CSA: KV + indexer key), one per closed window,
+  kept for the life of the sequence.
+
+A block table maps a sequence's logical block i (rows [i*B, (i+1)*B) of that kind) to a physical
+block; freed blocks are marked -1. All pools share the block size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer.config import CSA, HCA, ModelConfig
+from deepinfer.errors import DeepInferError
+
+FREED = -1
+POOL_PREFIX = {CSA: "csa", HCA: "hca"}
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    name: str
+    kind: str  # "window" | "state" | "entries"
+    layers: tuple[int, ...]
+    width: int
+    ratio: int = 1
+    window: int = 0
+    overlap: bool = False
+
+    def rows_for(self, end: int) -> int:
+        """Rows that exist once tokens [0, end) are computed."""
+        return end // self.ratio if self.kind == "entries" else end
+
+    def first_kept_row(self, next_pos: int) -> int:
+        """Oldest row a step starting at token `next_pos` can still read."""
+        if self.kind == "window":
+            return max(0, next_pos - self.window + 1)
+        if self.kind == "state":
+            start = (next_pos // self.ratio) * self.ratio
+            return max(0, start - (self.ratio if self.overlap else 0))
+        return 0
+
+    def max_blocks_per_seq(self, max_model_len: int, max_step_tokens: int, block_size: int) -> int:
+        if self.kind == "entries":
+            return math.ceil(self.rows_for(max_model_len) / block_size) + 1
+        back = self.window - 1 if self.kind == "window" else self.ratio * (2 if self.overlap else 1)
+        return math.ceil((back + min(max_step_tokens, max_model_len)) / block_size) + 1
+
+
+def pool_specs(config: ModelConfig, widths: list[dict[str, int]]) -> list[PoolSpec]:
+    """The pools a model needs, from its layer types and each layer's row widths."""
+    specs = [PoolSpec("window", "window", tuple(range(config.num_hidden_layers)), config.head_dim,
+                      window=config.sliding_window)]
+    for layer_type, prefix in POOL_PREFIX.items():
+        layers = tuple(i for i, t in enumerate(config.layer_types) if t == layer_type)
+        if not layers:
+            continue
+        ratio = config.compress_rates[layer_type]
+        overlap = layer_type == CSA
+        for kind in ("state", "entries"):
+            specs.append(PoolSpec(f"{prefix}_{kind}", kind, layers, widths[layers[0]][kind], ratio, overlap=overlap))
+    return specs
+
+
+@dataclass
+class BlockTables:
+    """One sequence's block tables, one per pool."""
+
+    tables: dict[str, list[int]] = field(default_factory=dict)
+
+    def table(self, pool: str) -> list[int]:
+        return self.tables.setdefault(pool, [])
+
+
+class CacheManager:
+    """Owns the pool storage and hands out blocks; the scheduler decides who gets them."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        widths: list[dict[str, int]],
+        *,
+        max_num_seqs: int,
+        max_model_len: int,
+        max_step_tokens: int,
+        num_blocks: int | None,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.block_size = block_size
+        self.specs = {spec.name: spec for spec in pool_specs(config, widths)}
+        self.storage: dict[str, torch.Tensor] = {}
+        self.free_blocks: dict[str, list[int]] = {}
+        self.num_blocks: dict[str, int] = {}
+        for spec in self.specs.values():
+            one_seq = spec.max_blocks_per_seq(max_model_len, max_step_tokens, block_size)
+            count = num_blocks if num_blocks is not None else one_seq * max_num_seqs
+            if count < one_seq:
+                raise DeepInferError(
+                    f"num_cache_blocks={count} is too small: one sequence of max_model_len={max_model_len} "
+                    f"needs {one_seq} blocks in the {spec.name} pool"
+                )
+            self.num_blocks[spec.name] = count
+            self.storage[spec.name] = torch.zeros(
+                len(spec.layers), count * block_size, spec.width, dtype=dtype, device=device
+            )
+            self.free_blocks[spec.name] = list(range(count - 1, -1, -1))
+        self.layer_views = self._layer_views(config)
+
+    def _layer_views(self, config: ModelConfig) -> list[dict[str, torch.Tensor]]:
+        views: list[dict[str, torch.Tensor]] = [{} for _ in range(config.num_hidden_layers)]
+        for spec in self.specs.values():
+            for slot, layer in enumerate(spec.layers):
+                views[layer][spec.kind] = self.storage[spec.name][slot]
+        return views
+
+    def _growth(self, blocks: BlockTables, end: int) -> dict[str, int]:
+        growth = {}
+        for name, spec in self.specs.items():
+            wanted = math.ceil(spec.rows_for(end) / self.block_size)
+            growth[name] = max(0, wanted - len(blocks.table(name)))
+        return growth
+
+    def can_grow(self, blocks: BlockTables, end: int) -> bool:
+        """Whether tokens up to `end` can be given rows without evicting anyone."""
+        return all(n <= len(self.free_blocks[name]) for name, n in self._growth(blocks, end).items())
+
+    def grow(self, blocks: BlockTables, end: int) -> None:
+        for name, n in self._growth(blocks, end).items():
+            free = self.free_blocks[name]
+            blocks.table(name).extend(free.pop() for _ in range(n))
+
+    def release_behind(self, blocks: BlockTables, next_pos: int) -> None:
+        """Free blocks that no step starting at `next_pos` can read again."""
+        for name, spec in self.specs.items():
+            table = blocks.table(name)
+            for i in range(min(spec.first_kept_row(next_pos) // self.block_size, len(table))):
+                if table[i] != FREED:
+                    self.free_blocks[name].append(table[i])
+                    table[i] = FREED
+
+    def free(self, blocks: BlockTables) -> None:
+        for name, table in blocks.tables.items():
+            self.free_blocks[name].extend(b for b in reversed(table) if b != FREED)
+        blocks.tables.clear()
+
+    def slots(self, blocks: BlockTables, pool: str, rows: torch.Tensor) -> torch.Tensor:
+        """Physical row addresses of logical `rows` (which must be allocated and not freed)."""
+        table = torch.tensor(blocks.table(pool), dtype=torch.long)
+        return table[rows // self.block_size] * self.block_size + rows % self.block_size
+
+    def num_free(self) -> dict[str, int]:
+        return {name: len(free) for name, free in self.free_blocks.items()}

@@ -1,0 +1,174 @@
+"""V4 attention: shared-KV MQA over a sliding window plus compressed entries, with sinks.
+
+Every layer attends to the last `sliding_window` tokens. CSA layers add entries compressed from
+overlapping windows of `2 * ratio` tokens, of which the lightning indexer keeps the top-k per
+query; HCA layers add every entry compressed from non-overlapping windows of `ratio` tokens.
+The compressor's per-token projections, the entries and the window KV all live in paged pools;
+the layer writes the step's rows first and then reads each query's own rows back.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kernels
+from deepinfer.config import CSA, HCA, ModelConfig
+from deepinfer.model.batch import CompressorStep, StepBatch
+from deepinfer.model.layers import Linear, RMSNorm, empty
+from deepinfer.model.rope import RotaryTable
+
+
+class Compressor(nn.Module):
+    """Gated pooling of token projections into one entry per window (`wkv`, `wgate`, `ape`).
+
+    With `overlap`, each token projects two series (width 2 * dim): entry w pools the first
+    series over window w - 1 and the second series over window w.
+    """
+
+    def __init__(self, config: ModelConfig, ratio: int, dim: int, overlap: bool, dtype, device) -> None:
+        super().__init__()
+        self.ratio, self.dim, self.overlap = ratio, dim, overlap
+        width = 2 * dim if overlap else dim
+        self.wkv = Linear(config.hidden_size, width, dtype, device)
+        self.wgate = Linear(config.hidden_size, width, dtype, device)
+        self.ape = empty(ratio, width, dtype=torch.float32, device=device)
+        self.norm = RMSNorm(dim, config.rms_norm_eps, device)
+
+    @property
+    def state_width(self) -> int:
+        return 2 * self.wkv.weight.shape[0]
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-token state row: [kv | gate]."""
+        return torch.cat([self.wkv(x), self.wgate(x)], dim=-1)
+
+    def pool(self, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """rows [C, S, state_width] (S = 2r with overlap, else r) -> normalised entries [C, dim] fp32."""
+        width = self.wkv.weight.shape[0]
+        kv, gate = rows[..., :width], rows[..., width:]
+        if self.overlap:
+            r, d = self.ratio, self.dim
+            kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], dim=1)
+            gate = torch.cat([gate[:, :r, :d], gate[:, r:, d:]], dim=1)
+            bias = torch.cat([self.ape[:, :d], self.ape[:, d:]], dim=0)
+        else:
+            bias = self.ape
+        gate = gate.float().masked_fill(~valid.unsqueeze(-1), float("-inf"))
+        kv = kv.masked_fill(~valid.unsqueeze(-1), 0)
+        return self.norm(kernels.window_pool(kv, gate, bias))
+
+    def update(
+        self, x: torch.Tensor, step: CompressorStep, state: torch.Tensor, entries: torch.Tensor,
+        rope: RotaryTable, state_cols: slice, entry_cols: slice,
+    ) -> None:
+        """Write the step's state rows, then pool every window the step closes into `entries`."""
+        state[step.state_write, state_cols] = self.project(x).to(state.dtype)
+        if step.close_write.numel() == 0:
+            return
+        pooled = self.pool(state[step.close_read][..., state_cols], step.close_valid)
+        cos, sin = rope(step.close_position)
+        entries[step.close_write, entry_cols] = kernels.rotary(pooled, cos, sin).to(entries.dtype)
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: scores compressed entries per query and keeps the top-k."""
+
+    def __init__(self, config: ModelConfig, dtype, device) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
+        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, dtype, device)
+        self.weights_proj = Linear(config.hidden_size, self.n_heads, dtype, device)
+        self.compressor = Compressor(config, config.compress_rates[CSA], self.head_dim, True, dtype, device)
+
+    def select(
+        self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        keys: torch.Tensor, valid: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions (into each query's entry list) of the chosen entries, and their validity."""
+        q = self.wq_b(q_residual).view(x.shape[0], self.n_heads, self.head_dim)
+        q = kernels.rotary(q, cos, sin)
+        head_weights = self.weights_proj(x).float() * self.n_heads**-0.5
+        scores = kernels.indexer_scores(q, keys, head_weights, valid, self.head_dim**-0.5)
+        chosen = kernels.topk_indices(scores, min(self.topk, scores.shape[-1]))
+        return chosen, valid.gather(1, chosen)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_type: str, dtype, device) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        self.n_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.o_groups = config.o_groups
+        self.eps = config.rms_norm_eps
+        h = config.hidden_size
+        self.wq_a = Linear(h, config.q_lora_rank, dtype, device)
+        self.q_norm = RMSNorm(config.q_lora_rank, self.eps, device)
+        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, dtype, device)
+        self.wkv = Linear(h, self.head_dim, dtype, device)
+        self.norm = RMSNorm(self.head_dim, self.eps, device)
+        self.wo_a = Linear(self.n_heads * self.head_dim // self.o_groups, self.o_groups * config.o_lora_rank, dtype, device)
+        self.wo_b = Linear(self.o_groups * config.o_lora_rank, h, dtype, device)
+        self.attn_sink = empty(self.n_heads, dtype=torch.float32, device=device)
+        if layer_type == CSA:
+            self.compressor = Compressor(config, config.compress_rates[CSA], self.head_dim, True, dtype, device)
+            self.indexer = Indexer(config, dtype, device)
+        elif layer_type == HCA:
+            self.compressor = Compressor(config, config.compress_rates[HCA], self.head_dim, False, dtype, device)
+
+    def cache_widths(self) -> dict[str, int]:
+        """Row widths this layer needs in each pool (the cache manager sizes pools from these)."""
+        if self.layer_type == CSA:
+            return {
+                "state": self.compressor.state_width + self.indexer.compressor.state_width,
+                "entries": self.head_dim + self.indexer.head_dim,
+            }
+        if self.layer_type == HCA:
+            return {"state": self.compressor.state_width, "entries": self.head_dim}
+        return {}
+
+    def forward(
+        self, x: torch.Tensor, batch: StepBatch, cache: dict[str, torch.Tensor],
+        rope: tuple[torch.Tensor, torch.Tensor], compress_rope: RotaryTable,
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        cos, sin = rope
+        q_residual = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_residual).view(tokens, self.n_heads, self.head_dim)
+        q = kernels.rotary(kernels.unweighted_rms_norm(q, self.eps), cos, sin)
+        kv = kernels.rotary(self.norm(self.wkv(x)), cos, sin)
+
+        window = cache["window"]
+        window[batch.window_write] = kv.to(window.dtype)
+        keys = [window[batch.window_read]]
+        valid = [batch.window_valid]
+        if self.layer_type != "sliding_attention":
+            step = batch.compressors[self.layer_type]
+            entry_keys, entry_valid = self._compressed_entries(x, q_residual, step, cache, rope, compress_rope)
+            keys.append(entry_keys)
+            valid.append(entry_valid)
+        out = kernels.sink_attention(
+            q, torch.cat(keys, dim=1), torch.cat(valid, dim=1), self.attn_sink, self.head_dim**-0.5
+        )
+        out = kernels.rotary(out, cos, -sin)
+        grouped = kernels.grouped_linear(out.reshape(tokens, self.o_groups, -1), self.wo_a.weight, self.o_groups)
+        return self.wo_b(grouped.flatten(1))
+
+    def _compressed_entries(
+        self, x: torch.Tensor, q_residual: torch.Tensor, step: CompressorStep, cache: dict[str, torch.Tensor],
+        rope: tuple[torch.Tensor, torch.Tensor], compress_rope: RotaryTable,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        state, entries = cache["state"], cache["entries"]
+        d, main_width = self.head_dim, self.compressor.state_width
+        self.compressor.update(x, step, state, entries, compress_rope, slice(0, main_width), slice(0, d))
+        if self.layer_type == HCA:
+            return entries[step.entry_read, :d], step.entry_valid
+        index_cols = slice(d, d + self.indexer.head_dim)
+        self.indexer.compressor.update(
+            x, step, state, entries, compress_rope,
+            slice(main_width, main_width + self.indexer.compressor.state_width), index_cols,
+        )
+        chosen, chosen_valid = self.indexer.select(
+            x, q_residual, *rope, entries[step.entry_read, index_cols], step.entry_valid
+        )
+        return entries[step.entry_read.gather(1, chosen), :d], chosen_valid

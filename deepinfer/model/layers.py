@@ -1,0 +1,35 @@
+"""Weight holders: the model's parameters carry the checkpoint's tensor names."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kernels
+
+
+def empty(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """A bias-free projection; the arithmetic goes through `kernels.linear`."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.weight = empty(out_features, in_features, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm whose weight is kept in fp32 (as V4 checkpoints store it)."""
+
+    def __init__(self, dim: int, eps: float, device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = empty(dim, dtype=torch.float32, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps)

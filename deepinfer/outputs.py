@@ -1,0 +1,22 @@
+"""What `LLM.generate` returns per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    """One finished request. `logprobs[i]` is the logprob of `token_ids[i]` under the model's
+    unscaled distribution (before temperature and filtering); `top_logprobs[i]` lists the
+    `SamplingParams.logprobs` most likely (token id, logprob) pairs there, ties to the lower id."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    seed: int
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    message: dict | None = None

@@ -1,0 +1,63 @@
+"""Per-request sampling parameters, validated up front with one-line errors."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from deepinfer.errors import DeepInferError
+
+
+class SamplingParamsError(DeepInferError, ValueError):
+    pass
+
+
+@dataclass
+class SamplingParams:
+    """temperature 0 means greedy. `seed` keys the counter-based sampling noise; requests without
+    one get a seed derived from the engine's run seed and the request id (reported back).
+    `logprobs=k` returns, per generated token, the chosen token's logprob and the k most likely."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        def fail(msg: str) -> None:
+            raise SamplingParamsError(f"invalid sampling params: {msg}")
+
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0 or self.temperature != self.temperature:
+            fail(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            fail(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not is_int(self.top_k) or self.top_k < 0:
+            fail(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            fail(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            fail(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            fail(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            fail(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
+            fail(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
+            fail(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,143 @@
+"""PyTorch implementations of every numerical primitive the V4 model uses.
+
+Shapes are "flat batch" shapes: the leading dimension T is the number of tokens in the step,
+whatever sequences they belong to. Each op treats a row independently of the other rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x @ weight.T` in the weight's dtype."""
+    return F.linear(x.to(weight.dtype), weight)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """Block-diagonal projection: x [T, G, Din], weight [G * Dout, Din] -> [T, G, Dout]."""
+    w = weight.view(groups, -1, weight.shape[-1]).transpose(1, 2)
+    return torch.bmm(x.transpose(0, 1).to(weight.dtype), w).transpose(0, 1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm with an fp32 weight: normalise and scale in fp32, cast once at the end."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * xf).to(x.dtype)
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without weight; the fp32 inverse RMS is cast to x's dtype before scaling."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return torch.softmax(x.float(), dim=dim)
+
+
+def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return torch.log_softmax(x.float(), dim=dim)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved RoPE on the trailing `2 * cos.shape[-1]` channels of x [T, ..., D].
+
+    cos/sin are [T, rope_dim // 2] in fp32; channel pairs (2i, 2i+1) rotate by angle i.
+    """
+    half = cos.shape[-1]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    cos, sin = cos.view(shape), sin.view(shape)
+    nope, rope = x[..., : -2 * half], x[..., -2 * half :]
+    pairs = rope.float().unflatten(-1, (half, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+    return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+
+
+def window_pool(kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Compressor pooling: per window, a softmax over slots of (gate + bias) weights the kv rows.
+
+    kv, gate: [N, S, D] (N windows of S slots); bias: [S, D] fp32. Slots with gate -inf get weight 0.
+    """
+    weights = torch.softmax(gate.float() + bias, dim=1)
+    return (kv.float() * weights).sum(dim=1)
+
+
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Doubly-stochastic projection of [..., n, n] mixing logits (softmax rows, then alternate)."""
+    comb = torch.softmax(logits, dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
+def sink_attention(
+    q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Shared-KV attention with a per-head sink logit.
+
+    q [T, H, D], kv [T, K, D] (each query's own gathered keys, K = V), valid [T, K] bool,
+    sinks [H] fp32. The sink takes part in the softmax normalisation and contributes no value.
+    """
+    scores = torch.einsum("thd,tkd->thk", q, kv.to(q.dtype)) * scale
+    scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, -1, 1).expand(q.shape[0], -1, 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return torch.einsum("thk,tkd->thd", probs.to(kv.dtype), kv)
+
+
+def indexer_scores(
+    q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, valid: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Lightning-indexer scores sum_h w[t,h] * relu(q[t,h] . k[t,s]) * scale; invalid -> -inf.
+
+    q [T, H, Di], keys [T, S, Di], head_weights [T, H] fp32, valid [T, S] -> [T, S] fp32.
+    """
+    dots = torch.einsum("thd,tsd->ths", q.float(), keys.float())
+    scores = (torch.relu(dots) * scale * head_weights.unsqueeze(-1)).sum(dim=1)
+    return scores.masked_fill(~valid, float("-inf"))
+
+
+def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores per row, ties to the lowest index (so the choice does not
+    depend on how many trailing candidates the row was padded with)."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    indices: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """Routed experts with a per-token combine in top-k rank order.
+
+    x [T, H]; indices/weights [T, k]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I].
+    Each (token, rank) output lands in its own slot, then slots are summed rank by rank, so a
+    token's result does not depend on which other tokens the experts served.
+    """
+    tokens, top_k = indices.shape
+    slots = x.new_zeros(tokens, top_k, x.shape[-1])
+    flat = indices.reshape(-1)
+    for expert in torch.unique(flat).tolist():
+        hit = (flat == expert).nonzero().squeeze(1)
+        token_idx, rank = hit // top_k, hit % top_k
+        gate, up = linear(x[token_idx], w13[expert]).chunk(2, dim=-1)
+        out = linear(clamped_swiglu(gate, up, limit), w2[expert])
+        slots[token_idx, rank] = out * weights[token_idx, rank, None].to(out.dtype)
+    combined = slots[:, 0]
+    for rank in range(1, top_k):
+        combined = combined + slots[:, rank]
+    return combined
