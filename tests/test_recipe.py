@@ -1,0 +1,553 @@
+"""Tests for deepinfer.recipe: tokenizer, chat encoding, completion parsing.
+
+Golden vectors (tests/golden/recipe_vectors.json) pin the prompt text and the token ids from
+`build_tokenizer(1024)` for the conversations in GOLDEN_CONVERSATIONS, and the parsed message for
+each text in GOLDEN_COMPLETIONS. After an intended change to the format, the corpus or the cases,
+regenerate them and review the diff:
+
+    DEEPINFER_REGEN_GOLDEN=1 .venv/bin/python -m pytest tests/test_recipe.py -k golden
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, models
+
+from deepinfer.recipe import (
+    SPECIAL_TOKENS,
+    ChatFormatError,
+    TextTokenizer,
+    TokenizerError,
+    build_tokenizer,
+    encode_chat,
+    encode_messages,
+    parse_completion,
+    parse_completion_ids,
+)
+from deepinfer.recipe.tokenizer import (
+    ASSISTANT,
+    BOS,
+    EOS,
+    THINK_BEGIN,
+    THINK_END,
+    TOOL_CALL_BEGIN,
+    TOOL_CALL_END,
+    TOOL_CALLS_BEGIN,
+    TOOL_CALLS_END,
+    TOOL_SEP,
+    USER,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+GOLDEN_PATH = Path(__file__).parent / "golden" / "recipe_vectors.json"
+GOLDEN_VOCAB = 1024
+
+
+@pytest.fixture(scope="module")
+def tok() -> TextTokenizer:
+    return TextTokenizer(build_tokenizer(GOLDEN_VOCAB))
+
+
+# --------------------------------------------------------------------------------------- tokenizer
+
+
+def test_special_token_ids(tok):
+    assert SPECIAL_TOKENS[0] == "<｜begin▁of▁sentence｜>" and SPECIAL_TOKENS[1] == "<｜end▁of▁sentence｜>"
+    assert len(set(SPECIAL_TOKENS)) == len(SPECIAL_TOKENS) == 16
+    assert (tok.bos_id, tok.eos_id) == (0, 1)
+    assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
+
+
+def test_specials_are_single_tokens(tok):
+    for i, special in enumerate(SPECIAL_TOKENS):
+        assert tok.encode(special) == [i]
+        ids = tok.encode(f"a{special}b")
+        assert i in ids and tok.decode(ids) == f"a{special}b"
+        assert tok.decode(ids, skip_special_tokens=True) == "ab"
+
+
+def test_encode_add_bos(tok):
+    assert tok.encode("hello", add_bos=True) == [0, *tok.encode("hello")]
+
+
+def test_vocab_sizes():
+    assert TextTokenizer(build_tokenizer(512)).vocab_size == 512
+    largest = TextTokenizer(build_tokenizer(129280)).vocab_size
+    assert 1024 < largest < 129280  # as many tokens as the corpus supports
+
+
+def test_vocab_too_small():
+    with pytest.raises(TokenizerError) as e:
+        build_tokenizer(200)
+    assert str(e.value) == "vocab_size 200 is below the 272 ids needed for 16 special tokens and the 256-byte alphabet"
+
+
+def _sha(tokenizer: Tokenizer) -> str:
+    return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
+
+
+def test_build_is_deterministic_in_process():
+    assert build_tokenizer(GOLDEN_VOCAB).to_str() == build_tokenizer(GOLDEN_VOCAB).to_str()
+
+
+def test_build_is_deterministic_across_processes_and_threads():
+    code = (
+        "import hashlib; from deepinfer.recipe import build_tokenizer; "
+        f"print(hashlib.sha256(build_tokenizer({GOLDEN_VOCAB}).to_str().encode()).hexdigest())"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAYON_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == _sha(build_tokenizer(GOLDEN_VOCAB))
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text())
+def test_text_round_trip(tok, text):
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_decode_skips_out_of_range_ids(tok):
+    ids = tok.encode("Hi there")
+    assert tok.decode([ids[0], tok.vocab_size, 129279, -1, *ids[1:]]) == "Hi there"
+
+
+def test_save_and_from_folder(tok, tmp_path):
+    tok.save(tmp_path)
+    loaded = TextTokenizer.from_folder(tmp_path)
+    assert (tmp_path / "tokenizer.json").read_text(encoding="utf-8") == build_tokenizer(GOLDEN_VOCAB).to_str()
+    assert loaded.encode("Round trip, 123!") == tok.encode("Round trip, 123!")
+    assert loaded.vocab_size == tok.vocab_size
+
+
+def test_from_folder_missing(tmp_path):
+    with pytest.raises(TokenizerError) as e:
+        TextTokenizer.from_folder(tmp_path)
+    assert str(e.value) == f"{tmp_path}: no tokenizer.json; pass token-id prompts or add a tokenizer"
+
+
+def test_from_folder_corrupt(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{not json", encoding="utf-8")
+    with pytest.raises(TokenizerError) as e:
+        TextTokenizer.from_folder(tmp_path)
+    assert str(e.value) == f"{tmp_path / 'tokenizer.json'}: cannot load: key must be a string at line 1 column 2"
+
+
+def test_missing_bos_token():
+    empty = TextTokenizer(Tokenizer(models.BPE()))
+    with pytest.raises(TokenizerError) as e:
+        _ = empty.bos_id
+    assert str(e.value) == "tokenizer has no '<｜begin▁of▁sentence｜>' token"
+
+
+# ------------------------------------------------------------------------------------ chat format
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["C", "F"]}},
+            "required": ["city"],
+        },
+    },
+}
+CLOCK_TOOL = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+
+
+def _call(name: str, arguments, call_id: str = "x") -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+TOOL_TURN = [
+    {"role": "user", "content": "Weather in Oslo and Rome?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "reasoning_content": "Two cities, two calls.",
+        "tool_calls": [
+            _call("get_weather", '{"unit": "C", "city": "Oslo"}', "a"),
+            _call("get_weather", {"city": "Rome"}, "b"),
+        ],
+    },
+    {"role": "tool", "tool_call_id": "a", "content": '{"temp": 4, "sky": "rain"}'},
+    {"role": "tool", "tool_call_id": "b", "content": '{"temp": 22, "sky": "sun"}'},
+    {"role": "assistant", "content": "Oslo: 4 °C and rain. Rome: 22 °C and sun."},
+]
+
+GOLDEN_CONVERSATIONS = [
+    {
+        "name": "system_and_user",
+        "messages": [
+            {"role": "system", "content": "You are a concise assistant."},
+            {"role": "user", "content": "What is 7 * 8?"},
+        ],
+        "tools": None,
+        "thinking": False,
+        "add_generation_prompt": True,
+    },
+    {
+        "name": "multi_turn_tools",
+        "messages": [
+            {"role": "system", "content": "Answer in one line."},
+            *TOOL_TURN,
+            {"role": "user", "content": "Thanks! And now?"},
+        ],
+        "tools": [WEATHER_TOOL, CLOCK_TOOL],
+        "thinking": False,
+        "add_generation_prompt": True,
+    },
+    {
+        "name": "tools_thinking",
+        "messages": [*TOOL_TURN, {"role": "user", "content": "Which is warmer?"}],
+        "tools": [WEATHER_TOOL],
+        "thinking": True,
+        "add_generation_prompt": True,
+    },
+    {
+        "name": "thinking_history_without_system",
+        "messages": [
+            {"role": "user", "content": "Is 91 prime?"},
+            {"role": "assistant", "content": "No: 91 = 7 × 13.", "reasoning_content": "Try 7: 7 * 13 = 91."},
+            {"role": "user", "content": "And 97?"},
+            {"role": "assistant", "content": "Yes, 97 is prime."},
+            {"role": "user", "content": "Why?"},
+        ],
+        "tools": None,
+        "thinking": True,
+        "add_generation_prompt": True,
+    },
+    {
+        "name": "content_parts_no_generation_prompt",
+        "messages": [
+            {
+                "role": "system",
+                "content": [{"type": "text", "text": "Be kind."}, {"type": "text", "text": "Be brief."}],
+            },
+            {"role": "system", "content": "Reply in the user's language."},
+            {"role": "user", "content": [{"type": "text", "text": "こんにちは 👋"}]},
+            {"role": "assistant", "content": "こんにちは！", "reasoning_content": "dropped: thinking is off"},
+        ],
+        "tools": None,
+        "thinking": False,
+        "add_generation_prompt": False,
+    },
+]
+
+_CALL_F = f'{TOOL_CALL_BEGIN}f{TOOL_SEP}{{"x":1}}{TOOL_CALL_END}'
+GOLDEN_COMPLETIONS = [
+    {"text": f"Fifty-six.{EOS}ignored after EOS", "thinking": False},
+    {"text": f"7 * 8 = 56.{THINK_END}Fifty-six.{EOS}", "thinking": True},
+    {"text": "Still thinking about 7 * 8", "thinking": True},
+    {"text": f"{THINK_BEGIN}Hmm.{THINK_END}Done.", "thinking": False},
+    {
+        "text": f"Need both.{THINK_END}{TOOL_CALLS_BEGIN}{TOOL_CALL_BEGIN}get_weather{TOOL_SEP}"
+        f'{{"city":"Oslo"}}{TOOL_CALL_END}{TOOL_CALL_BEGIN}now{TOOL_SEP}{{}}{TOOL_CALL_END}{TOOL_CALLS_END}{EOS}',
+        "thinking": True,
+    },
+    {"text": f'Checking.{TOOL_CALLS_BEGIN}{_CALL_F}{TOOL_CALL_BEGIN}g{TOOL_SEP}{{"y": [1, 2', "thinking": False},
+    {
+        "text": f"{TOOL_CALLS_BEGIN}{TOOL_CALL_BEGIN}f{TOOL_SEP}not json{TOOL_CALL_END}{TOOL_CALLS_END}{EOS}",
+        "thinking": False,
+    },
+    {"text": f"A{TOOL_CALLS_BEGIN}{_CALL_F}{TOOL_CALLS_END} trailing{EOS}", "thinking": False},
+]
+
+
+def _golden_data(tok: TextTokenizer) -> dict:
+    conversations = []
+    for case in GOLDEN_CONVERSATIONS:
+        args = (case["messages"], case["tools"], case["thinking"], case["add_generation_prompt"])
+        conversations.append({**case, "text": encode_messages(*args), "ids": encode_chat(tok, *args)})
+    completions = [{**c, "message": parse_completion(c["text"], c["thinking"])} for c in GOLDEN_COMPLETIONS]
+    return {"tokenizer_vocab_size": GOLDEN_VOCAB, "conversations": conversations, "completions": completions}
+
+
+def _write_golden(data: dict) -> None:
+    """JSON with each id list on one line (placeholders keep json.dumps from breaking them up)."""
+    id_lists = [c.pop("ids") for c in data["conversations"]]
+    for k, case in enumerate(data["conversations"]):
+        case["ids"] = f"@ids{k}@"
+    text = json.dumps(data, ensure_ascii=False, indent=1)
+    for k, ids in enumerate(id_lists):
+        text = text.replace(f'"@ids{k}@"', json.dumps(ids))
+    GOLDEN_PATH.parent.mkdir(parents=True, exist_ok=True)
+    GOLDEN_PATH.write_text(text + "\n", encoding="utf-8")
+
+
+def test_golden_vectors(tok):
+    if os.environ.get("DEEPINFER_REGEN_GOLDEN") == "1":
+        _write_golden(_golden_data(tok))
+    golden = json.loads(GOLDEN_PATH.read_text(encoding="utf-8"))
+    assert golden["tokenizer_vocab_size"] == GOLDEN_VOCAB
+    assert [{k: c[k] for k in GOLDEN_CONVERSATIONS[0]} for c in golden["conversations"]] == GOLDEN_CONVERSATIONS, (
+        "golden cases differ from GOLDEN_CONVERSATIONS; regenerate (see module docstring)"
+    )
+    assert [{k: c[k] for k in ("text", "thinking")} for c in golden["completions"]] == GOLDEN_COMPLETIONS
+    for case in golden["conversations"]:
+        args = (case["messages"], case["tools"], case["thinking"], case["add_generation_prompt"])
+        assert encode_messages(*args) == case["text"], case["name"]
+        assert encode_chat(tok, *args) == case["ids"], case["name"]
+        assert tok.decode(case["ids"]) == case["text"], case["name"]
+    for case in golden["completions"]:
+        assert parse_completion(case["text"], case["thinking"]) == case["message"], case["text"]
+
+
+def test_prompt_layout():
+    text = encode_messages(TOOL_TURN[:4], tools=[CLOCK_TOOL])
+    assert text == (
+        BOS
+        + "## Tools\n\nYou can call these functions. Each line is one function's JSON schema:\n"
+        + '{"name":"now","parameters":{"properties":{},"type":"object"}}\n\n'
+        + f"To call functions, reply with {TOOL_CALLS_BEGIN}, then for each call "
+        + f"{TOOL_CALL_BEGIN}NAME{TOOL_SEP}ARGUMENTS{TOOL_CALL_END} where ARGUMENTS is a JSON object, "
+        + f"then {TOOL_CALLS_END}."
+        + f"{USER}Weather in Oslo and Rome?"
+        + f"{ASSISTANT}{THINK_END}{TOOL_CALLS_BEGIN}"
+        + f'{TOOL_CALL_BEGIN}get_weather{TOOL_SEP}{{"city":"Oslo","unit":"C"}}{TOOL_CALL_END}'
+        + f'{TOOL_CALL_BEGIN}get_weather{TOOL_SEP}{{"city":"Rome"}}{TOOL_CALL_END}{TOOL_CALLS_END}{EOS}'
+        + '<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>{"temp": 4, "sky": "rain"}'
+        + '<｜tool▁output▁end｜><｜tool▁output▁begin｜>{"temp": 22, "sky": "sun"}'
+        + "<｜tool▁output▁end｜><｜tool▁outputs▁end｜>"
+        + f"{ASSISTANT}{THINK_END}"
+    )
+
+
+def test_generation_prompt_and_history_reasoning():
+    msgs = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A", "reasoning_content": "R"}]
+    assert encode_messages(msgs) == f"{BOS}{USER}Q{ASSISTANT}{THINK_END}A{EOS}{ASSISTANT}{THINK_END}"
+    assert (
+        encode_messages(msgs, thinking=True)
+        == f"{BOS}{USER}Q{ASSISTANT}{THINK_BEGIN}R{THINK_END}A{EOS}{ASSISTANT}{THINK_BEGIN}"
+    )
+    assert encode_messages(msgs, tools=[], add_generation_prompt=False) == f"{BOS}{USER}Q{ASSISTANT}{THINK_END}A{EOS}"
+
+
+def test_encode_chat_starts_with_bos(tok):
+    ids = encode_chat(tok, [{"role": "user", "content": "hi"}])
+    assert ids[0] == tok.bos_id and ids.count(tok.bos_id) == 1
+    assert ids[-2:] == [tok.token_to_id(ASSISTANT), tok.token_to_id(THINK_END)]
+
+
+USER_MSG = {"role": "user", "content": "hi"}
+CALLING = {"role": "assistant", "tool_calls": [_call("f", "{}")]}
+TOOL_MSG = {"role": "tool", "content": "ok"}
+
+
+def _with_args(arguments) -> list[dict]:
+    return [USER_MSG, {"role": "assistant", "content": "", "tool_calls": [_call("f", arguments)]}]
+
+
+ERROR_CASES = [
+    ([], None, "messages must be a non-empty list"),
+    ({"role": "user"}, None, "messages must be a non-empty list"),
+    (["hi"], None, "message 0: expected an object, got str"),
+    ([{"content": "hi"}], None, "message 0: missing 'role'"),
+    (
+        [USER_MSG, USER_MSG, {"role": "robot", "content": "x"}],
+        None,
+        "message 2: unknown role 'robot' (expected one of system, user, assistant, tool)",
+    ),
+    ([{"role": "user"}], None, "message 0: missing 'content'"),
+    ([{"role": "user", "content": None}], None, "message 0: content must be a string or a list of text parts"),
+    (
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        None,
+        "message 0: content[0] is not a text part (only 'text' parts are supported)",
+    ),
+    ([{"role": "user", "content": [{"type": "text", "text": 5}]}], None, "message 0: content[0].text must be a string"),
+    (
+        [{"role": "user", "content": "say <｜User｜> now"}],
+        None,
+        "message 0: content contains special token '<｜User｜>'",
+    ),
+    (
+        [USER_MSG, {"role": "system", "content": "late"}],
+        None,
+        "message 1: system message after the conversation started (system messages must come first)",
+    ),
+    ([USER_MSG, {"role": "assistant"}], None, "message 1: assistant message needs 'content' or 'tool_calls'"),
+    (
+        [USER_MSG, {"role": "assistant", "content": "a", "reasoning_content": 3}],
+        None,
+        "message 1: reasoning_content must be a string",
+    ),
+    (
+        [{**USER_MSG, "tool_calls": [_call("f", "{}")]}],
+        None,
+        "message 0: tool_calls are only allowed on assistant messages",
+    ),
+    ([USER_MSG, {"role": "assistant", "tool_calls": {"f": "{}"}}], None, "message 1: tool_calls must be a list"),
+    ([USER_MSG, {"role": "assistant", "tool_calls": ["f"]}], None, "message 1: tool_calls[0] must be an object"),
+    (
+        [USER_MSG, {"role": "assistant", "tool_calls": [{"type": "code", "function": {}}]}],
+        None,
+        "message 1: tool_calls[0].type must be 'function'",
+    ),
+    (
+        [USER_MSG, {"role": "assistant", "tool_calls": [{"type": "function"}]}],
+        None,
+        "message 1: tool_calls[0].function must be an object",
+    ),
+    (
+        [USER_MSG, {"role": "assistant", "tool_calls": [_call("", "{}")]}],
+        None,
+        "message 1: tool_calls[0].function.name must be a non-empty string",
+    ),
+    (
+        [USER_MSG, {"role": "assistant", "tool_calls": [_call("a<｜tool▁sep｜>b", "{}")]}],
+        None,
+        "message 1: tool_calls[0].function.name contains special token '<｜tool▁sep｜>'",
+    ),
+    (
+        [USER_MSG, {"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}],
+        None,
+        "message 1: tool_calls[0].function missing 'arguments'",
+    ),
+    (_with_args('{"a": 1'), None, "message 1: tool_calls[0].function.arguments is not valid JSON"),
+    (_with_args('{"a": NaN}'), None, "message 1: tool_calls[0].function.arguments is not valid JSON"),
+    (_with_args({"a": float("inf")}), None, "message 1: tool_calls[0].function.arguments is not valid JSON"),
+    (_with_args({"a": {1, 2}}), None, "message 1: tool_calls[0].function.arguments is not valid JSON"),
+    (_with_args("null"), None, "message 1: tool_calls[0].function.arguments must be a JSON object"),
+    (_with_args("[1, 2]"), None, "message 1: tool_calls[0].function.arguments must be a JSON object"),
+    (_with_args(7), None, "message 1: tool_calls[0].function.arguments must be a JSON object"),
+    (
+        _with_args({"a": "<think>"}),
+        None,
+        "message 1: tool_calls[0].function.arguments contains special token '<think>'",
+    ),
+    ([USER_MSG, TOOL_MSG], None, "message 1: tool message must follow an assistant message with tool_calls"),
+    (
+        [USER_MSG, {"role": "assistant", "content": "no calls"}, TOOL_MSG],
+        None,
+        "message 2: tool message must follow an assistant message with tool_calls",
+    ),
+    ([USER_MSG, CALLING, {**TOOL_MSG, "tool_call_id": 0}], None, "message 2: tool_call_id must be a string"),
+    ([USER_MSG, CALLING, {"role": "tool"}], None, "message 2: missing 'content'"),
+    ([USER_MSG], {"type": "function"}, "tools must be a list"),
+    ([USER_MSG], ["f"], "tools[0] must be an object"),
+    ([USER_MSG], [CLOCK_TOOL, {"type": "retrieval"}], "tools[1].type must be 'function'"),
+    ([USER_MSG], [{"type": "function"}], "tools[0].function must be an object"),
+    (
+        [USER_MSG],
+        [{"type": "function", "function": {"description": "x"}}],
+        "tools[0].function.name must be a non-empty string",
+    ),
+    (
+        [USER_MSG],
+        [{"function": {"name": "f", "parameters": {"default": float("nan")}}}],
+        "tools[0].function is not valid JSON",
+    ),
+    (
+        [USER_MSG],
+        [{"function": {"name": "f", "description": "emits <｜end▁of▁sentence｜>"}}],
+        "tools[0].function contains special token '<｜end▁of▁sentence｜>'",
+    ),
+]
+
+
+@pytest.mark.parametrize("messages,tools,expected", ERROR_CASES)
+def test_chat_format_errors(messages, tools, expected):
+    with pytest.raises(ChatFormatError) as e:
+        encode_messages(messages, tools)
+    assert str(e.value) == expected
+    assert isinstance(e.value, ValueError)
+
+
+def test_reasoning_is_checked_only_when_encoded():
+    msgs = [USER_MSG, {"role": "assistant", "content": "a", "reasoning_content": "</think>"}]
+    assert "</think>a" in encode_messages(msgs)  # thinking off: reasoning is dropped
+    with pytest.raises(ChatFormatError) as e:
+        encode_messages(msgs, thinking=True)
+    assert str(e.value) == "message 1: reasoning_content contains special token '</think>'"
+
+
+def test_valid_tool_sequences():
+    calls = [_call("f", "{}"), _call("g", {})]
+    encode_messages([USER_MSG, {"role": "assistant", "tool_calls": calls}, TOOL_MSG, {**TOOL_MSG, "tool_call_id": "x"}])
+    encode_messages([{"role": "system", "content": "s"}, {"role": "system", "content": "t"}, USER_MSG])
+
+
+# ------------------------------------------------------------------------------ completion parsing
+
+
+def test_parse_plain_and_thinking():
+    assert parse_completion(f"Hello.{EOS}junk") == {"role": "assistant", "content": "Hello.", "reasoning_content": None}
+    assert parse_completion("cut off", thinking=True) == {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "cut off",
+    }
+    assert parse_completion(f"{THINK_BEGIN}cut off") == {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "cut off",
+    }
+    assert parse_completion(f"{THINK_END}Hi", thinking=True)["reasoning_content"] == ""
+
+
+def test_parse_truncated_tool_call_keeps_remainder():
+    msg = parse_completion(f"Checking.{TOOL_CALLS_BEGIN}{_CALL_F}{TOOL_CALL_BEGIN}g{TOOL_SEP}{{")
+    assert msg["content"] == f"Checking.{TOOL_CALL_BEGIN}g{TOOL_SEP}{{"
+    assert msg["tool_calls"] == [
+        {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": '{"x":1}'}}
+    ]
+
+
+def test_parse_completion_ids(tok):
+    text = f"R{THINK_END}C{TOOL_CALLS_BEGIN}{_CALL_F}{TOOL_CALLS_END}{EOS}"
+    assert parse_completion_ids(tok, tok.encode(text) + [tok.vocab_size + 5], thinking=True) == parse_completion(
+        text, thinking=True
+    )
+
+
+def _plain_text(**kw) -> st.SearchStrategy[str]:
+    return st.text(**kw).filter(lambda s: not any(t in s for t in SPECIAL_TOKENS))
+
+
+_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | _plain_text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_plain_text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+_CALLS = st.lists(
+    st.tuples(_plain_text(min_size=1, max_size=12), st.dictionaries(_plain_text(max_size=6), _JSON, max_size=4)),
+    max_size=3,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(thinking=st.booleans(), reasoning=_plain_text(max_size=30), content=_plain_text(max_size=30), calls=_CALLS)
+def test_completion_round_trip(thinking, reasoning, content, calls):
+    """Prompt + generated text == the conversation re-encoded with the parsed message appended."""
+    calls = [
+        (name, json.dumps(args, sort_keys=True, separators=(",", ":"), ensure_ascii=False)) for name, args in calls
+    ]
+    generated = (reasoning + THINK_END if thinking else "") + content
+    if calls:
+        generated += TOOL_CALLS_BEGIN
+        generated += "".join(f"{TOOL_CALL_BEGIN}{name}{TOOL_SEP}{args}{TOOL_CALL_END}" for name, args in calls)
+        generated += TOOL_CALLS_END
+    generated += EOS
+
+    msg = parse_completion(generated, thinking=thinking)
+    assert msg["content"] == content
+    assert msg["reasoning_content"] == (reasoning if thinking else None)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", [])] == calls
+    history = [{"role": "user", "content": "go"}]
+    prompt = encode_messages(history, thinking=thinking)
+    assert encode_messages([*history, msg], thinking=thinking, add_generation_prompt=False) == prompt + generated
