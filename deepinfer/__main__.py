@@ -1,0 +1,5 @@
+import sys
+
+from deepinfer.cli import main
+
+sys.exit(main())

@@ -1,0 +1,15 @@
+"""Checkpoint folders: layout, synthetic presets, random weights, writing, loading, content hash."""
+
+from deepinfer.checkpoint.errors import CheckpointError
+from deepinfer.checkpoint.hashing import content_hash
+from deepinfer.checkpoint.layout import TensorSpec, expected_tensors, parameter_counts
+from deepinfer.checkpoint.loader import Checkpoint, CheckpointInfo, inspect_checkpoint, load_checkpoint
+from deepinfer.checkpoint.presets import CONFIG_ONLY_PRESETS, PRESETS, preset_config
+from deepinfer.checkpoint.random_init import random_tensors
+from deepinfer.checkpoint.writer import create_checkpoint, default_checkpoint, write_weights
+
+__all__ = [
+    "CONFIG_ONLY_PRESETS", "PRESETS", "Checkpoint", "CheckpointError", "CheckpointInfo", "TensorSpec",
+    "content_hash", "create_checkpoint", "default_checkpoint", "expected_tensors", "inspect_checkpoint",
+    "load_checkpoint", "parameter_counts", "preset_config", "random_tensors", "write_weights",
+]

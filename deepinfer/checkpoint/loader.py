@@ -1,0 +1,123 @@
+"""Loading and validating checkpoints against the layout their config implies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from deepinfer.checkpoint.errors import CheckpointError
+from deepinfer.checkpoint.files import INDEX_NAME, WeightReader, read_headers, weight_files
+from deepinfer.checkpoint.hashing import cached_hash, content_hash, hash_tensors, store_hash
+from deepinfer.checkpoint.layout import FP32, INDEX, MTP_PREFIX, expected_tensors, weight_dtype_name
+from deepinfer.config import ModelConfig, load_config
+
+
+@dataclass
+class Checkpoint:
+    folder: Path
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor] = field(repr=False)
+    has_mtp: bool
+    content_hash: str
+    tokenizer_path: Path | None
+
+
+@dataclass
+class CheckpointInfo:
+    """What `inspect_checkpoint` learns without loading tensor data."""
+
+    folder: Path
+    config: ModelConfig
+    has_weights: bool
+    has_mtp: bool
+    weight_dtype: str | None
+    content_hash: str | None
+    tokenizer_path: Path | None
+
+
+def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu") -> Checkpoint:
+    folder = _existing(folder)
+    config = load_config(folder)
+    files = weight_files(folder)
+    with WeightReader(files, device) as reader:
+        has_mtp, _ = check_tensors(config, reader.headers)
+        tensors = {name: reader.get(name) for name in sorted(reader.headers)}
+    _check_routing_tables(config, tensors)
+    digest = cached_hash(folder, files)
+    if digest is None:
+        digest = hash_tensors(tensors)
+        store_hash(folder, files, digest)
+    return Checkpoint(folder, config, tensors, has_mtp, digest, _tokenizer(folder))
+
+
+def inspect_checkpoint(folder: str | Path) -> CheckpointInfo:
+    """Validate config and tensor headers; a folder with config.json but no weights is config-only."""
+    folder = _existing(folder)
+    config = load_config(folder)
+    has_weights = (folder / INDEX_NAME).is_file() or any(folder.glob("*.safetensors"))
+    has_mtp, dtype, digest = False, weight_dtype_name(config), None
+    if has_weights:
+        has_mtp, dtype = check_tensors(config, read_headers(weight_files(folder)))
+        digest = content_hash(folder)
+    return CheckpointInfo(folder, config, has_weights, has_mtp, dtype, digest, _tokenizer(folder))
+
+
+def check_tensors(config: ModelConfig, headers: dict[str, tuple[Path, str, tuple[int, ...]]]) -> tuple[bool, str]:
+    """Check names, shapes and dtypes (from headers) against the layout; returns (has_mtp, weight dtype)."""
+    present = set(headers)
+    has_mtp = any(name.startswith(MTP_PREFIX) for name in present)
+    expected = expected_tensors(config, include_mtp=has_mtp)
+    missing = sorted(set(expected) - present)
+    if has_mtp and missing and all(name.startswith(MTP_PREFIX) for name in missing):
+        n_mtp = sum(name.startswith(MTP_PREFIX) for name in expected)
+        raise CheckpointError(f"partial MTP set: {n_mtp - len(missing)} of {n_mtp} mtp.* tensors present, "
+                              f"missing {_some(missing)}")
+    if missing:
+        raise CheckpointError(f"missing tensor {_some(missing)}")
+    unexpected = sorted(present - set(expected))
+    if unexpected:
+        raise CheckpointError(f"unexpected tensor {_some(unexpected)}")
+    weight_dtype = weight_dtype_name(config)
+    for name in sorted(expected):
+        spec = expected[name]
+        path, dtype, shape = headers[name]
+        if shape != spec.shape:
+            raise CheckpointError(f"{name}: shape {shape} does not match config {spec.shape}")
+        if spec.kind == FP32 or spec.kind == INDEX:
+            want = "float32" if spec.kind == FP32 else "int64"
+            if dtype != want:
+                raise CheckpointError(f"{name}: dtype {dtype}, expected {want}")
+        elif weight_dtype is None:  # config.json declares none: the first weight sets it
+            if dtype not in ("float32", "bfloat16"):
+                raise CheckpointError(f"{name}: dtype {dtype}, expected float32 or bfloat16")
+            weight_dtype = dtype
+        elif dtype != weight_dtype:
+            raise CheckpointError(f"{name}: dtype {dtype} does not match checkpoint dtype {weight_dtype}")
+    return has_mtp, weight_dtype or "float32"
+
+
+def _check_routing_tables(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+    for name, tensor in tensors.items():
+        if name.endswith("ffn.gate.tid2eid") and tensor.numel():
+            lo, hi = int(tensor.min()), int(tensor.max())
+            if lo < 0 or hi >= config.n_routed_experts:
+                bad = lo if lo < 0 else hi
+                raise CheckpointError(f"{name}: expert id {bad} out of range [0, {config.n_routed_experts})")
+
+
+def _existing(folder: str | Path) -> Path:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: checkpoint folder not found")
+    return folder
+
+
+def _tokenizer(folder: Path) -> Path | None:
+    path = folder / "tokenizer.json"
+    return path if path.is_file() else None
+
+
+def _some(names: list[str]) -> str:
+    return names[0] + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")

@@ -1,0 +1,137 @@
+"""Writing checkpoints: weight shards, synthetic presets, and the embedded default checkpoint."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from deepinfer.checkpoint.errors import CheckpointError
+from deepinfer.checkpoint.files import INDEX_NAME, weight_files
+from deepinfer.checkpoint.hashing import TensorHasher, store_hash
+from deepinfer.checkpoint.layout import weight_dtype_name
+from deepinfer.checkpoint.presets import CONFIG_ONLY_PRESETS, preset_config
+from deepinfer.checkpoint.random_init import RandomTensors
+from deepinfer.recipe.tokenizer import build_tokenizer
+
+SHARD_BYTES = 2 * 1024**3
+
+
+def write_weights(folder: Path, tensors: Mapping[str, torch.Tensor], max_shard_bytes: int = SHARD_BYTES) -> str:
+    """Write `tensors` in sorted-name order as `model.safetensors`, or as numbered shards plus
+    `model.safetensors.index.json` past `max_shard_bytes`; returns their content hash.
+
+    Tensors are fetched one at a time, so a lazy mapping never has more than a shard in memory.
+    """
+    hasher = TensorHasher()
+    parts: list[tuple[Path, list[str]]] = []
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        path = folder / f".shard-{len(parts)}.partial"
+        save_file(shard, str(path), metadata={"format": "pt"})
+        parts.append((path, list(shard)))
+        shard.clear()
+
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().to("cpu").contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard and size + nbytes > max_shard_bytes:
+            flush()
+            size = 0
+        hasher.add(name, tensor)
+        shard[name] = tensor
+        size += nbytes
+        total += nbytes
+    if shard or not parts:
+        flush()
+    if len(parts) == 1:
+        parts[0][0].rename(folder / "model.safetensors")
+    else:
+        weight_map = {}
+        for i, (path, names) in enumerate(parts):
+            final = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+            path.rename(folder / final)
+            weight_map.update(dict.fromkeys(names, final))
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return hasher.hexdigest()
+
+
+def create_checkpoint(preset: str, out: str | Path, seed: int, *, device: str | torch.device = "cpu",
+                      max_shard_bytes: int = SHARD_BYTES) -> Path:
+    """Write a seeded random checkpoint of `preset` to the new folder `out`.
+
+    Everything goes to a hidden sibling folder first, renamed to `out` only when complete, so an
+    interrupted run never leaves a partial checkpoint. Config-only presets get no weights.
+    """
+    config = preset_config(preset)
+    out = Path(out)
+    _refuse_existing(out)
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as err:  # e.g. cuda asked for on a CPU-only build
+        raise CheckpointError(f"device {str(device)!r} is not usable here ({str(err).splitlines()[0]})") from None
+    tmp = out.parent / f".{out.name}.{os.getpid()}-{secrets.token_hex(4)}.partial"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as err:
+        raise CheckpointError(f"{out}: cannot create folder ({err.strerror or err})") from None
+    try:
+        digest = None
+        if preset not in CONFIG_ONLY_PRESETS:
+            dtype = getattr(torch, weight_dtype_name(config) or "float32")
+            digest = write_weights(tmp, RandomTensors(config, seed, dtype, device), max_shard_bytes)
+        build_tokenizer(config.vocab_size).save(str(tmp / "tokenizer.json"))
+        (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
+        if digest is not None:
+            store_hash(tmp, weight_files(tmp), digest)
+        os.rename(tmp, out)  # atomic; also succeeds onto an empty folder
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, OSError):
+            _refuse_existing(out)  # lost a race against another writer of `out`
+            raise CheckpointError(f"{out}: cannot write checkpoint ({err.strerror or err})") from None
+        raise
+    return out
+
+
+def deepinfer_home() -> Path:
+    return Path(os.environ.get("DEEPINFER_HOME") or Path.home() / ".cache" / "deepinfer").expanduser()
+
+
+def default_checkpoint_path() -> Path:
+    """Where the embedded default lives (it may not exist yet)."""
+    config_json = json.dumps(preset_config("tiny").to_dict(), sort_keys=True)
+    return deepinfer_home() / f"tiny-seed0-{hashlib.sha256(config_json.encode()).hexdigest()[:12]}"
+
+
+def default_checkpoint() -> Path:
+    """The embedded default: the tiny preset, seed 0, created once under `$DEEPINFER_HOME`.
+
+    The folder name carries a digest of the preset's config, so a release that changes the preset
+    builds a fresh default instead of reusing a stale one. Concurrent first calls each build a
+    private copy; the first rename wins and the others use it.
+    """
+    target = default_checkpoint_path()
+    if not (target / "config.json").is_file():
+        try:
+            create_checkpoint("tiny", target, seed=0)
+        except CheckpointError:
+            if not (target / "config.json").is_file():
+                raise
+    return target
+
+
+def _refuse_existing(out: Path) -> None:
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        raise CheckpointError(f"{out}: already exists and is not an empty folder; refusing to overwrite")

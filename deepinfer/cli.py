@@ -1,0 +1,227 @@
+"""The `deepinfer` command line. One `_add_*` function registers each command group and one
+`_cmd_*` function runs each command; handlers return the exit code."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from collections.abc import Sequence
+
+from deepinfer.checkpoint import PRESETS, create_checkpoint, inspect_checkpoint, parameter_counts
+from deepinfer.config import CSA, HCA
+from deepinfer.errors import DeepInferError
+
+EXIT_USER_ERROR = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except DeepInferError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="deepinfer",
+        description="Bitwise-reproducible offline inference for DeepSeek-V4-architecture models.",
+    )
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+    _add_checkpoint(commands)
+    _add_generate(commands)
+    return parser
+
+
+def _add_checkpoint(commands: argparse._SubParsersAction) -> None:
+    group = commands.add_parser(
+        "checkpoint", help="create or inspect checkpoint folders",
+        description="Create synthetic checkpoints and inspect checkpoint folders.",
+    )
+    sub = group.add_subparsers(title="checkpoint commands", metavar="ACTION", required=True)
+
+    create = sub.add_parser(
+        "create", help="write a seeded random checkpoint of a preset shape",
+        description="Write config.json, tokenizer.json and seeded random weights for a preset model shape "
+                    "into a new folder. The same preset and seed always give bit-identical weights. "
+                    "Presets: tiny (~3M params, CPU tests), small (~140M, CPU integration), flash-4l "
+                    "(V4-Flash widths, 4 layers, bf16, for GPUs), flash (full V4-Flash shape; config only).",
+    )
+    create.add_argument("--preset", required=True, choices=PRESETS, help="model shape")
+    create.add_argument("--out", required=True, help="folder to create (must not exist or be empty)")
+    create.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
+    create.add_argument("--device", default="cpu",
+                        help="where to generate the weights, e.g. cuda for big presets; the bits do not "
+                             "depend on it (default: cpu)")
+    create.set_defaults(run=_cmd_checkpoint_create)
+
+    info = sub.add_parser(
+        "info", help="summarise and validate a checkpoint folder",
+        description="Validate a checkpoint folder against its config.json and print its layer schedule, "
+                    "widths, parameter counts, content hash and whether MTP weights and a tokenizer exist.",
+    )
+    info.add_argument("folder", help="checkpoint folder")
+    info.set_defaults(run=_cmd_checkpoint_info)
+
+
+def _cmd_checkpoint_create(args: argparse.Namespace) -> int:
+    out = create_checkpoint(args.preset, args.out, args.seed, device=args.device)
+    info = inspect_checkpoint(out)
+    if not info.has_weights:
+        total = sum(parameter_counts(info.config, include_mtp=False).values())
+        print(f"{out}: wrote config.json and tokenizer.json only; weights not written (preset {args.preset} "
+              f"has {_count(total)} parameters, too big)")
+    else:
+        total = sum(parameter_counts(info.config, include_mtp=info.has_mtp).values())
+        print(f"{out}: preset {args.preset}, seed {args.seed}, {_count(total)} parameters "
+              f"({info.weight_dtype}), content hash {info.content_hash}")
+    return 0
+
+
+def _cmd_checkpoint_info(args: argparse.Namespace) -> int:
+    info = inspect_checkpoint(args.folder)
+    c = info.config
+    counts = parameter_counts(c, include_mtp=info.has_mtp)
+    total = sum(counts.values())
+    lines = [
+        f"checkpoint  {info.folder}",
+        f"layers      {c.num_hidden_layers}: {_tally(c.layer_types)}",
+        f"mlp         {_tally(c.mlp_layer_types)}",
+        f"widths      hidden {c.hidden_size}, vocab {c.vocab_size}, {c.num_attention_heads} heads x {c.head_dim} "
+        f"(rope {c.rope_head_dim}), q_lora {c.q_lora_rank}, output {c.o_groups} groups x {c.o_lora_rank}",
+        f"attention   window {c.sliding_window}, compress CSA {c.compress_rates.get(CSA, '-')} / "
+        f"HCA {c.compress_rates.get(HCA, '-')}, indexer {c.index_n_heads} heads x {c.index_head_dim} "
+        f"top-{c.index_topk}",
+        f"experts     {c.n_routed_experts} routed (top-{c.num_experts_per_tok}) + {c.n_shared_experts} shared, "
+        f"intermediate {c.moe_intermediate_size}; hyper-connections x{c.hc_mult}",
+        f"parameters  {_count(total)} total" + ("" if info.has_weights else " (config only, no weights)"),
+        *(f"  {group:<27} {_count(n):>8}  {100 * n / total:5.1f}%" for group, n in counts.items()),
+        f"dtype       {info.weight_dtype or '-'}",
+        f"mtp         {f'present ({c.num_nextn_predict_layers} block)' if info.has_mtp else 'absent'}",
+        f"tokenizer   {'present' if info.tokenizer_path else 'absent'}",
+        f"content     {info.content_hash or '-'}",
+    ]
+    print("\n".join(lines))
+    return 0
+
+
+def _tally(items: Sequence[str]) -> str:
+    return ", ".join(f"{kind} x{n}" for kind, n in Counter(items).items())
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
+def _add_generate(commands: argparse._SubParsersAction) -> None:
+    gen = commands.add_parser(
+        "generate", help="generate completions and print them as JSON lines",
+        description="Generate completions for one prompt (--prompt) or a JSONL file of requests "
+                    "(--prompts-file; each line has 'prompt' (text), 'prompt_token_ids' or 'messages' "
+                    "(+ optional 'tools'), and optionally 'sampling' overrides such as max_tokens, "
+                    "temperature, top_p, top_k, min_p, seed, stop). Each result is one JSON line on stdout "
+                    "(or --out) in input order. Without --model the embedded tiny checkpoint is used "
+                    "(created once in $DEEPINFER_HOME).",
+    )
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="one text prompt")
+    source.add_argument("--prompts-file", help="JSONL file of requests")
+    gen.add_argument("--model", help="checkpoint folder (default: the embedded tiny checkpoint)")
+    gen.add_argument("--out", help="write results here instead of stdout")
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per request (default: 32)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 keeps all")
+    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    gen.add_argument("--seed", type=int, default=None,
+                     help="sampling seed for every request (default: derived per request from --run-seed)")
+    gen.add_argument("--run-seed", type=int, default=0, help="seed from which unseeded requests derive theirs")
+    gen.add_argument("--logprobs", type=int, default=None, help="also return the top-k logprobs per token")
+    gen.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    gen.add_argument("--dtype", default="float32", help="float32 or bfloat16 (default: float32)")
+    gen.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together (default: 32)")
+    gen.add_argument("--max-num-batched-tokens", type=int, default=512,
+                     help="token budget per engine step; longer prompts are prefilled in chunks (default: 512)")
+    gen.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: 4096)")
+    gen.set_defaults(run=_cmd_generate)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.recipe.chat import encode_chat, parse_completion
+
+    base = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                min_p=args.min_p, seed=args.seed, logprobs=args.logprobs)
+    requests = [{"prompt": args.prompt}] if args.prompt is not None else _read_requests(args.prompts_file)
+    params = []
+    for i, request in enumerate(requests, start=1):
+        overrides = request.get("sampling", {})
+        unknown = set(overrides) - set(SamplingParams.__dataclass_fields__)
+        if unknown:
+            raise DeepInferError(f"request {i}: unknown sampling field(s) {sorted(unknown)}")
+        try:
+            params.append(SamplingParams(**{**base, **overrides}))
+        except DeepInferError as err:
+            raise DeepInferError(f"request {i}: {err}") from None
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+              seed=args.run_seed)
+    prompts = []
+    for i, request in enumerate(requests, start=1):
+        if "messages" in request:
+            if llm.tokenizer is None:
+                raise DeepInferError(f"request {i}: chat messages need a checkpoint with tokenizer.json")
+            try:
+                prompts.append(encode_chat(llm.tokenizer, request["messages"], tools=request.get("tools")))
+            except DeepInferError as err:
+                raise DeepInferError(f"request {i}: {err}") from None
+        else:
+            prompts.append(request["prompt"] if "prompt" in request else request["prompt_token_ids"])
+    outputs = llm.generate(prompts, params)
+    sink = open(args.out, "w") if args.out else sys.stdout
+    try:
+        for i, (request, output) in enumerate(zip(requests, outputs)):
+            row = {"index": i, "prompt_tokens": len(output.prompt_token_ids), "token_ids": output.token_ids,
+                   "text": output.text, "finish_reason": output.finish_reason, "seed": output.seed,
+                   "logprobs": output.logprobs}
+            if output.top_logprobs is not None:
+                row["top_logprobs"] = output.top_logprobs
+            if "messages" in request:
+                row["message"] = parse_completion(output.text)
+            sink.write(json.dumps(row) + "\n")
+    finally:
+        if sink is not sys.stdout:
+            sink.close()
+    return 0
+
+
+def _read_requests(path: str) -> list[dict]:
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except OSError as err:
+        raise DeepInferError(f"{path}: cannot read ({err.strerror or err})") from None
+    requests = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            request = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DeepInferError(f"{path}:{number}: invalid JSON ({err.msg})") from None
+        if not isinstance(request, dict):
+            raise DeepInferError(f"{path}:{number}: expected a JSON object")
+        sources = [key for key in ("prompt", "prompt_token_ids", "messages") if key in request]
+        if len(sources) != 1:
+            raise DeepInferError(f"{path}:{number}: needs exactly one of 'prompt', 'prompt_token_ids', 'messages'")
+        if not isinstance(request.get("sampling", {}), dict):
+            raise DeepInferError(f"{path}:{number}: 'sampling' must be an object")
+        requests.append(request)
+    if not requests:
+        raise DeepInferError(f"{path}: no requests")
+    return requests
