@@ -20,7 +20,7 @@ from deepinfer.errors import DeepInferError
 from deepinfer.model import DeepseekV4
 from deepinfer.outputs import RequestOutput
 from deepinfer.recipe.chat import encode_chat, parse_completion
-from deepinfer.recipe.tokenizer import TextTokenizer
+from deepinfer.recipe.tokenizer import TextTokenizer, build_tokenizer
 from deepinfer.sampling_params import SamplingParams
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -106,7 +106,7 @@ class LLM:
         if isinstance(model, str) and model.startswith(PRESET_PREFIX):
             config = preset_config(model[len(PRESET_PREFIX):])
             tensors = random_tensors(config, self.seed, self.dtype, device=self.device, include_mtp=False)
-            return config, tensors, None, f"{model}:seed={self.seed}"
+            return config, tensors, TextTokenizer(build_tokenizer(config.vocab_size)), f"{model}:seed={self.seed}"
         folder = Path(model) if model is not None else default_checkpoint()
         checkpoint = load_checkpoint(folder, device=self.device)
         tokenizer = TextTokenizer.from_folder(folder) if checkpoint.tokenizer_path else None

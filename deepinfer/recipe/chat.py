@@ -267,13 +267,7 @@ def _tool_calls(calls: Any, i: int) -> str:
     out = [TOOL_CALLS_BEGIN]
     for j, call in enumerate(calls):
         where = f"message {i}: tool_calls[{j}]"
-        if not isinstance(call, dict):
-            raise ChatFormatError(f"{where} must be an object")
-        if call.get("type", "function") != "function":
-            raise ChatFormatError(f"{where}.type must be 'function'")
-        function = call.get("function")
-        if not isinstance(function, dict):
-            raise ChatFormatError(f"{where}.function must be an object")
+        function = _function_entry(call, where)
         name = _name(function.get("name"), f"{where}.function.name")
         if "arguments" not in function:
             raise ChatFormatError(f"{where}.function missing 'arguments'")
@@ -281,6 +275,18 @@ def _tool_calls(calls: Any, i: int) -> str:
         out.append(TOOL_CALL_BEGIN + name + TOOL_SEP + arguments + TOOL_CALL_END)
     out.append(TOOL_CALLS_END)
     return "".join(out)
+
+
+def _function_entry(entry: Any, where: str) -> dict:
+    """The `function` object of a tool call or a tool definition (`{"type": "function", "function": {...}}`)."""
+    if not isinstance(entry, dict):
+        raise ChatFormatError(f"{where} must be an object")
+    if entry.get("type", "function") != "function":
+        raise ChatFormatError(f"{where}.type must be 'function'")
+    function = entry.get("function")
+    if not isinstance(function, dict):
+        raise ChatFormatError(f"{where}.function must be an object")
+    return function
 
 
 def _name(name: Any, where: str) -> str:
@@ -319,13 +325,7 @@ def _tools_block(tools: Any) -> str:
     lines = []
     for k, tool in enumerate(tools):
         where = f"tools[{k}]"
-        if not isinstance(tool, dict):
-            raise ChatFormatError(f"{where} must be an object")
-        if tool.get("type", "function") != "function":
-            raise ChatFormatError(f"{where}.type must be 'function'")
-        function = tool.get("function")
-        if not isinstance(function, dict):
-            raise ChatFormatError(f"{where}.function must be an object")
+        function = _function_entry(tool, where)
         _name(function.get("name"), f"{where}.function.name")
         try:
             line = _canonical(function)

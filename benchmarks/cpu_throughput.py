@@ -1,0 +1,73 @@
+"""CPU throughput of the engine: prefill and decode tokens/s at batch 1 and 32.
+
+    .venv/bin/python benchmarks/cpu_throughput.py [--presets tiny small] [--out results.json]
+
+Each preset's checkpoint is created once under $DEEPINFER_HOME/bench. A step whose chunks are all
+one-token decodes counts as decode time; every other step counts as prefill time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.checkpoint import create_checkpoint
+from deepinfer.checkpoint.writer import deepinfer_home
+
+
+def checkpoint_for(preset: str):
+    folder = deepinfer_home() / "bench" / f"{preset}-seed0"
+    if not (folder / "config.json").is_file():
+        create_checkpoint(preset, folder, seed=0)
+    return folder
+
+
+def measure(llm: LLM, batch: int, prompt_len: int, new_tokens: int) -> dict:
+    gen = torch.Generator().manual_seed(batch)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    for _ in range(batch):
+        llm.add_request(torch.randint(2, llm.config.vocab_size, (prompt_len,), generator=gen).tolist(), params)
+    totals = {"prefill": [0, 0.0], "decode": [0, 0.0]}
+    while llm.has_unfinished():
+        start = time.perf_counter()
+        pending = list(llm.scheduler.running) + list(llm.scheduler.waiting)
+        decoding = all(seq.num_uncomputed == 1 for seq in pending) and not llm.scheduler.waiting
+        before = sum(seq.num_computed for seq in pending)
+        llm.step()
+        elapsed = time.perf_counter() - start
+        after = sum(seq.num_computed for seq in pending)
+        kind = totals["decode" if decoding else "prefill"]
+        kind[0] += after - before
+        kind[1] += elapsed
+    return {kind: {"tokens": n, "seconds": round(s, 3), "tokens_per_s": round(n / s, 1) if s else None}
+            for kind, (n, s) in totals.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", nargs="+", default=["tiny", "small"])
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--out", help="also write the results as JSON here")
+    args = parser.parse_args()
+    results = {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
+               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "runs": []}
+    for preset in args.presets:
+        for batch in (1, 32):
+            llm = LLM(checkpoint_for(preset), max_num_seqs=batch, max_num_batched_tokens=2048)
+            run = {"preset": preset, "batch": batch, **measure(llm, batch, args.prompt_len, args.new_tokens)}
+            results["runs"].append(run)
+            print(f"{preset:6} batch {batch:3}: prefill {run['prefill']['tokens_per_s']:>9} tok/s   "
+                  f"decode {run['decode']['tokens_per_s']:>8} tok/s", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
