@@ -158,35 +158,44 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     base = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                 min_p=args.min_p, seed=args.seed, logprobs=args.logprobs)
-    requests = [{"prompt": args.prompt}] if args.prompt is not None else _read_requests(args.prompts_file)
+    SamplingParams(**base)  # bad flags are reported as such, not against the first request
+    # (where, request): `where` names the source of each request in error messages
+    if args.prompt is not None:
+        requests = [("--prompt", {"prompt": args.prompt})]
+    else:
+        requests = _read_requests(args.prompts_file)
     params = []
-    for i, request in enumerate(requests, start=1):
+    for where, request in requests:
         overrides = request.get("sampling", {})
         unknown = set(overrides) - set(SamplingParams.__dataclass_fields__)
         if unknown:
-            raise DeepInferError(f"request {i}: unknown sampling field(s) {sorted(unknown)}")
+            raise DeepInferError(f"{where}: unknown sampling field(s) {sorted(unknown)}")
         try:
             params.append(SamplingParams(**{**base, **overrides}))
         except DeepInferError as err:
-            raise DeepInferError(f"request {i}: {err}") from None
+            raise DeepInferError(f"{where}: {err}") from None
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
               seed=args.run_seed)
     prompts = []
-    for i, request in enumerate(requests, start=1):
-        if "messages" in request:
-            if llm.tokenizer is None:
-                raise DeepInferError(f"request {i}: chat messages need a checkpoint with tokenizer.json")
-            try:
-                prompts.append(encode_chat(llm.tokenizer, request["messages"], tools=request.get("tools")))
-            except DeepInferError as err:
-                raise DeepInferError(f"request {i}: {err}") from None
-        else:
-            prompts.append(request["prompt"] if "prompt" in request else request["prompt_token_ids"])
+    for where, request in requests:
+        try:
+            if "messages" in request:
+                if llm.tokenizer is None:
+                    raise DeepInferError("chat messages need a checkpoint with tokenizer.json")
+                ids = encode_chat(llm.tokenizer, request["messages"], tools=request.get("tools"))
+            else:
+                ids = request["prompt"] if "prompt" in request else request["prompt_token_ids"]
+            prompts.append(llm.encode(ids))
+        except DeepInferError as err:
+            raise DeepInferError(f"{where}: {err}") from None
     outputs = llm.generate(prompts, params)
-    sink = open(args.out, "w") if args.out else sys.stdout
     try:
-        for i, (request, output) in enumerate(zip(requests, outputs)):
+        sink = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
+    except OSError as err:
+        raise DeepInferError(f"{args.out}: cannot write ({err.strerror or err})") from None
+    try:
+        for i, ((_, request), output) in enumerate(zip(requests, outputs)):
             row = {"index": i, "prompt_tokens": len(output.prompt_token_ids), "token_ids": output.token_ids,
                    "text": output.text, "finish_reason": output.finish_reason, "seed": output.seed,
                    "logprobs": output.logprobs}
@@ -201,27 +210,35 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_requests(path: str) -> list[dict]:
+def _read_requests(path: str) -> list[tuple[str, dict]]:
     try:
-        lines = open(path, encoding="utf-8").read().splitlines()
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
     except OSError as err:
         raise DeepInferError(f"{path}: cannot read ({err.strerror or err})") from None
+    except UnicodeDecodeError:
+        raise DeepInferError(f"{path}: not UTF-8 text") from None
     requests = []
     for number, line in enumerate(lines, start=1):
+        where = f"{path}:{number}"
         if not line.strip():
             continue
         try:
             request = json.loads(line)
         except json.JSONDecodeError as err:
-            raise DeepInferError(f"{path}:{number}: invalid JSON ({err.msg})") from None
+            raise DeepInferError(f"{where}: invalid JSON ({err.msg})") from None
         if not isinstance(request, dict):
-            raise DeepInferError(f"{path}:{number}: expected a JSON object")
+            raise DeepInferError(f"{where}: expected a JSON object")
         sources = [key for key in ("prompt", "prompt_token_ids", "messages") if key in request]
         if len(sources) != 1:
-            raise DeepInferError(f"{path}:{number}: needs exactly one of 'prompt', 'prompt_token_ids', 'messages'")
+            raise DeepInferError(f"{where}: needs exactly one of 'prompt', 'prompt_token_ids', 'messages'")
+        if "prompt" in request and not isinstance(request["prompt"], str):
+            raise DeepInferError(f"{where}: 'prompt' must be a string (use 'prompt_token_ids' for token ids)")
+        if "prompt_token_ids" in request and not isinstance(request["prompt_token_ids"], list):
+            raise DeepInferError(f"{where}: 'prompt_token_ids' must be a list of token ids")
         if not isinstance(request.get("sampling", {}), dict):
-            raise DeepInferError(f"{path}:{number}: 'sampling' must be an object")
-        requests.append(request)
+            raise DeepInferError(f"{where}: 'sampling' must be an object")
+        requests.append((where, request))
     if not requests:
         raise DeepInferError(f"{path}: no requests")
     return requests

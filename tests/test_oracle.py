@@ -122,7 +122,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
         {"max_num_batched_tokens": 1024},
         {"max_num_batched_tokens": 16},
         {"max_num_batched_tokens": 64},
-        {"max_num_batched_tokens": 64, "max_model_len": 512, "num_cache_blocks": 40},
+        {"max_num_batched_tokens": 64, "max_model_len": 512, "num_cache_blocks": 12},
     ],
     ids=["one-batch", "chunk16", "chunk64", "preemption"],
 )

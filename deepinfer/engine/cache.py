@@ -131,9 +131,10 @@ class CacheManager:
             growth[name] = max(0, wanted - len(blocks.table(name)))
         return growth
 
-    def can_grow(self, blocks: BlockTables, end: int) -> bool:
-        """Whether tokens up to `end` can be given rows without evicting anyone."""
-        return all(n <= len(self.free_blocks[name]) for name, n in self._growth(blocks, end).items())
+    def can_grow(self, blocks: BlockTables, end: int, reserve: int = 0) -> bool:
+        """Whether tokens up to `end` can be given rows without evicting anyone, leaving at least
+        `reserve` blocks free in every pool."""
+        return all(n + reserve <= len(self.free_blocks[name]) for name, n in self._growth(blocks, end).items())
 
     def grow(self, blocks: BlockTables, end: int) -> None:
         for name, n in self._growth(blocks, end).items():

@@ -19,7 +19,7 @@ from deepinfer.engine.sequence import Sequence, Status
 from deepinfer.errors import DeepInferError
 from deepinfer.model import DeepseekV4
 from deepinfer.outputs import RequestOutput
-from deepinfer.recipe.chat import encode_chat, parse_completion
+from deepinfer.recipe.chat import ChatFormatError, encode_chat, parse_completion
 from deepinfer.recipe.tokenizer import TextTokenizer, build_tokenizer
 from deepinfer.sampling_params import SamplingParams
 
@@ -70,6 +70,8 @@ class LLM:
                             ("block_size", block_size)):
             if not isinstance(value, int) or value < 1:
                 raise DeepInferError(f"{name} must be a positive integer, got {value!r}")
+        if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 1):
+            raise DeepInferError(f"max_model_len must be a positive integer, got {max_model_len!r}")
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise DeepInferError("device='cuda' requested but CUDA is not available")
@@ -226,6 +228,8 @@ class LLM:
         """Run all prompts to completion; outputs come back in prompt order."""
         if not isinstance(prompts, list):
             raise RequestError("prompts must be a list (of strings or of token-id lists)")
+        if self.has_unfinished():
+            raise RequestError("generate() needs an idle engine: finish requests queued with add_request() via step()")
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise RequestError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
@@ -249,7 +253,12 @@ class LLM:
         each output carries the parsed assistant `message` (content, reasoning, tool_calls)."""
         if self.tokenizer is None:
             raise RequestError("chat needs a tokenizer: this checkpoint has no tokenizer.json")
-        prompts = [encode_chat(self.tokenizer, messages, tools=tools, thinking=thinking) for messages in conversations]
+        prompts = []
+        for i, messages in enumerate(conversations):
+            try:
+                prompts.append(encode_chat(self.tokenizer, messages, tools=tools, thinking=thinking))
+            except ChatFormatError as err:
+                raise ChatFormatError(f"conversation {i}: {err}") from None
         outputs = self.generate(prompts, params)
         for output in outputs:
             output.message = parse_completion(output.text, thinking=thinking)

@@ -28,13 +28,15 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 def uniform_noise(seed: int, position: int, vocab: int, device) -> torch.Tensor:
     """Uniforms strictly inside (0, 1), one per token id, for one (seed, position).
 
-    24 hash bits plus one half give values exactly representable in fp32, never 0 or 1.
+    23 hash bits plus one half give values (k + 0.5) / 2**23, exactly representable in fp32 (24
+    significant bits), never 0 or 1. (With 24 bits, k + 0.5 would need 25 bits and round: half the
+    values would not be of that form and k = 2**24 - 1 would give exactly 1.0, an infinite Gumbel draw.)
     """
     key = mix32(torch.tensor([seed & MASK32], dtype=torch.long) ^ mix32(torch.tensor([seed >> 32], dtype=torch.long)))
     key = mix32((key + position * GOLDEN) & MASK32).to(device)
     ids = torch.arange(vocab, dtype=torch.long, device=device)
-    bits = mix32(((ids * GOLDEN) & MASK32) ^ key) >> 8
-    return (bits.float() + 0.5) / float(1 << 24)
+    bits = mix32(((ids * GOLDEN) & MASK32) ^ key) >> 9
+    return (bits.float() + 0.5) / float(1 << 23)
 
 
 def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

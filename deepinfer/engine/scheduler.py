@@ -71,7 +71,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = self._chunk_len(seq, budget)
-            if n == 0 or not self.cache.can_grow(seq.blocks, n):
+            # Leave a block per pool for each running sequence, so admitting a newcomer does not
+            # force a preemption (and a re-admission, and another preemption) on the next step.
+            if n == 0 or not self.cache.can_grow(seq.blocks, n, reserve=len(self.running)):
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
@@ -85,7 +87,9 @@ class Scheduler:
         remaining = seq.num_uncomputed
         if remaining <= budget:
             return remaining
-        return budget if self.chunked_prefill else 0
+        # A preempted sequence is recomputed in chunks even with chunked prefill off: its prompt
+        # plus output can outgrow the budget, and it could otherwise never be scheduled again.
+        return budget if self.chunked_prefill or seq.num_preemptions else 0
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
