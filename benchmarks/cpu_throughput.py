@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 
 import torch
@@ -55,7 +56,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--out", help="also write the results as JSON here")
     args = parser.parse_args()
-    results = {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
+    results = {"command": "python " + " ".join(sys.argv), "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
                "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "runs": []}
     for preset in args.presets:
         for batch in (1, 32):
