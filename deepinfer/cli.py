@@ -9,6 +9,7 @@ import sys
 from collections import Counter
 from collections.abc import Sequence
 
+import kernels
 from deepinfer.checkpoint import PRESETS, create_checkpoint, inspect_checkpoint, parameter_counts
 from deepinfer.config import CSA, HCA
 from deepinfer.errors import DeepInferError
@@ -145,6 +146,9 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--logprobs", type=int, default=None, help="also return the top-k logprobs per token")
     gen.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     gen.add_argument("--dtype", default="float32", help="float32 or bfloat16 (default: float32)")
+    gen.add_argument("--numerics", default="batch_invariant", choices=kernels.NUMERICS,
+                     help="batch_invariant (default): outputs do not depend on batching; fast: plain "
+                          "library kernels, no such promise")
     gen.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together (default: 32)")
     gen.add_argument("--max-num-batched-tokens", type=int, default=512,
                      help="token budget per engine step; longer prompts are prefilled in chunks (default: 512)")
@@ -176,7 +180,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             raise DeepInferError(f"{where}: {err}") from None
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-              seed=args.run_seed)
+              numerics=args.numerics, seed=args.run_seed)
     prompts = []
     for where, request in requests:
         try:
@@ -198,6 +202,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         for i, ((_, request), output) in enumerate(zip(requests, outputs)):
             row = {"index": i, "prompt_tokens": len(output.prompt_token_ids), "token_ids": output.token_ids,
                    "text": output.text, "finish_reason": output.finish_reason, "seed": output.seed,
+                   "numerics": output.numerics,
                    "logprobs": output.logprobs}
             if output.top_logprobs is not None:
                 row["top_logprobs"] = output.top_logprobs

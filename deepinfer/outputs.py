@@ -17,6 +17,7 @@ class RequestOutput:
     text: str | None
     finish_reason: str
     seed: int
+    numerics: str
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] | None = None
     message: dict | None = None

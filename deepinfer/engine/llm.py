@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+import kernels
 from deepinfer.checkpoint import default_checkpoint, load_checkpoint, preset_config, random_tensors
 from deepinfer.config import ModelConfig
 from deepinfer.engine.cache import CacheManager
@@ -50,6 +51,8 @@ class LLM:
 
     `model` is a checkpoint folder, None for the embedded `tiny` default, or `"preset:NAME"` for
     seeded random weights of a preset built directly on `device` (nothing written to disk).
+    `numerics="batch_invariant"` (default) makes each request's tokens and logprob bits independent
+    of batching and scheduling; `"fast"` uses plain library kernels and does not promise that.
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class LLM:
         num_cache_blocks: int | None = None,
         block_size: int = 16,
         enable_chunked_prefill: bool = True,
+        numerics: str = "batch_invariant",
         seed: int = 0,
     ) -> None:
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
@@ -72,6 +76,9 @@ class LLM:
                 raise DeepInferError(f"{name} must be a positive integer, got {value!r}")
         if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 1):
             raise DeepInferError(f"max_model_len must be a positive integer, got {max_model_len!r}")
+        if numerics not in kernels.NUMERICS:
+            raise DeepInferError(f"unknown numerics {numerics!r} (expected one of {', '.join(kernels.NUMERICS)})")
+        self.numerics = numerics
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise DeepInferError("device='cuda' requested but CUDA is not available")
@@ -100,7 +107,7 @@ class LLM:
             self.cache, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             chunked_prefill=enable_chunked_prefill,
         )
-        self.runner = ModelRunner(self.model, self.cache, self.device)
+        self.runner = ModelRunner(self.model, self.cache, self.device, numerics)
         self._next_id = 0
         self._arrivals = 0
 
@@ -216,6 +223,7 @@ class LLM:
             text=text,
             finish_reason=seq.finish_reason,
             seed=seq.seed,
+            numerics=self.numerics,
             logprobs=list(seq.logprobs),
             top_logprobs=[list(t) for t in seq.top_logprobs] if seq.params.logprobs else None,
         )

@@ -9,12 +9,13 @@ from deepinfer.engine.cache import POOL_PREFIX, CacheManager
 from deepinfer.engine.sampler import sample, top_logprobs
 from deepinfer.engine.scheduler import ScheduledChunk
 from deepinfer.model import CompressorStep, DeepseekV4, StepBatch
-from kernels import log_softmax
+import kernels
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV4, cache: CacheManager, device: torch.device | str) -> None:
+    def __init__(self, model: DeepseekV4, cache: CacheManager, device: torch.device | str, numerics: str) -> None:
         self.model = model
+        self.numerics = numerics
         self.config: ModelConfig = model.config
         self.cache = cache
         self.device = torch.device(device)
@@ -22,13 +23,16 @@ class ModelRunner:
     def step(self, chunks: list[ScheduledChunk]) -> list[tuple[ScheduledChunk, int, float, list | None]]:
         """Forward the chunks; for each chunk that samples, return (chunk, token, logprob, top)."""
         batch = self.build_batch(chunks)
-        logits = self.model(batch, self.cache.layer_views)
-        sampling = [chunk for chunk in chunks if chunk.samples]
+        with kernels.numerics(self.numerics):
+            logits = self.model(batch, self.cache.layer_views)
+            return self._sample([chunk for chunk in chunks if chunk.samples], logits)
+
+    def _sample(self, sampling: list[ScheduledChunk], logits: torch.Tensor) -> list:
         results = []
         for row, chunk in enumerate(sampling):
             seq = chunk.seq
             token = sample(logits[row], seq.params, seq.seed, len(seq.token_ids))
-            logprobs = log_softmax(logits[row])
+            logprobs = kernels.log_softmax(logits[row])
             k = seq.params.logprobs
             top = top_logprobs(logprobs, k) if k else None
             results.append((chunk, token, float(logprobs[token]), top))

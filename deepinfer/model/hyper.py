@@ -32,8 +32,8 @@ class HyperMix(nn.Module):
         mixes = kernels.linear(flat, fn)
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = base.split([n, n, n * n])
-        pre = torch.sigmoid(pre_w * scale[0] + pre_b) + self.hc_eps
-        post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+        pre = kernels.sigmoid(pre_w * scale[0] + pre_b) + self.hc_eps
+        post = 2 * kernels.sigmoid(post_w * scale[1] + post_b)
         comb = kernels.sinkhorn(comb_w.view(-1, n, n) * scale[2] + comb_b.view(n, n), self.iters, self.hc_eps)
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
         return post, comb, collapsed
@@ -41,10 +41,7 @@ class HyperMix(nn.Module):
 
 def expand(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     """New streams = post * block output + comb^T @ old streams (comb mixes over its first axis)."""
-    dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(
-        comb.to(dtype).transpose(-1, -2), streams
-    )
+    return post.to(streams.dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + kernels.mix_streams(comb, streams)
 
 
 class HyperHead(nn.Module):
@@ -60,5 +57,5 @@ class HyperHead(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         flat = kernels.unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
-        pre = torch.sigmoid(kernels.linear(flat, self.hc_fn) * self.hc_scale + self.hc_base) + self.eps
+        pre = kernels.sigmoid(kernels.linear(flat, self.hc_fn) * self.hc_scale + self.hc_base) + self.eps
         return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels
@@ -11,9 +10,9 @@ from deepinfer.config import ModelConfig
 from deepinfer.model.layers import Linear, empty
 
 SCORE_FUNCS = {
-    "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
-    "softmax": lambda logits: logits.softmax(dim=-1),
-    "sigmoid": torch.sigmoid,
+    "sqrtsoftplus": lambda logits: kernels.softplus(logits).sqrt(),
+    "softmax": lambda logits: kernels.softmax(logits).to(logits.dtype),
+    "sigmoid": lambda logits: kernels.sigmoid(logits),
 }
 
 

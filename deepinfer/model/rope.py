@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+import kernels
+
 from deepinfer.config import ModelConfig
 
 
@@ -15,4 +17,5 @@ class RotaryTable:
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
-        return freqs.cos() * self.scale, freqs.sin() * self.scale
+        cos, sin = kernels.cos_sin(freqs)
+        return cos * self.scale, sin * self.scale

@@ -1,10 +1,14 @@
-"""PyTorch implementations of every numerical primitive the V4 model uses.
+"""`numerics="fast"`: every primitive the V4 model uses, as plain PyTorch ops.
 
 Shapes are "flat batch" shapes: the leading dimension T is the number of tokens in the step,
-whatever sequences they belong to. Each op treats a row independently of the other rows.
+whatever sequences they belong to. Mathematically each op treats a row independently of the
+other rows, but the library kernels behind matmuls pick their blocking from the whole shape, so a
+row's bits can change with T. `kernels/invariant.py` fixes that; this module stays the baseline.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -105,13 +109,29 @@ def indexer_scores(
 
 
 def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest scores per row, ties to the lowest index (so the choice does not
-    depend on how many trailing candidates the row was padded with)."""
-    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    """Indices of the k largest scores per row (ties as the library breaks them)."""
+    return torch.topk(scores, k, dim=-1).indices
+
+
+def mix_streams(comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """comb^T @ streams per token: comb [T, n, n], streams [T, n, H] -> [T, n, H]."""
+    return torch.matmul(comb.to(streams.dtype).transpose(-1, -2), streams)
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return torch.sigmoid(x)
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    return F.softplus(x)
+
+
+def cos_sin(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return angles.cos(), angles.sin()
 
 
 def moe_experts(
@@ -122,11 +142,24 @@ def moe_experts(
     w2: torch.Tensor,
     limit: float,
 ) -> torch.Tensor:
+    return routed_experts(x, indices, weights, w13, w2, limit, linear)
+
+
+def routed_experts(
+    x: torch.Tensor,
+    indices: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float,
+    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
     """Routed experts with a per-token combine in top-k rank order.
 
     x [T, H]; indices/weights [T, k]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I].
     Each (token, rank) output lands in its own slot, then slots are summed rank by rank, so a
-    token's result does not depend on which other tokens the experts served.
+    token's result does not depend on which other tokens the experts served (given a `matmul`
+    whose rows do not depend on each other).
     """
     tokens, top_k = indices.shape
     slots = x.new_zeros(tokens, top_k, x.shape[-1])
@@ -134,8 +167,8 @@ def moe_experts(
     for expert in torch.unique(flat).tolist():
         hit = (flat == expert).nonzero().squeeze(1)
         token_idx, rank = hit // top_k, hit % top_k
-        gate, up = linear(x[token_idx], w13[expert]).chunk(2, dim=-1)
-        out = linear(clamped_swiglu(gate, up, limit), w2[expert])
+        gate, up = matmul(x[token_idx], w13[expert]).chunk(2, dim=-1)
+        out = matmul(clamped_swiglu(gate, up, limit), w2[expert])
         slots[token_idx, rank] = out * weights[token_idx, rank, None].to(out.dtype)
     combined = slots[:, 0]
     for rank in range(1, top_k):

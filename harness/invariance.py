@@ -1,0 +1,145 @@
+"""The invariance matrix: one request set run under many engine configurations, compared bitwise.
+
+A request's result is its token ids plus the IEEE-754 bits of every returned logprob (chosen and
+top-k). The determinism contract says these must not change with batch size, arrival order,
+staggered arrival, chunked-prefill size or preemption; `run_matrix` measures whether they do.
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deepinfer import LLM, RequestOutput, SamplingParams
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One engine configuration. `stagger=k` starts with k requests and admits one more every k
+    steps, so requests join while others decode; `shuffle` submits in a seeded random order."""
+
+    name: str
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_chunked_prefill: bool = True
+    num_cache_blocks: int | None = None
+    shuffle: bool = False
+    stagger: int = 0
+
+
+STANDARD_VARIANTS = (
+    Variant("all-at-once"),
+    Variant("batch-1", max_num_seqs=1),
+    Variant("batch-3", max_num_seqs=3),
+    Variant("batch-8", max_num_seqs=8),
+    Variant("shuffled", shuffle=True),
+    Variant("staggered", stagger=2),
+    Variant("chunk-16", max_num_batched_tokens=16),
+    Variant("chunk-64", max_num_batched_tokens=64),
+    Variant("chunk-off", enable_chunked_prefill=False),
+    Variant("preemption", max_num_batched_tokens=64, num_cache_blocks=14),
+)
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    params: SamplingParams
+
+
+def standard_requests(vocab_size: int, count: int = 24, seed: int = 0, max_tokens: int = 24) -> list[Request]:
+    """Mixed prompt lengths (short, past the tiny window, several compression windows), greedy and
+    seeded sampling at temperatures 0.7-1.0 with top-p / top-k / min-p, logprobs with top-2."""
+    rng = random.Random(seed)
+    lengths = [1, 5, 17, 33, 48, 64, 97, 130, 160, 200, 250, 300]
+    requests = []
+    for i in range(count):
+        prompt = [rng.randrange(2, vocab_size) for _ in range(lengths[i % len(lengths)] + rng.randrange(3))]
+        if i % 3 == 0:
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2, ignore_eos=True)
+        else:
+            params = SamplingParams(
+                temperature=rng.choice([0.7, 0.8, 0.9, 1.0]), top_p=rng.choice([0.9, 0.95, 1.0]),
+                top_k=rng.choice([0, 20, 50]), min_p=rng.choice([0.0, 0.05]), seed=1000 + i,
+                max_tokens=max_tokens, logprobs=2, ignore_eos=True,
+            )
+        requests.append(Request(prompt, params))
+    return requests
+
+
+def signature(output: RequestOutput) -> tuple:
+    """Token ids and the exact bits of every logprob the request returned."""
+    bits = tuple(struct.pack("<f", lp) for lp in output.logprobs)
+    top = tuple(tuple((i, struct.pack("<f", lp)) for i, lp in row) for row in output.top_logprobs or [])
+    return tuple(output.token_ids), bits, top
+
+
+def run_variant(
+    model: str | Path | None, requests: list[Request], variant: Variant, *, dtype: str, numerics: str,
+    device: str = "cpu",
+) -> list[RequestOutput]:
+    """Serve `requests` under `variant`; outputs come back in request order."""
+    llm = LLM(
+        model, device=device, dtype=dtype, numerics=numerics, max_num_seqs=variant.max_num_seqs,
+        max_num_batched_tokens=max(variant.max_num_batched_tokens,
+                                   0 if variant.enable_chunked_prefill else max(len(r.prompt) for r in requests)),
+        enable_chunked_prefill=variant.enable_chunked_prefill, num_cache_blocks=variant.num_cache_blocks,
+        max_model_len=512,
+    )
+    order = list(range(len(requests)))
+    if variant.shuffle:
+        random.Random(1).shuffle(order)
+    pending = list(order)
+    ids: dict[int, int] = {}
+    if variant.stagger:
+        for index in pending[: variant.stagger]:
+            ids[llm.add_request(requests[index].prompt, requests[index].params)] = index
+        pending = pending[variant.stagger:]
+    else:
+        for index in pending:
+            ids[llm.add_request(requests[index].prompt, requests[index].params)] = index
+        pending = []
+    outputs: dict[int, RequestOutput] = {}
+    steps = 0
+    while llm.has_unfinished() or pending:
+        if pending and (not llm.has_unfinished() or steps % variant.stagger == 0):
+            index = pending.pop(0)
+            ids[llm.add_request(requests[index].prompt, requests[index].params)] = index
+        for output in llm.step():
+            outputs[ids[output.request_id]] = output
+        steps += 1
+    if variant.num_cache_blocks is not None and llm.scheduler.num_preemptions == 0:
+        raise AssertionError(f"variant {variant.name} was meant to force preemption but none happened")
+    return [outputs[i] for i in range(len(requests))]
+
+
+@dataclass
+class MatrixResult:
+    """Per variant, the indices of requests whose results differ from the reference variant's."""
+
+    reference: str
+    diverged: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def invariant(self) -> bool:
+        return not any(self.diverged.values())
+
+
+def run_matrix(
+    model: str | Path | None, requests: list[Request], variants: tuple[Variant, ...] = STANDARD_VARIANTS, *,
+    dtype: str = "float32", numerics: str = "batch_invariant", device: str = "cpu", stop_at_first: bool = False,
+) -> MatrixResult:
+    """Run every variant and compare each request's signature with the first variant's."""
+    reference = [signature(o) for o in run_variant(model, requests, variants[0], dtype=dtype,
+                                                    numerics=numerics, device=device)]
+    result = MatrixResult(variants[0].name)
+    for variant in variants[1:]:
+        got = [signature(o) for o in run_variant(model, requests, variant, dtype=dtype, numerics=numerics,
+                                                  device=device)]
+        result.diverged[variant.name] = [i for i, (a, b) in enumerate(zip(reference, got)) if a != b]
+        if stop_at_first and result.diverged[variant.name]:
+            break
+    return result
+

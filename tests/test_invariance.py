@@ -1,0 +1,27 @@
+"""The determinism contract on CPU: every request's token ids and logprob bits are the same
+whatever the batch size, arrival order, staggering, chunked-prefill size or preemption."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.invariance import STANDARD_VARIANTS, Variant, run_matrix, standard_requests
+
+
+@pytest.fixture(scope="module")
+def requests():
+    return standard_requests(vocab_size=1024, count=24)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_invariant_mode_is_bitwise_invariant(tiny_checkpoint, requests, dtype):
+    result = run_matrix(tiny_checkpoint, requests, STANDARD_VARIANTS, dtype=dtype, numerics="batch_invariant")
+    assert set(result.diverged) == {v.name for v in STANDARD_VARIANTS[1:]}
+    assert result.invariant, f"{dtype}: requests diverged from {result.reference}: {result.diverged}"
+
+
+def test_fast_mode_diverges_somewhere_in_bf16(tiny_checkpoint, requests):
+    """The matrix can fail: plain library kernels change bits with the batch shape."""
+    variants = (Variant("all-at-once"), Variant("batch-1", max_num_seqs=1), Variant("chunk-16", max_num_batched_tokens=16))
+    result = run_matrix(tiny_checkpoint, requests, variants, dtype="bfloat16", numerics="fast", stop_at_first=True)
+    assert not result.invariant
