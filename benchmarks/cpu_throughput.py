@@ -1,4 +1,5 @@
-"""CPU throughput of the engine: prefill and decode tokens/s at batch 1 and 32.
+"""CPU throughput of the engine: prefill and decode tokens/s at batch 1 and 32, in both numerics
+modes side by side (same run), with the batch-invariant / fast time ratio.
 
     .venv/bin/python benchmarks/cpu_throughput.py [--presets tiny small] [--out results.json]
 
@@ -60,11 +61,18 @@ def main() -> None:
                "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "runs": []}
     for preset in args.presets:
         for batch in (1, 32):
-            llm = LLM(checkpoint_for(preset), max_num_seqs=batch, max_num_batched_tokens=2048)
-            run = {"preset": preset, "batch": batch, **measure(llm, batch, args.prompt_len, args.new_tokens)}
-            results["runs"].append(run)
-            print(f"{preset:6} batch {batch:3}: prefill {run['prefill']['tokens_per_s']:>9} tok/s   "
-                  f"decode {run['decode']['tokens_per_s']:>8} tok/s", flush=True)
+            modes = {}
+            for numerics in ("batch_invariant", "fast"):
+                llm = LLM(checkpoint_for(preset), max_num_seqs=batch, max_num_batched_tokens=2048, numerics=numerics)
+                modes[numerics] = measure(llm, batch, args.prompt_len, args.new_tokens)
+            ratio = {kind: round(modes["fast"][kind]["tokens_per_s"] / modes["batch_invariant"][kind]["tokens_per_s"], 2)
+                     for kind in ("prefill", "decode")}
+            results["runs"].append({"preset": preset, "batch": batch, **modes, "invariant_slowdown": ratio})
+            for numerics, run in modes.items():
+                print(f"{preset:6} batch {batch:3} {numerics:15}: prefill {run['prefill']['tokens_per_s']:>9} tok/s   "
+                      f"decode {run['decode']['tokens_per_s']:>8} tok/s", flush=True)
+            print(f"{preset:6} batch {batch:3} slowdown (fast / invariant throughput): prefill {ratio['prefill']}x  "
+                  f"decode {ratio['decode']}x", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
