@@ -1,11 +1,13 @@
 """The one dispatch point for the model's numerical primitives.
 
 The model calls `kernels.<op>(...)` for every piece of arithmetic that reduces; the
-implementation comes from the numerics mode in force (`with kernels.numerics(mode):`), so modes
-can be swapped without touching the model. Modes:
+implementation comes from the numerics mode and device type in force
+(`with kernels.numerics(mode, device_type):`), so implementations can be swapped without
+touching the model. Modes:
 
 - `batch_invariant` (default): a row's result never depends on the rest of the batch
-  (`kernels/invariant.py`);
+  (`kernels/invariant.py` in PyTorch; on CUDA, the Triton kernels of `kernels/triton_ops.py`
+  replace the ops they cover);
 - `fast`: plain PyTorch ops, whose bits may change with batch shape (`kernels/fast.py`).
 """
 
@@ -23,30 +25,38 @@ OPS = (
     "moe_experts", "rms_norm", "rotary", "sigmoid", "sink_attention", "sinkhorn", "softmax", "softplus",
     "topk_indices", "unweighted_rms_norm", "window_pool",
 )
-_IMPLEMENTATIONS = {
-    "batch_invariant": {name: getattr(invariant, name) for name in OPS},
-    "fast": {name: getattr(fast, name) for name in OPS},
+_tables: dict[tuple[str, str], dict] = {
+    ("batch_invariant", "cpu"): {name: getattr(invariant, name) for name in OPS},
+    ("fast", "cpu"): {name: getattr(fast, name) for name in OPS},
 }
-_mode: contextvars.ContextVar[str] = contextvars.ContextVar("deepinfer_numerics", default="batch_invariant")
+_current: contextvars.ContextVar[dict] = contextvars.ContextVar(
+    "deepinfer_kernels", default=_tables[("batch_invariant", "cpu")]
+)
+
+
+def table(mode: str, device_type: str) -> dict:
+    """The implementation of every op for a numerics mode on a device type."""
+    if mode not in NUMERICS:
+        raise ValueError(f"unknown numerics mode {mode!r} (expected one of {', '.join(NUMERICS)})")
+    key = (mode, "cuda" if device_type == "cuda" else "cpu")
+    if key not in _tables:  # batch-invariant CUDA: Triton is imported only when first needed
+        from kernels import triton_ops
+
+        _tables[key] = {**_tables[(mode, "cpu")], **triton_ops.OPS} if mode == "batch_invariant" else _tables[(mode, "cpu")]
+    return _tables[key]
 
 
 @contextlib.contextmanager
-def numerics(mode: str) -> Iterator[None]:
-    """Run the enclosed model code with the given numerics mode."""
-    if mode not in NUMERICS:
-        raise ValueError(f"unknown numerics mode {mode!r} (expected one of {', '.join(NUMERICS)})")
-    token = _mode.set(mode)
+def numerics(mode: str, device_type: str = "cpu") -> Iterator[None]:
+    """Run the enclosed model code with the given numerics mode's kernels for `device_type`."""
+    token = _current.set(table(mode, device_type))
     try:
         yield
     finally:
-        _mode.reset(token)
-
-
-def current_numerics() -> str:
-    return _mode.get()
+        _current.reset(token)
 
 
 def __getattr__(name: str):
     if name in OPS:
-        return _IMPLEMENTATIONS[_mode.get()][name]
+        return _current.get()[name]
     raise AttributeError(f"module 'kernels' has no attribute {name!r}")

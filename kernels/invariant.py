@@ -6,9 +6,12 @@ they hold, or how much padding the batch needed:
 - matmuls run on fixed tiles of `TILE` rows (padded with zeros), each its own library call, so
   the library sees one shape whatever the batch; 8 rows stay on the same kernel for every
   thread count we measured (larger tiles let the library split the reduction across threads);
-- attention and indexer scores reduce over the head dimension elementwise, and over keys in
-  blocks of `KV_BLOCK` with an online softmax in block order; a block that is all padding is an
-  exact no-op, so the batch's longest key list does not change a shorter one's result;
+- attention and indexer scores work on full blocks of `KV_BLOCK` keys: per token one batched
+  matmul of a fixed shape ([H, D] x [D, KV_BLOCK], then [H, KV_BLOCK] x [KV_BLOCK, D]), which
+  the library computes entry by entry with the same kernel whatever the number of tokens
+  (checked for every thread count and head shape we use), and an online softmax in block
+  order; a block that is all padding is an exact no-op, so the batch's longest key list does
+  not change a shorter one's result;
 - top-k breaks ties to the lowest index; stream mixing sums its n terms in a fixed order;
 - transcendental pointwise functions (exp, sigmoid, silu, softplus, cos, sin) go through
   `pointwise`: PyTorch's CPU loops run full SIMD vectors and finish a buffer's tail with the
@@ -113,6 +116,15 @@ def mix_streams(comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _pad_keys(keys: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad the key axis to whole KV_BLOCKs, so every block's matmuls and reductions have one shape."""
+    pad = -keys.shape[1] % KV_BLOCK
+    if pad:
+        keys = torch.cat([keys, keys.new_zeros(keys.shape[0], pad, keys.shape[2])], dim=1)
+        valid = torch.cat([valid, valid.new_zeros(valid.shape[0], pad)], dim=1)
+    return keys, valid
+
+
 def sink_attention(
     q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -122,10 +134,7 @@ def sink_attention(
     Softmax statistics and the accumulator are fp32.
     """
     tokens, heads, dim = q.shape
-    pad = -kv.shape[1] % KV_BLOCK  # every block is full length, so its reductions never change shape
-    if pad:
-        kv = torch.cat([kv, kv.new_zeros(tokens, pad, dim)], dim=1)
-        valid = torch.cat([valid, valid.new_zeros(tokens, pad)], dim=1)
+    kv, valid = _pad_keys(kv, valid)
     qf = q.float()
     top = sinks.float().view(1, heads).expand(tokens, heads).clone()  # running max, starts at the sink
     total = torch.ones(tokens, heads, device=q.device)  # the sink's exp(sink - top) = 1
@@ -135,13 +144,13 @@ def sink_attention(
         if not bool(block_valid.any()):
             continue  # all padding (or all before position 0): an exact no-op, skipped
         keys = kv[:, start:start + KV_BLOCK].float()
-        scores = (qf.unsqueeze(2) * keys.unsqueeze(1)).sum(-1) * scale  # [T, H, B]
+        scores = torch.bmm(qf, keys.transpose(1, 2).contiguous()) * scale  # [T, H, B]
         scores = scores.masked_fill(~block_valid.unsqueeze(1), float("-inf"))
         new_top = torch.maximum(top, scores.max(dim=-1).values)
         correction = pointwise(torch.exp, top - new_top)
         probs = pointwise(torch.exp, scores - new_top.unsqueeze(-1))
         total = total * correction + probs.sum(-1)
-        acc = acc * correction.unsqueeze(-1) + (probs.unsqueeze(-1) * keys.unsqueeze(1)).sum(2)
+        acc = acc * correction.unsqueeze(-1) + torch.bmm(probs, keys)
         top = new_top
     return (acc / total.unsqueeze(-1)).to(q.dtype)
 
@@ -150,17 +159,18 @@ def indexer_scores(
     q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, valid: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Lightning-indexer scores sum_h w[t,h] * relu(q[t,h] . k[t,s]) * scale, heads summed in order."""
+    width = keys.shape[1]
+    keys, padded_valid = _pad_keys(keys, valid)
     qf = q.float()
-    out = torch.full(valid.shape, float("-inf"), device=q.device)
+    out = torch.full(padded_valid.shape, float("-inf"), device=q.device)
     for start in range(0, keys.shape[1], KV_BLOCK):
-        block = keys[:, start:start + KV_BLOCK].float()
-        dots = torch.relu((qf.unsqueeze(2) * block.unsqueeze(1)).sum(-1)) * scale  # [T, H, B]
-        weighted = dots * head_weights.unsqueeze(-1)
+        block = keys[:, start:start + KV_BLOCK].float().transpose(1, 2).contiguous()
+        weighted = torch.relu(torch.bmm(qf, block)) * scale * head_weights.unsqueeze(-1)  # [T, H, B]
         summed = weighted[:, 0]
         for h in range(1, weighted.shape[1]):
             summed = summed + weighted[:, h]
         out[:, start:start + KV_BLOCK] = summed
-    return out.masked_fill(~valid, float("-inf"))
+    return out[:, :width].masked_fill(~valid, float("-inf"))
 
 
 def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:

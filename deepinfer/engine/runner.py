@@ -23,7 +23,7 @@ class ModelRunner:
     def step(self, chunks: list[ScheduledChunk]) -> list[tuple[ScheduledChunk, int, float, list | None]]:
         """Forward the chunks; for each chunk that samples, return (chunk, token, logprob, top)."""
         batch = self.build_batch(chunks)
-        with kernels.numerics(self.numerics):
+        with kernels.numerics(self.numerics, self.device.type):
             logits = self.model(batch, self.cache.layer_views)
             return self._sample([chunk for chunk in chunks if chunk.samples], logits)
 
