@@ -1,0 +1,42 @@
+"""Statistical check of the counter-based Gumbel-max sampler: with a fixed seed, the sampled
+frequencies match softmax(logits / T) restricted to the tokens that top-k / top-p / min-p keep."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from deepinfer.engine.sampler import filtered_logits, sample
+from deepinfer.sampling_params import SamplingParams
+
+
+def chi_square_critical(df: int, z: float = 3.09) -> float:
+    """Upper critical value of chi-square at p ~ 0.001 (Wilson-Hilferty approximation)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=6),
+        SamplingParams(temperature=0.9, top_p=0.8),
+        SamplingParams(temperature=1.2, min_p=0.05, top_k=10),
+    ],
+    ids=["plain", "top-k", "top-p", "min-p+top-k"],
+)
+def test_sampled_frequencies_match_the_filtered_softmax(params):
+    logits = torch.randn(16, generator=torch.Generator().manual_seed(5)) * 1.5
+    kept = filtered_logits(logits, params)
+    expected = torch.softmax(kept, dim=0)
+    draws = 12_000
+    counts = torch.zeros(16)
+    for position in range(draws):
+        counts[sample(logits, params, seed=2024, position=position)] += 1
+    support = expected > 0
+    assert counts[~support].sum() == 0, "a filtered-out token was sampled"
+    observed, wanted = counts[support], expected[support] * draws
+    statistic = float(((observed - wanted) ** 2 / wanted).sum())
+    assert statistic < chi_square_critical(int(support.sum()) - 1), f"chi-square {statistic:.1f}"
