@@ -1,0 +1,249 @@
+"""Batch-invariant Triton kernels for CUDA (ops not listed in `OPS` fall back to the PyTorch
+batch-invariant implementations of `kernels/invariant.py`, whose signatures these match).
+
+Why a row's bits cannot depend on the batch, kernel by kernel:
+
+- every reduction runs inside one program, over blocks of a fixed compile-time size, in a fixed
+  order; nothing is split across programs (no split-K, no atomics), so which programs exist,
+  and how many, never enters a row's arithmetic;
+- the compiled code never depends on the batch size: tile and block sizes are module constants
+  or derived from a row's own length (the head dimension); the row-wise kernels never see the row
+  count (it only sizes the grid), and the matmul's M is marked `do_not_specialize`, so Triton
+  compiles one kernel for M = 1 and M = 10_000 alike;
+- `_matmul_kernel` computes output tile (m, n) from row tile m of x and column tile n of the
+  weight with `tl.dot` over BLOCK_K slices in increasing k. An output element depends only on its
+  own row and column (the other rows of the tile are separate dot products in the same MMA), and
+  the order of the k reduction is fixed by BLOCK_K and the dtype, never by M;
+- the norms and softmaxes run one program per row, accumulating BLOCK-wide vectors elementwise
+  across the row and reducing the vector once at the end, so the summation tree depends only on
+  the row length;
+- `_sink_attention_kernel` runs one program per (token, head) over that token's keys in blocks of
+  KV_BLOCK with an online softmax that starts from the sink (max = sink, total = 1). Invalid keys
+  are never read (their loads are masked to 0) and their probabilities are exactly 0; a block
+  with no valid key is skipped. So padding a key list with invalid entries, which is what
+  batching sequences of different lengths does, leaves the result bit-identical.
+
+fp32 matmuls use `input_precision="ieee"` (no TF32), so their results stay close to the fp32
+reference; transcendental functions (exp, log, rsqrt) use Triton's default, possibly
+approximate, versions: deterministic per element, so invariance is unaffected.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 64
+BLOCK_N = 64
+BLOCK_K = 32
+ROW_BLOCK = 1024  # vector width of the row-wise kernels (norms, softmax)
+KV_BLOCK = 64
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_kernel(
+    x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[m, g, :] = x[m, g, :] @ w[g].T for row tile program_id(0), column tile 1, group 2.
+
+    x: [M, G, K] with row stride stride_xm; w: [G, N, K] contiguous; out: [M, G, N] with row
+    stride stride_om.
+    """
+    group = tl.program_id(2)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < N
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + group * K
+    w_cols = w_ptr + (group * N + cols).to(tl.int64)[None, :] * K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        ks = start + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_cols + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + group * N + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """x [M, G, K] (any float dtype), weight [G * N, K] -> [M, G, N] in weight's dtype."""
+    rows, _, depth = x.shape
+    x = x.to(weight.dtype).contiguous()
+    weight = weight.contiguous()
+    width = weight.shape[0] // groups
+    out = torch.empty(rows, groups, width, dtype=weight.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(width, BLOCK_N), groups)
+    _matmul_kernel[grid](
+        x, weight, out, rows, width, depth, groups * depth, groups * width,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+    )
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x @ weight.T` in the weight's dtype: x [..., K], weight [N, K] -> [..., N]."""
+    rows = x.reshape(-1, 1, x.shape[-1])
+    return _grouped_matmul(rows, weight, 1).view(*x.shape[:-1], weight.shape[0])
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """Block-diagonal projection: x [T, G, Din], weight [G * Dout, Din] -> [T, G, Dout]."""
+    return _grouped_matmul(x, weight, groups)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, eps, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row. WEIGHTED: (w * (x * r)) cast to out; else x * r.to(out dtype)."""
+    row = tl.program_id(0).to(tl.int64) * N
+    squares = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row + cols, mask=cols < N, other=0.0).to(tl.float32)
+        squares += x * x
+    inv_rms = tl.math.rsqrt(tl.sum(squares, axis=0) / N + eps)
+    out_ty = out_ptr.dtype.element_ty
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row + cols, mask=cols < N, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+            y = w * (x * inv_rms)
+        else:
+            y = x * inv_rms.to(out_ty).to(tl.float32)  # an exact product: one rounding, as in x's dtype
+        tl.store(out_ptr + row + cols, y.to(out_ty), mask=cols < N)
+
+
+def _launch_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    width = x.shape[-1]
+    rows = x.numel() // width if width else 0
+    if rows == 0:
+        return out
+    w = x if weight is None else weight.contiguous()
+    _rms_norm_kernel[(rows,)](x, w, out, width, eps, WEIGHTED=weight is not None, BLOCK=ROW_BLOCK)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim with an fp32 weight: fp32 math, cast to x's dtype once."""
+    return _launch_rms_norm(x, weight, eps)
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without weight; the fp32 inverse RMS is cast to x's dtype before scaling."""
+    return _launch_rms_norm(x, None, eps)
+
+
+@triton.jit
+def _softmax_kernel(x_ptr, out_ptr, N, LOG: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row, fp32 out: max pass, sum-of-exp pass, then the output pass."""
+    row = tl.program_id(0).to(tl.int64) * N
+    top = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row + cols, mask=cols < N, other=float("-inf")).to(tl.float32)
+        top = tl.maximum(top, x)
+    row_max = tl.max(top, axis=0)
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row + cols, mask=cols < N, other=float("-inf")).to(tl.float32)
+        total += tl.where(cols < N, tl.exp(x - row_max), 0.0)
+    row_total = tl.sum(total, axis=0)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row + cols, mask=cols < N, other=0.0).to(tl.float32)
+        if LOG:
+            y = x - row_max - tl.log(row_total)
+        else:
+            y = tl.exp(x - row_max) / row_total
+        tl.store(out_ptr + row + cols, y, mask=cols < N)
+
+
+def _launch_softmax(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    rows_last = x.movedim(dim, -1).contiguous()
+    out = torch.empty(rows_last.shape, dtype=torch.float32, device=x.device)
+    width = rows_last.shape[-1]
+    rows = rows_last.numel() // width if width else 0
+    if rows:
+        _softmax_kernel[(rows,)](rows_last, out, width, LOG=log, BLOCK=ROW_BLOCK)
+    return out.movedim(-1, dim)
+
+
+def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Softmax over `dim` in fp32 (any float input dtype)."""
+    return _launch_softmax(x, dim, log=False)
+
+
+def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Log-softmax over `dim` in fp32 (any float input dtype)."""
+    return _launch_softmax(x, dim, log=True)
+
+
+@triton.jit
+def _sink_attention_kernel(
+    q_ptr, kv_ptr, valid_ptr, sinks_ptr, out_ptr, H, K, D, scale,
+    KV_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per (token, head): online softmax over the token's keys, from the sink."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < D
+    q = tl.load(q_ptr + (token * H + head) * D + dims, mask=dim_ok, other=0.0).to(tl.float32)
+    top = tl.load(sinks_ptr + head).to(tl.float32)  # running max, starts at the sink
+    total = tl.full((), 1.0, dtype=tl.float32)  # the sink's exp(sink - top) = 1
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for start in range(0, K, KV_BLOCK):
+        keys_idx = start + tl.arange(0, KV_BLOCK)
+        ok = tl.load(valid_ptr + token * K + keys_idx, mask=keys_idx < K, other=0) != 0
+        if tl.max(ok.to(tl.int32), axis=0) > 0:  # a block with no valid key is an exact no-op
+            key_ptrs = kv_ptr + (token * K + keys_idx)[:, None] * D + dims[None, :]
+            keys = tl.load(key_ptrs, mask=ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
+            scores = tl.where(ok, tl.sum(keys * q[None, :], axis=1) * scale, float("-inf"))
+            new_top = tl.maximum(top, tl.max(scores, axis=0))
+            correction = tl.exp(top - new_top)
+            probs = tl.where(ok, tl.exp(scores - new_top), 0.0)
+            total = total * correction + tl.sum(probs, axis=0)
+            acc = acc * correction + tl.sum(probs[:, None] * keys, axis=0)
+            top = new_top
+    out = out_ptr + (token * H + head) * D + dims
+    tl.store(out, (acc / total).to(out_ptr.dtype.element_ty), mask=dim_ok)
+
+
+def sink_attention(
+    q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Shared-KV attention with a per-head sink, keys reduced in KV_BLOCK blocks in order.
+
+    q [T, H, D], kv [T, K, D], valid [T, K] bool, sinks [H] fp32 -> [T, H, D] in q's dtype.
+    Softmax statistics and the accumulator are fp32; invalid keys are never read.
+    """
+    tokens, heads, dim = q.shape
+    out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    block_d = triton.next_power_of_2(dim)
+    _sink_attention_kernel[(tokens, heads)](
+        q.contiguous(), kv.contiguous(), valid.to(torch.bool).contiguous().view(torch.uint8),
+        sinks.float().contiguous(), out, heads, kv.shape[1], dim, scale,
+        KV_BLOCK=KV_BLOCK, BLOCK_D=block_d, num_warps=4 if block_d <= 128 else 8,
+    )
+    return out
+
+
+OPS = {
+    "linear": linear,
+    "grouped_linear": grouped_linear,
+    "rms_norm": rms_norm,
+    "unweighted_rms_norm": unweighted_rms_norm,
+    "softmax": softmax,
+    "log_softmax": log_softmax,
+    "sink_attention": sink_attention,
+}

@@ -1,0 +1,254 @@
+"""The Triton kernels of `kernels.triton_ops`: close to the PyTorch batch-invariant reference, and
+bitwise invariant to the batch (a row computed alone equals the same row inside a larger batch).
+
+Runs under the Triton interpreter on CPU by default (small shapes: it is slow); with
+TRITON_INTERPRET=0 on a CUDA machine the same tests run the compiled kernels on the GPU.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+import torch  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from kernels import invariant, triton_ops  # noqa: E402
+
+INTERPRETED = os.environ["TRITON_INTERPRET"] == "1"
+if not INTERPRETED and not torch.cuda.is_available():
+    pytest.skip("compiled Triton kernels need CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
+DEVICE = "cpu" if INTERPRETED else "cuda"
+DTYPES = (torch.float32, torch.bfloat16)
+ROWS = (1, 3, 17, 40)
+FEW = settings(max_examples=10, deadline=None)
+
+
+def _patch_interpreter() -> None:
+    """Work around two gaps of Triton 3.6's interpreter (test-only; compiled kernels are unaffected).
+
+    - With NumPy >= 2.4, `range(0, K, BLOCK)` over a runtime K fails: the interpreter converts a
+      1-element array to int implicitly (triton-lang/triton#9171);
+    - `tl.dot` multiplies bfloat16 operands as their raw uint16 storage; widen them to fp32 first
+      (exact: bf16 products fit fp32, which is how the tensor cores treat them too).
+    """
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_deepinfer_patched", False):
+        return
+    patch_tensor = interpreter._patch_lang_tensor
+    dot = interpreter.InterpreterBuilder.create_dot
+
+    def patched_tensor(tensor, scope) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    def widen(self, operand):
+        if operand.dtype.scalar == triton.language.bfloat16:
+            return self.cast_impl(operand, triton.language.float32)
+        return operand
+
+    def patched_dot(self, a, b, d, *args):
+        return dot(self, widen(self, a), widen(self, b), d, *args)
+
+    interpreter._patch_lang_tensor = patched_tensor
+    interpreter.InterpreterBuilder.create_dot = patched_dot
+    interpreter._deepinfer_patched = True
+
+
+if INTERPRETED:
+    _patch_interpreter()
+
+
+def _randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=generator).to(dtype).to(DEVICE)
+
+
+def _assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    as_int = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[a.dtype]
+    assert torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor, scale: float = 1.0) -> None:
+    """fp32: ~1e-5 relative to `scale`; bf16 outputs: a couple of bf16 ulps."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape and out.device == ref.device
+    tol = 2e-2 if out.dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * scale)
+
+
+batch_rows = st.integers(2, 80).flatmap(lambda m: st.tuples(st.just(m), st.integers(0, m - 1)))
+seeds = st.integers(0, 2**31 - 1)
+dtypes = st.sampled_from(DTYPES)
+
+
+# linear / grouped_linear ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "out_dim", "in_dim"), [(1, 96, 64), (3, 40, 70), (17, 33, 96), (40, 96, 40)])
+def test_linear_matches_reference(dtype: torch.dtype, rows: int, out_dim: int, in_dim: int) -> None:
+    x, weight = _randn(rows, in_dim, seed=0), _randn(out_dim, in_dim, seed=1, dtype=dtype)
+    _assert_close(triton_ops.linear(x, weight), invariant.linear(x, weight), scale=in_dim**0.5)
+
+
+def test_linear_leading_dims_and_non_contiguous_input() -> None:
+    x, weight = _randn(2, 40, 3, seed=2).transpose(1, 2), _randn(24, 40, seed=3)
+    out = triton_ops.linear(x, weight)
+    assert out.shape == (2, 3, 24)
+    _assert_close(out, invariant.linear(x, weight), scale=40**0.5)
+
+
+def test_linear_empty_input() -> None:
+    out = triton_ops.linear(_randn(0, 16, seed=0), _randn(8, 16, seed=1, dtype=torch.bfloat16))
+    assert out.shape == (0, 8) and out.dtype == torch.bfloat16 and out.device.type == DEVICE
+
+
+@FEW
+@given(batch=batch_rows, dtype=dtypes, seed=seeds)
+def test_linear_row_does_not_depend_on_batch(batch: tuple[int, int], dtype: torch.dtype, seed: int) -> None:
+    rows, at = batch
+    x, weight = _randn(rows, 70, seed=seed), _randn(72, 70, seed=seed + 1, dtype=dtype)
+    _assert_same_bits(triton_ops.linear(x, weight)[at:at + 1], triton_ops.linear(x[at:at + 1], weight))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_grouped_linear_matches_reference(dtype: torch.dtype, rows: int) -> None:
+    x, weight = _randn(rows, 3, 40, seed=4, dtype=dtype), _randn(3 * 24, 40, seed=5, dtype=dtype)
+    _assert_close(triton_ops.grouped_linear(x, weight, 3), invariant.grouped_linear(x, weight, 3), scale=40**0.5)
+
+
+@FEW
+@given(batch=batch_rows, dtype=dtypes, seed=seeds)
+def test_grouped_linear_row_does_not_depend_on_batch(batch: tuple[int, int], dtype: torch.dtype, seed: int) -> None:
+    rows, at = batch
+    x, weight = _randn(rows, 2, 36, seed=seed, dtype=dtype), _randn(2 * 20, 36, seed=seed + 1, dtype=dtype)
+    alone = triton_ops.grouped_linear(x[at:at + 1], weight, 2)
+    _assert_same_bits(triton_ops.grouped_linear(x, weight, 2)[at:at + 1], alone)
+
+
+# rms_norm / unweighted_rms_norm -----------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("width", [64, 100, 1500])
+def test_rms_norms_match_reference(dtype: torch.dtype, rows: int, width: int) -> None:
+    x, weight = _randn(rows, width, seed=6, dtype=dtype), _randn(width, seed=7).abs()
+    _assert_close(triton_ops.rms_norm(x, weight, 1e-6), invariant.rms_norm(x, weight, 1e-6), scale=4.0)
+    _assert_close(triton_ops.unweighted_rms_norm(x, 1e-6), invariant.unweighted_rms_norm(x, 1e-6), scale=4.0)
+
+
+def test_rms_norms_leading_dims_non_contiguous_and_empty() -> None:
+    x = _randn(3, 48, 4, seed=8).transpose(1, 2)  # [3, 4, 48], not contiguous
+    weight = _randn(48, seed=9)
+    _assert_close(triton_ops.rms_norm(x, weight, 1e-6), invariant.rms_norm(x, weight, 1e-6), scale=4.0)
+    _assert_close(triton_ops.unweighted_rms_norm(x, 1e-6), invariant.unweighted_rms_norm(x, 1e-6), scale=4.0)
+    assert triton_ops.rms_norm(x[:0], weight, 1e-6).shape == (0, 4, 48)
+    assert triton_ops.unweighted_rms_norm(x[:0], 1e-6).shape == (0, 4, 48)
+
+
+@FEW
+@given(batch=batch_rows, dtype=dtypes, seed=seeds)
+def test_rms_norm_rows_do_not_depend_on_batch(batch: tuple[int, int], dtype: torch.dtype, seed: int) -> None:
+    rows, at = batch
+    x, weight = _randn(rows, 1100, seed=seed, dtype=dtype), _randn(1100, seed=seed + 1)
+    _assert_same_bits(triton_ops.rms_norm(x, weight, 1e-6)[at:at + 1], triton_ops.rms_norm(x[at:at + 1], weight, 1e-6))
+    alone = triton_ops.unweighted_rms_norm(x[at:at + 1], 1e-6)
+    _assert_same_bits(triton_ops.unweighted_rms_norm(x, 1e-6)[at:at + 1], alone)
+
+
+# softmax / log_softmax --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("width", [7, 100, 2100])
+def test_softmaxes_match_reference(dtype: torch.dtype, rows: int, width: int) -> None:
+    x = 4 * _randn(rows, width, seed=10, dtype=dtype)
+    x[:, ::3] = float("-inf")  # filtered logits, as the sampler makes them
+    _assert_close(triton_ops.softmax(x), invariant.softmax(x))
+    _assert_close(triton_ops.log_softmax(x), invariant.log_softmax(x), scale=10.0)
+
+
+def test_softmaxes_other_dim_one_dim_and_empty() -> None:
+    x = _randn(5, 30, 2, seed=11)
+    _assert_close(triton_ops.softmax(x, dim=1), invariant.softmax(x, dim=1))
+    _assert_close(triton_ops.log_softmax(x, 0), invariant.log_softmax(x, 0), scale=10.0)
+    _assert_close(triton_ops.log_softmax(x[0, :, 0]), invariant.log_softmax(x[0, :, 0]), scale=10.0)
+    assert triton_ops.softmax(x[:0]).shape == (0, 30, 2)
+
+
+@FEW
+@given(batch=batch_rows, dtype=dtypes, seed=seeds)
+def test_softmax_rows_do_not_depend_on_batch(batch: tuple[int, int], dtype: torch.dtype, seed: int) -> None:
+    rows, at = batch
+    x = 4 * _randn(rows, 1300, seed=seed, dtype=dtype)
+    _assert_same_bits(triton_ops.softmax(x)[at:at + 1], triton_ops.softmax(x[at:at + 1]))
+    _assert_same_bits(triton_ops.log_softmax(x)[at:at + 1], triton_ops.log_softmax(x[at:at + 1]))
+
+
+# sink_attention ---------------------------------------------------------------------------------
+
+def _attention_inputs(
+    tokens: int, keys: int, seed: int, dtype: torch.dtype, heads: int = 2, dim: int = 48
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, kv = _randn(tokens, heads, dim, seed=seed, dtype=dtype), _randn(tokens, keys, dim, seed=seed + 1, dtype=dtype)
+    generator = torch.Generator().manual_seed(seed + 2)
+    valid = (torch.rand(tokens, keys, generator=generator) < 0.7).to(DEVICE)
+    return 2 * q, kv, valid, _randn(heads, seed=seed + 3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "keys", "dim"), [(1, 96, 64), (3, 5, 48), (17, 70, 24), (40, 64, 16)])
+def test_sink_attention_matches_reference(dtype: torch.dtype, tokens: int, keys: int, dim: int) -> None:
+    q, kv, valid, sinks = _attention_inputs(tokens, keys, seed=12, dtype=dtype, dim=dim)
+    out = triton_ops.sink_attention(q, kv, valid, sinks, dim**-0.5)
+    _assert_close(out, invariant.sink_attention(q, kv, valid, sinks, dim**-0.5))
+
+
+def test_sink_attention_mixed_dtypes_and_non_contiguous() -> None:
+    q, kv, valid, sinks = _attention_inputs(6, 80, seed=13, dtype=torch.float32)
+    q = q.transpose(0, 1).contiguous().transpose(0, 1)
+    kv = kv.to(torch.bfloat16)
+    _assert_close(triton_ops.sink_attention(q, kv, valid, sinks, 0.1), invariant.sink_attention(q, kv, valid, sinks, 0.1))
+
+
+def test_sink_attention_fully_masked_query_is_zero_and_empty_batch() -> None:
+    q, kv, valid, sinks = _attention_inputs(3, 70, seed=14, dtype=torch.bfloat16)
+    valid[1] = False
+    out = triton_ops.sink_attention(q, kv, valid, sinks, 0.1)
+    assert not out.isnan().any() and torch.equal(out[1], torch.zeros_like(out[1]))
+    empty = triton_ops.sink_attention(q[:0], kv[:0], valid[:0], sinks, 0.1)
+    assert empty.shape == (0, 2, 48) and empty.dtype == torch.bfloat16
+
+
+@FEW
+@given(batch=st.integers(2, 40).flatmap(lambda t: st.tuples(st.just(t), st.integers(0, t - 1))), dtype=dtypes, seed=seeds)
+def test_sink_attention_token_does_not_depend_on_batch(batch: tuple[int, int], dtype: torch.dtype, seed: int) -> None:
+    tokens, at = batch
+    q, kv, valid, sinks = _attention_inputs(tokens, 70, seed=seed, dtype=dtype)
+    alone = triton_ops.sink_attention(q[at:at + 1], kv[at:at + 1], valid[at:at + 1], sinks, 0.1)
+    _assert_same_bits(triton_ops.sink_attention(q, kv, valid, sinks, 0.1)[at:at + 1], alone)
+
+
+@FEW
+@given(keys=st.integers(1, 90), pad=st.integers(1, 150), dtype=dtypes, seed=seeds)
+def test_sink_attention_invalid_padding_does_not_change_bits(keys: int, pad: int, dtype: torch.dtype, seed: int) -> None:
+    q, kv, valid, sinks = _attention_inputs(2, keys, seed=seed, dtype=dtype)
+    garbage = torch.full((2, pad, kv.shape[2]), float("nan"), dtype=dtype, device=DEVICE)  # never read
+    padded_kv, padded_valid = torch.cat([kv, garbage], dim=1), torch.cat([valid, valid.new_zeros(2, pad)], dim=1)
+    _assert_same_bits(
+        triton_ops.sink_attention(q, padded_kv, padded_valid, sinks, 0.1), triton_ops.sink_attention(q, kv, valid, sinks, 0.1)
+    )
+
+
+def test_every_registered_op_keeps_the_reference_signature() -> None:
+    for name, fn in triton_ops.OPS.items():
+        assert inspect.signature(fn).parameters.keys() == inspect.signature(getattr(invariant, name)).parameters.keys()
