@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
+from functools import partial
 
 from kernels import fast, invariant
 
@@ -25,9 +26,19 @@ OPS = (
     "moe_experts", "rms_norm", "rotary", "sigmoid", "sink_attention", "sinkhorn", "softmax", "softplus",
     "topk_indices", "unweighted_rms_norm", "window_pool",
 )
+
+
+def _complete(ops: dict) -> dict:
+    """Add the composite ops, built from the table's own primitives (so the routed experts use
+    whichever matmul the table has, Triton's included)."""
+    ops["moe_experts"] = partial(fast.routed_experts, matmul=ops["linear"], swiglu=ops["clamped_swiglu"])
+    return ops
+
+
+_PRIMITIVES = tuple(name for name in OPS if name != "moe_experts")
 _tables: dict[tuple[str, str], dict] = {
-    ("batch_invariant", "cpu"): {name: getattr(invariant, name) for name in OPS},
-    ("fast", "cpu"): {name: getattr(fast, name) for name in OPS},
+    ("batch_invariant", "cpu"): _complete({name: getattr(invariant, name) for name in _PRIMITIVES}),
+    ("fast", "cpu"): _complete({name: getattr(fast, name) for name in _PRIMITIVES}),
 }
 _current: contextvars.ContextVar[dict] = contextvars.ContextVar(
     "deepinfer_kernels", default=_tables[("batch_invariant", "cpu")]
@@ -39,10 +50,13 @@ def table(mode: str, device_type: str) -> dict:
     if mode not in NUMERICS:
         raise ValueError(f"unknown numerics mode {mode!r} (expected one of {', '.join(NUMERICS)})")
     key = (mode, "cuda" if device_type == "cuda" else "cpu")
-    if key not in _tables:  # batch-invariant CUDA: Triton is imported only when first needed
-        from kernels import triton_ops
+    if key not in _tables:
+        overrides = {}
+        if mode == "batch_invariant":  # Triton is imported only when CUDA first needs it
+            from kernels import triton_ops
 
-        _tables[key] = {**_tables[(mode, "cpu")], **triton_ops.OPS} if mode == "batch_invariant" else _tables[(mode, "cpu")]
+            overrides = triton_ops.OPS
+        _tables[key] = _complete({**_tables[(mode, "cpu")], **overrides})
     return _tables[key]
 
 

@@ -134,17 +134,6 @@ def cos_sin(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return angles.cos(), angles.sin()
 
 
-def moe_experts(
-    x: torch.Tensor,
-    indices: torch.Tensor,
-    weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    limit: float,
-) -> torch.Tensor:
-    return routed_experts(x, indices, weights, w13, w2, limit, linear)
-
-
 def routed_experts(
     x: torch.Tensor,
     indices: torch.Tensor,
@@ -153,6 +142,7 @@ def routed_experts(
     w2: torch.Tensor,
     limit: float,
     matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    swiglu: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor],
 ) -> torch.Tensor:
     """Routed experts with a per-token combine in top-k rank order.
 
@@ -168,7 +158,7 @@ def routed_experts(
         hit = (flat == expert).nonzero().squeeze(1)
         token_idx, rank = hit // top_k, hit % top_k
         gate, up = matmul(x[token_idx], w13[expert]).chunk(2, dim=-1)
-        out = matmul(clamped_swiglu(gate, up, limit), w2[expert])
+        out = matmul(swiglu(gate, up, limit), w2[expert])
         slots[token_idx, rank] = out * weights[token_idx, rank, None].to(out.dtype)
     combined = slots[:, 0]
     for rank in range(1, top_k):

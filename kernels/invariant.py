@@ -34,7 +34,6 @@ from kernels.fast import (  # noqa: F401  (re-exported: already row-invariant)
     log_softmax,
     rms_norm,
     rotary,
-    routed_experts,
     sinkhorn,
     softmax,
     unweighted_rms_norm,
@@ -94,17 +93,6 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.
     """Block-diagonal projection: x [T, G, Din], weight [G * Dout, Din] -> [T, G, Dout]."""
     per_group = weight.view(groups, -1, weight.shape[-1])
     return torch.stack([linear(x[:, g], per_group[g]) for g in range(groups)], dim=1)
-
-
-def moe_experts(
-    x: torch.Tensor,
-    indices: torch.Tensor,
-    weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    limit: float,
-) -> torch.Tensor:
-    return routed_experts(x, indices, weights, w13, w2, limit, linear)
 
 
 def mix_streams(comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
