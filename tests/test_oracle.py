@@ -69,7 +69,7 @@ def reference_logits(folder: Path, ids: list[int]) -> torch.Tensor:
 def engine_logits(llm: LLM, ids: list[int], chunk: int) -> torch.Tensor:
     """Logits at every position, computing the prompt `chunk` tokens per step through the
     engine's own cache manager and runner."""
-    seq = Sequence(0, ids, SamplingParams(temperature=0), seed=0, arrival=0)
+    seq = Sequence(0, ids, SamplingParams(temperature=0), seed=0)
     rows = []
     for start in range(0, len(ids), chunk):
         piece = ScheduledChunk(seq, start, min(chunk, len(ids) - start))

@@ -109,7 +109,6 @@ class LLM:
         )
         self.runner = ModelRunner(self.model, self.cache, self.device, numerics)
         self._next_id = 0
-        self._arrivals = 0
 
     def _load(self, model: str | Path | None):
         if isinstance(model, str) and model.startswith(PRESET_PREFIX):
@@ -166,8 +165,7 @@ class LLM:
         request_id = self._next_id
         self._next_id += 1
         seed = params.seed if params.seed is not None else derive_seed(self.seed, request_id)
-        self.scheduler.add(Sequence(request_id, ids, params, seed, self._arrivals))
-        self._arrivals += 1
+        self.scheduler.add(Sequence(request_id, ids, params, seed))
         return request_id
 
     # the loop ----------------------------------------------------------------------------------

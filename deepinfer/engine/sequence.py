@@ -21,7 +21,6 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int
-    arrival: int
     token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     status: Status = Status.WAITING
