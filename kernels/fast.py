@@ -60,6 +60,11 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
 
 
+def ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over `dim` (the library chooses the order)."""
+    return x.sum(dim=dim)
+
+
 def window_pool(kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """Compressor pooling: per window, a softmax over slots of (gate + bias) weights the kv rows.
 

@@ -34,10 +34,8 @@ from kernels.fast import (  # noqa: F401  (re-exported: already row-invariant)
     log_softmax,
     rms_norm,
     rotary,
-    sinkhorn,
     softmax,
     unweighted_rms_norm,
-    window_pool,
 )
 
 TILE = 8
@@ -87,6 +85,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     tiles = [F.linear(padded[i:i + TILE], weight) for i in range(0, padded.shape[0], TILE)]
     out = torch.cat(tiles) if tiles else rows.new_zeros(0, weight.shape[0])
     return out[:n].view(*x.shape[:-1], weight.shape[0])
+
+
+def ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over `dim` as a chain of elementwise adds in index order: library reductions (CUDA's in
+    particular) pick how to split a reduction from the whole tensor's shape; adds do not."""
+    parts = x.unbind(dim)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
+def window_pool(kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Compressor pooling: per window, a softmax over slots of (gate + bias) weights the kv rows.
+
+    kv, gate: [N, S, D]; bias: [S, D] fp32 -> [N, D] fp32. The softmax runs over a last dimension
+    (row-local) and the slots are summed in order.
+    """
+    weights = softmax((gate.float() + bias).transpose(1, 2), dim=-1).transpose(1, 2)
+    return ordered_sum(kv.float() * weights, dim=1)
+
+
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Doubly-stochastic projection of [..., n, n] mixing logits, with sums in index order."""
+    comb = softmax(logits, dim=-1) + eps
+    comb = comb / (ordered_sum(comb, dim=-2).unsqueeze(-2) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (ordered_sum(comb, dim=-1).unsqueeze(-1) + eps)
+        comb = comb / (ordered_sum(comb, dim=-2).unsqueeze(-2) + eps)
+    return comb
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:

@@ -238,6 +238,104 @@ def sink_attention(
     return out
 
 
+@triton.jit
+def _indexer_kernel(q_ptr, keys_ptr, w_ptr, out_ptr, H, S, D, scale, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per (token, block of keys): heads accumulated in order."""
+    token = tl.program_id(0).to(tl.int64)
+    slots = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    slot_ok, dim_ok = slots < S, dims < D
+    key_ptrs = keys_ptr + (token * S + slots)[:, None] * D + dims[None, :]
+    keys = tl.load(key_ptrs, mask=slot_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
+    acc = tl.zeros((BLOCK_S,), dtype=tl.float32)
+    for head in range(H):
+        q = tl.load(q_ptr + (token * H + head) * D + dims, mask=dim_ok, other=0.0).to(tl.float32)
+        weight = tl.load(w_ptr + token * H + head)
+        acc += tl.maximum(tl.sum(keys * q[None, :], axis=1), 0.0) * scale * weight
+    tl.store(out_ptr + token * S + slots, acc, mask=slot_ok)
+
+
+def indexer_scores(
+    q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, valid: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Lightning-indexer scores sum_h w[t,h] * relu(q[t,h] . k[t,s]) * scale, heads summed in order.
+
+    q [T, H, D], keys [T, S, D], head_weights [T, H] fp32, valid [T, S] -> [T, S] fp32 (-inf where invalid).
+    """
+    tokens, heads, dim = q.shape
+    width = keys.shape[1]
+    out = torch.empty(tokens, width, dtype=torch.float32, device=q.device)
+    if out.numel():
+        _indexer_kernel[(tokens, triton.cdiv(width, KV_BLOCK))](
+            q.contiguous(), keys.contiguous(), head_weights.float().contiguous(), out, heads, width, dim, scale,
+            BLOCK_S=KV_BLOCK, BLOCK_D=triton.next_power_of_2(dim),
+        )
+    return out.masked_fill(~valid, float("-inf"))
+
+
+@triton.jit
+def _window_pool_kernel(kv_ptr, gate_ptr, bias_ptr, out_ptr, S, D, BLOCK_D: tl.constexpr):
+    """One program per (window, block of features): max pass, then exp-weighted sum over slots in order."""
+    window = tl.program_id(0).to(tl.int64)
+    dims = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = dims < D
+    top = tl.full((BLOCK_D,), float("-inf"), dtype=tl.float32)
+    for slot in range(S):
+        logit = tl.load(gate_ptr + (window * S + slot) * D + dims, mask=ok, other=0.0).to(tl.float32)
+        top = tl.maximum(top, logit + tl.load(bias_ptr + slot * D + dims, mask=ok, other=0.0))
+    total = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for slot in range(S):
+        logit = tl.load(gate_ptr + (window * S + slot) * D + dims, mask=ok, other=0.0).to(tl.float32)
+        weight = tl.exp(logit + tl.load(bias_ptr + slot * D + dims, mask=ok, other=0.0) - top)
+        total += weight
+        acc += weight * tl.load(kv_ptr + (window * S + slot) * D + dims, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + window * D + dims, acc / total, mask=ok)
+
+
+def window_pool(kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Compressor pooling: per window, a softmax over slots of (gate + bias) weights the kv rows.
+
+    kv, gate: [N, S, D]; bias: [S, D] fp32 -> [N, D] fp32. Slots with gate -inf get weight 0.
+    """
+    windows, slots, dim = kv.shape
+    out = torch.empty(windows, dim, dtype=torch.float32, device=kv.device)
+    if out.numel():
+        block = min(triton.next_power_of_2(dim), 256)
+        _window_pool_kernel[(windows, triton.cdiv(dim, block))](
+            kv.contiguous(), gate.contiguous(), bias.float().contiguous(), out, slots, dim, BLOCK_D=block,
+        )
+    return out
+
+
+@triton.jit
+def _sinkhorn_kernel(x_ptr, out_ptr, n, iters, eps, BLOCK: tl.constexpr):
+    """One program per matrix, held in registers: softmax rows, then alternate column/row scaling."""
+    matrix = tl.program_id(0).to(tl.int64)
+    rows = tl.arange(0, BLOCK)
+    ok = (rows[:, None] < n) & (rows[None, :] < n)
+    offsets = matrix * n * n + rows[:, None] * n + rows[None, :]
+    logits = tl.load(x_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+    top = tl.max(tl.where(ok, logits, float("-inf")), axis=1)
+    e = tl.where(ok, tl.exp(logits - top[:, None]), 0.0)
+    comb = tl.where(ok, e / tl.maximum(tl.sum(e, axis=1), 1.0e-30)[:, None] + eps, 0.0)
+    comb = comb / (tl.sum(comb, axis=0)[None, :] + eps)
+    for _ in range(iters - 1):
+        comb = comb / (tl.sum(comb, axis=1)[:, None] + eps)
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + eps)
+    tl.store(out_ptr + offsets, comb, mask=ok)
+
+
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Doubly-stochastic projection of [..., n, n] mixing logits (softmax rows, then alternate)."""
+    n = logits.shape[-1]
+    flat = logits.reshape(-1, n, n).float().contiguous()
+    out = torch.empty_like(flat)
+    if out.numel():
+        _sinkhorn_kernel[(flat.shape[0],)](flat, out, n, iters, eps, BLOCK=max(triton.next_power_of_2(n), 2))
+    return out.view(logits.shape)
+
+
 OPS = {
     "linear": linear,
     "grouped_linear": grouped_linear,
@@ -246,4 +344,7 @@ OPS = {
     "softmax": softmax,
     "log_softmax": log_softmax,
     "sink_attention": sink_attention,
+    "indexer_scores": indexer_scores,
+    "window_pool": window_pool,
+    "sinkhorn": sinkhorn,
 }

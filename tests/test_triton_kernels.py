@@ -249,6 +249,71 @@ def test_sink_attention_invalid_padding_does_not_change_bits(keys: int, pad: int
     )
 
 
+# indexer scores / window pooling / Sinkhorn ---------------------------------------------------
+
+def _indexer_inputs(tokens: int, keys: int, seed: int, dtype: torch.dtype = torch.float32):
+    q, k = _randn(tokens, 4, 24, seed=seed, dtype=dtype), _randn(tokens, keys, 24, seed=seed + 1, dtype=dtype)
+    weights = _randn(tokens, 4, seed=seed + 2)
+    valid = torch.rand(tokens, keys, generator=torch.Generator().manual_seed(seed)).to(DEVICE) < 0.8
+    return q, k, weights, valid
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "keys"), [(1, 5), (3, 64), (17, 130)])
+def test_indexer_scores_match_reference(dtype: torch.dtype, tokens: int, keys: int) -> None:
+    q, k, weights, valid = _indexer_inputs(tokens, keys, seed=tokens, dtype=dtype)
+    out, ref = triton_ops.indexer_scores(q, k, weights, valid, 0.2), invariant.indexer_scores(q, k, weights, valid, 0.2)
+    assert torch.equal(out.isinf(), ~valid)
+    torch.testing.assert_close(out[valid], ref[valid], rtol=1e-5, atol=1e-5)
+
+
+@FEW
+@given(batch=st.integers(2, 30).flatmap(lambda t: st.tuples(st.just(t), st.integers(0, t - 1))), seed=seeds)
+def test_indexer_scores_token_does_not_depend_on_batch(batch: tuple[int, int], seed: int) -> None:
+    tokens, at = batch
+    q, k, weights, valid = _indexer_inputs(tokens, 70, seed=seed)
+    alone = triton_ops.indexer_scores(q[at:at + 1], k[at:at + 1], weights[at:at + 1], valid[at:at + 1], 0.2)
+    _assert_same_bits(triton_ops.indexer_scores(q, k, weights, valid, 0.2)[at:at + 1], alone)
+
+
+def _pool_inputs(windows: int, slots: int, dim: int, seed: int, dtype: torch.dtype = torch.float32):
+    kv, gate = _randn(windows, slots, dim, seed=seed, dtype=dtype), _randn(windows, slots, dim, seed=seed + 1, dtype=dtype)
+    gate[:, -1] = float("-inf")  # a slot outside the window gets weight 0
+    return kv, gate, _randn(slots, dim, seed=seed + 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("windows", "slots", "dim"), [(1, 4, 16), (3, 8, 40), (5, 16, 300)])
+def test_window_pool_matches_reference(dtype: torch.dtype, windows: int, slots: int, dim: int) -> None:
+    kv, gate, bias = _pool_inputs(windows, slots, dim, seed=slots, dtype=dtype)
+    _assert_close(triton_ops.window_pool(kv, gate, bias), invariant.window_pool(kv, gate, bias))
+
+
+@FEW
+@given(batch=st.integers(2, 12).flatmap(lambda t: st.tuples(st.just(t), st.integers(0, t - 1))), seed=seeds)
+def test_window_pool_does_not_depend_on_batch(batch: tuple[int, int], seed: int) -> None:
+    windows, at = batch
+    kv, gate, bias = _pool_inputs(windows, 8, 40, seed=seed)
+    alone = triton_ops.window_pool(kv[at:at + 1], gate[at:at + 1], bias)
+    _assert_same_bits(triton_ops.window_pool(kv, gate, bias)[at:at + 1], alone)
+
+
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_sinkhorn_matches_reference(n: int) -> None:
+    logits = _randn(7, n, n, seed=n)
+    out = triton_ops.sinkhorn(logits, 20, 1e-6)
+    _assert_close(out, invariant.sinkhorn(logits, 20, 1e-6))
+    torch.testing.assert_close(out.sum(-2), torch.ones(7, n, device=DEVICE), rtol=1e-4, atol=1e-4)
+
+
+@FEW
+@given(batch=st.integers(2, 50).flatmap(lambda t: st.tuples(st.just(t), st.integers(0, t - 1))), seed=seeds)
+def test_sinkhorn_does_not_depend_on_batch(batch: tuple[int, int], seed: int) -> None:
+    tokens, at = batch
+    logits = _randn(tokens, 4, 4, seed=seed)
+    _assert_same_bits(triton_ops.sinkhorn(logits, 10, 1e-6)[at:at + 1], triton_ops.sinkhorn(logits[at:at + 1], 10, 1e-6))
+
+
 def test_every_registered_op_keeps_the_reference_signature() -> None:
     for name, fn in triton_ops.OPS.items():
         assert inspect.signature(fn).parameters.keys() == inspect.signature(getattr(invariant, name)).parameters.keys()

@@ -35,7 +35,7 @@ class HyperMix(nn.Module):
         pre = kernels.sigmoid(pre_w * scale[0] + pre_b) + self.hc_eps
         post = 2 * kernels.sigmoid(post_w * scale[1] + post_b)
         comb = kernels.sinkhorn(comb_w.view(-1, n, n) * scale[2] + comb_b.view(n, n), self.iters, self.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        collapsed = kernels.ordered_sum(pre.unsqueeze(-1) * streams, dim=1).to(streams.dtype)
         return post, comb, collapsed
 
 
@@ -58,4 +58,4 @@ class HyperHead(nn.Module):
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         flat = kernels.unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
         pre = kernels.sigmoid(kernels.linear(flat, self.hc_fn) * self.hc_scale + self.hc_base) + self.eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return kernels.ordered_sum(pre.unsqueeze(-1) * streams, dim=1).to(streams.dtype)

@@ -38,7 +38,7 @@ class Gate(nn.Module):
         else:
             indices = kernels.topk_indices(scores + self.bias, self.top_k)
         weights = scores.gather(1, indices)
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights / (kernels.ordered_sum(weights, dim=-1).unsqueeze(-1) + 1e-20)
         return indices, weights * self.scale
 
 
