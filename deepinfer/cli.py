@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import kernels
 from deepinfer.checkpoint import PRESETS, create_checkpoint, inspect_checkpoint, parameter_counts
@@ -17,16 +17,24 @@ from deepinfer.errors import DeepInferError
 EXIT_USER_ERROR = 2
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(
+    argv: Sequence[str] | None = None,
+    more_commands: Sequence[Callable[[argparse._SubParsersAction], None]] = (),
+    user_errors: tuple[type[Exception], ...] = (),
+) -> int:
+    """Run one command. `more_commands` register extra command groups (the harness adds `audit`);
+    exceptions in `user_errors` are reported like DeepInferError: one line, exit 2."""
+    args = build_parser(more_commands).parse_args(argv)
     try:
         return args.run(args)
-    except DeepInferError as err:
+    except (DeepInferError, *user_errors) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(
+    more_commands: Sequence[Callable[[argparse._SubParsersAction], None]] = (),
+) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="deepinfer",
         description="Bitwise-reproducible offline inference for DeepSeek-V4-architecture models.",
@@ -34,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     _add_checkpoint(commands)
     _add_generate(commands)
+    for add in more_commands:
+        add(commands)
     return parser
 
 
@@ -158,92 +168,38 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from deepinfer import LLM, SamplingParams
-    from deepinfer.recipe.chat import encode_chat, parse_completion
+    from deepinfer.prompts_file import PromptRequest, read_prompts_file
+    from deepinfer.recipe.chat import parse_completion
 
     base = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                 min_p=args.min_p, seed=args.seed, logprobs=args.logprobs)
     SamplingParams(**base)  # bad flags are reported as such, not against the first request
-    # (where, request): `where` names the source of each request in error messages
     if args.prompt is not None:
-        requests = [("--prompt", {"prompt": args.prompt})]
+        requests = [PromptRequest("--prompt", "prompt", "prompt", args.prompt)]
     else:
-        requests = _read_requests(args.prompts_file)
-    params = []
-    for where, request in requests:
-        overrides = request.get("sampling", {})
-        unknown = set(overrides) - set(SamplingParams.__dataclass_fields__)
-        if unknown:
-            raise DeepInferError(f"{where}: unknown sampling field(s) {sorted(unknown)}")
-        try:
-            params.append(SamplingParams(**{**base, **overrides}))
-        except DeepInferError as err:
-            raise DeepInferError(f"{where}: {err}") from None
+        requests = read_prompts_file(args.prompts_file)
+    params = [request.params(base) for request in requests]
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
               numerics=args.numerics, seed=args.run_seed)
-    prompts = []
-    for where, request in requests:
-        try:
-            if "messages" in request:
-                if llm.tokenizer is None:
-                    raise DeepInferError("chat messages need a checkpoint with tokenizer.json")
-                ids = encode_chat(llm.tokenizer, request["messages"], tools=request.get("tools"))
-            else:
-                ids = request["prompt"] if "prompt" in request else request["prompt_token_ids"]
-            prompts.append(llm.encode(ids))
-        except DeepInferError as err:
-            raise DeepInferError(f"{where}: {err}") from None
+    prompts = [request.prompt_ids(llm) for request in requests]
     outputs = llm.generate(prompts, params)
     try:
         sink = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
     except OSError as err:
         raise DeepInferError(f"{args.out}: cannot write ({err.strerror or err})") from None
     try:
-        for i, ((_, request), output) in enumerate(zip(requests, outputs)):
+        for i, (request, output) in enumerate(zip(requests, outputs)):
             row = {"index": i, "prompt_tokens": len(output.prompt_token_ids), "token_ids": output.token_ids,
                    "text": output.text, "finish_reason": output.finish_reason, "seed": output.seed,
                    "numerics": output.numerics,
                    "logprobs": output.logprobs}
             if output.top_logprobs is not None:
                 row["top_logprobs"] = output.top_logprobs
-            if "messages" in request:
+            if request.source == "messages":
                 row["message"] = parse_completion(output.text)
             sink.write(json.dumps(row) + "\n")
     finally:
         if sink is not sys.stdout:
             sink.close()
     return 0
-
-
-def _read_requests(path: str) -> list[tuple[str, dict]]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError as err:
-        raise DeepInferError(f"{path}: cannot read ({err.strerror or err})") from None
-    except UnicodeDecodeError:
-        raise DeepInferError(f"{path}: not UTF-8 text") from None
-    requests = []
-    for number, line in enumerate(lines, start=1):
-        where = f"{path}:{number}"
-        if not line.strip():
-            continue
-        try:
-            request = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DeepInferError(f"{where}: invalid JSON ({err.msg})") from None
-        if not isinstance(request, dict):
-            raise DeepInferError(f"{where}: expected a JSON object")
-        sources = [key for key in ("prompt", "prompt_token_ids", "messages") if key in request]
-        if len(sources) != 1:
-            raise DeepInferError(f"{where}: needs exactly one of 'prompt', 'prompt_token_ids', 'messages'")
-        if "prompt" in request and not isinstance(request["prompt"], str):
-            raise DeepInferError(f"{where}: 'prompt' must be a string (use 'prompt_token_ids' for token ids)")
-        if "prompt_token_ids" in request and not isinstance(request["prompt_token_ids"], list):
-            raise DeepInferError(f"{where}: 'prompt_token_ids' must be a list of token ids")
-        if not isinstance(request.get("sampling", {}), dict):
-            raise DeepInferError(f"{where}: 'sampling' must be an object")
-        requests.append((where, request))
-    if not requests:
-        raise DeepInferError(f"{path}: no requests")
-    return requests

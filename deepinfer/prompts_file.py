@@ -1,0 +1,111 @@
+"""JSONL request files: the input of `deepinfer generate --prompts-file` and of the harness's native suite.
+
+One JSON object per line with exactly one of `prompt` (text), `prompt_token_ids` or `messages`
+(OpenAI Chat Completions shape, plus optional `tools`), an optional `sampling` object of
+`SamplingParams` fields and an optional string `id`. Blank lines are skipped. Every error names
+`file:line`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from deepinfer.errors import DeepInferError
+from deepinfer.recipe.chat import encode_chat
+from deepinfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from deepinfer.engine.llm import LLM
+
+SOURCES = ("prompt", "prompt_token_ids", "messages")
+FIELDS = {*SOURCES, "tools", "sampling", "id"}
+
+
+@dataclass
+class PromptRequest:
+    """One line of a request file; `where` is `file:line` for error messages."""
+
+    where: str
+    request_id: str
+    source: str
+    value: str | list
+    tools: list | None = None
+    sampling: dict = field(default_factory=dict)
+
+    def params(self, base: dict | None = None) -> SamplingParams:
+        """`base` defaults overridden by this line's `sampling` object."""
+        unknown = set(self.sampling) - set(SamplingParams.__dataclass_fields__)
+        if unknown:
+            raise DeepInferError(f"{self.where}: unknown sampling field(s) {sorted(unknown)}")
+        try:
+            return SamplingParams(**{**(base or {}), **self.sampling})
+        except DeepInferError as err:
+            raise DeepInferError(f"{self.where}: {err}") from None
+
+    def prompt_ids(self, llm: LLM) -> list[int]:
+        """The prompt as token ids, checked against the engine's limits."""
+        try:
+            if self.source == "messages":
+                if llm.tokenizer is None:
+                    raise DeepInferError("chat messages need a checkpoint with tokenizer.json")
+                return llm.encode(encode_chat(llm.tokenizer, self.value, tools=self.tools))
+            return llm.encode(self.value)
+        except DeepInferError as err:
+            raise DeepInferError(f"{self.where}: {err}") from None
+
+
+def read_prompts_file(path: str) -> list[PromptRequest]:
+    """Parse and validate every line; ids default to `line-N` and must be unique."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as err:
+        raise DeepInferError(f"{path}: cannot read ({err.strerror or err})") from None
+    except UnicodeDecodeError:
+        raise DeepInferError(f"{path}: not UTF-8 text") from None
+    requests: list[PromptRequest] = []
+    seen: dict[str, str] = {}
+    for number, line in enumerate(lines, start=1):
+        if line.strip():
+            request = parse_request_line(line, f"{path}:{number}", f"line-{number}")
+            if request.request_id in seen:
+                raise DeepInferError(f"{request.where}: duplicate id {request.request_id!r} "
+                                     f"(first at {seen[request.request_id]})")
+            seen[request.request_id] = request.where
+            requests.append(request)
+    if not requests:
+        raise DeepInferError(f"{path}: no requests")
+    return requests
+
+
+def parse_request_line(line: str, where: str, default_id: str) -> PromptRequest:
+    try:
+        request = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise DeepInferError(f"{where}: invalid JSON ({err.msg})") from None
+    if not isinstance(request, dict):
+        raise DeepInferError(f"{where}: expected a JSON object")
+    unknown = set(request) - FIELDS
+    if unknown:
+        raise DeepInferError(f"{where}: unknown field(s) {sorted(unknown)}")
+    sources = [key for key in SOURCES if key in request]
+    if len(sources) != 1:
+        raise DeepInferError(f"{where}: needs exactly one of 'prompt', 'prompt_token_ids', 'messages'")
+    source = sources[0]
+    value = request[source]
+    if source == "prompt" and not isinstance(value, str):
+        raise DeepInferError(f"{where}: 'prompt' must be a string (use 'prompt_token_ids' for token ids)")
+    if source == "prompt_token_ids" and not isinstance(value, list):
+        raise DeepInferError(f"{where}: 'prompt_token_ids' must be a list of token ids")
+    if source == "messages" and not isinstance(value, list):
+        raise DeepInferError(f"{where}: 'messages' must be a list of message objects")
+    if "tools" in request and source != "messages":
+        raise DeepInferError(f"{where}: 'tools' only goes with 'messages'")
+    if not isinstance(request.get("sampling", {}), dict):
+        raise DeepInferError(f"{where}: 'sampling' must be an object")
+    request_id = request.get("id", default_id)
+    if not isinstance(request_id, str) or not request_id:
+        raise DeepInferError(f"{where}: 'id' must be a non-empty string")
+    return PromptRequest(where, request_id, source, value, request.get("tools"), request.get("sampling", {}))
