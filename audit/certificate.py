@@ -1,0 +1,456 @@
+"""certificate.json: the configurations run, their roots and file digests, the verdict, how to re-run.
+
+The certificate is sealed by `content_hash` (SHA-256 of its canonical JSON without content_hash and
+signature) and optionally signed with Ed25519 over the 32 raw bytes of that hash. The file itself is
+written in one fixed form (sorted keys, indent 2, ASCII, trailing newline) and verification insists on
+that form, so that any change to any byte of the file is reported.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import math
+import os
+from datetime import datetime, timezone
+from pathlib import Path, PurePosixPath
+from typing import NoReturn
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from audit.compare import compare_streams, summarize
+from audit.errors import AuditError
+from audit.files import atomic_write, json_bytes
+from audit.store import MANIFEST, ROOT, STREAMS, Run, check_run, file_digests, read_run
+from audit.streams import HEX_DIGEST, canonical_json
+
+CERTIFICATE_FORMAT = "deepinfer-certificate/1"
+CERTIFICATE = "certificate.json"
+ROLES = ("reference", "variant", "control")
+BITWISE, TOKEN, DIVERGENT = "BITWISE_REPRODUCIBLE", "TOKEN_REPRODUCIBLE", "DIVERGENT"
+VERDICTS = (BITWISE, TOKEN, DIVERGENT)
+COMPARISON_KEYS = ("equal", "logprob_drift", "diverged", "near_tie", "missing", "error")
+RUN_FILES = (MANIFEST, STREAMS, ROOT)
+
+_SEAL_KEYS = ("content_hash", "signature")
+_TOP_KEYS = {
+    "format", "created", "suite", "checkpoint", "rerun", "reference", "near_tie_threshold",
+    "configurations", "verdict", "verdict_counts", "controls", "content_hash",
+}
+_CONFIG_KEYS = {"name", "role", "config", "run", "count", "token_root", "logit_root", "files", "comparison"}
+_SIGNATURE_KEYS = {"algorithm", "public_key", "value"}
+
+
+def _config_verdict(reference: dict, configuration: dict) -> str:
+    if configuration["token_root"] != reference["token_root"]:
+        return DIVERGENT
+    return BITWISE if configuration["logit_root"] == reference["logit_root"] else TOKEN
+
+
+def _reference_of(configurations: list[dict]) -> dict:
+    references = [c for c in configurations if c["role"] == "reference"]
+    if len(references) != 1:
+        raise AuditError(f"a certificate needs exactly one reference configuration, got {len(references)}")
+    return references[0]
+
+
+def verdict(configurations: list[dict]) -> tuple[str, dict]:
+    """The verdict over the variant configurations (certificate entries) against the reference.
+
+    BITWISE_REPRODUCIBLE: every variant's logit_root equals the reference's; TOKEN_REPRODUCIBLE: all
+    token_roots equal but some logit_root differs; DIVERGENT otherwise. Controls do not count.
+    `requests_diverged` sums the diverged requests over the variants.
+    """
+    reference = _reference_of(configurations)
+    variants = [c for c in configurations if c["role"] == "variant"]
+    if not variants:
+        raise AuditError("a verdict needs at least one variant configuration")
+    verdicts = [_config_verdict(reference, c) for c in variants]
+    counts = {
+        "variants": len(variants),
+        "bitwise_equal": verdicts.count(BITWISE),
+        "token_only": verdicts.count(TOKEN),
+        "divergent": verdicts.count(DIVERGENT),
+        "requests_diverged": sum(c["comparison"]["diverged"] for c in variants),
+    }
+    overall = DIVERGENT if counts["divergent"] else TOKEN if counts["token_only"] else BITWISE
+    return overall, counts
+
+
+def control_verdicts(configurations: list[dict]) -> list[dict]:
+    """Each control configuration's own verdict against the reference, with its comparison counts."""
+    reference = _reference_of(configurations)
+    return [
+        {"name": c["name"], "verdict": _config_verdict(reference, c), "comparison": c["comparison"]}
+        for c in configurations
+        if c["role"] == "control"
+    ]
+
+
+def _run_dir(base: Path, run: object, where: str) -> Path:
+    """The run folder of a configuration: a relative path inside `base`."""
+    if not isinstance(run, str) or not run:
+        raise AuditError(f"{where}: run must be a non-empty relative path, got {run!r}")
+    relative = PurePosixPath(run)
+    if relative.is_absolute() or ".." in relative.parts or "\\" in run:
+        raise AuditError(f"{where}: run {run!r} must be a relative path inside the certificate's folder")
+    return base / relative
+
+
+def build_certificate(
+    *,
+    out_dir: str | os.PathLike,
+    reference: str,
+    configurations: list[dict],
+    suite: dict,
+    checkpoint: dict,
+    rerun: dict,
+    near_tie_threshold: float = 1e-2,
+    created: str | None = None,
+) -> dict:
+    """An unsealed certificate for finished runs under `out_dir` (where certificate.json will live).
+
+    Each configuration is {"name", "role", "config", "run"} with `run` relative to out_dir; roots, file
+    digests and the comparison against the reference run are read and computed here.
+    """
+    base = Path(out_dir)
+    names = [c.get("name") for c in configurations]
+    if len(set(names)) != len(names):
+        raise AuditError(f"configuration names must be unique, got {names}")
+    runs: dict[str, Run] = {}
+    for given in configurations:
+        if set(given) != {"name", "role", "config", "run"}:
+            raise AuditError(f"configuration {given.get('name')!r} must have exactly name, role, config, run")
+        if given["role"] not in ROLES:
+            raise AuditError(f"configuration {given['name']!r}: role {given['role']!r} is not one of {ROLES}")
+        runs[given["name"]] = read_run(_run_dir(base, given["run"], f"configuration {given['name']!r}"))
+    if [c["name"] for c in configurations if c["role"] == "reference"] != [reference]:
+        raise AuditError(f"{reference!r} must be the one configuration with role 'reference'")
+    reference_streams = runs[reference].streams
+    entries = []
+    for given in configurations:
+        run = runs[given["name"]]
+        summary = summarize(compare_streams(reference_streams, run.streams, near_tie_threshold))
+        entries.append({
+            **given,
+            "count": run.root["count"],
+            "token_root": run.root["token_root"],
+            "logit_root": run.root["logit_root"],
+            "files": file_digests(run.path),
+            "comparison": {key: summary[key] for key in COMPARISON_KEYS},
+        })
+    overall, counts = verdict(entries)
+    cert = {
+        "format": CERTIFICATE_FORMAT,
+        "created": created or datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "suite": suite,
+        "checkpoint": checkpoint,
+        "rerun": rerun,
+        "reference": reference,
+        "near_tie_threshold": float(near_tie_threshold),
+        "configurations": entries,
+        "verdict": overall,
+        "verdict_counts": counts,
+        "controls": control_verdicts(entries),
+    }
+    _check_structure(seal(cert), base / CERTIFICATE)  # what is built here must load again
+    return cert
+
+
+def _content_hash(cert: dict) -> str:
+    return hashlib.sha256(canonical_json({k: v for k, v in cert.items() if k not in _SEAL_KEYS})).hexdigest()
+
+
+def seal(cert: dict) -> dict:
+    """The certificate with its content_hash; any previous seal and signature are dropped."""
+    body = {k: v for k, v in cert.items() if k not in _SEAL_KEYS}
+    return {**body, "content_hash": _content_hash(body)}
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _public_raw(key: Ed25519PublicKey) -> bytes:
+    return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def sign(cert: dict, private_key_pem: bytes) -> dict:
+    """The sealed certificate with an Ed25519 signature over the raw bytes of its content hash."""
+    try:
+        key = serialization.load_pem_private_key(private_key_pem, password=None)
+    except (ValueError, TypeError):
+        raise AuditError("private key: not an unencrypted PEM-encoded Ed25519 private key") from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise AuditError(f"private key: expected an Ed25519 key, got {type(key).__name__}")
+    if cert.get("content_hash") != _content_hash(cert):
+        raise AuditError("the certificate must be sealed, and unchanged since, before it is signed")
+    value = key.sign(bytes.fromhex(cert["content_hash"]))
+    signature = {"algorithm": "ed25519", "public_key": _b64(_public_raw(key.public_key())), "value": _b64(value)}
+    return {**cert, "signature": signature}
+
+
+def generate_keypair() -> tuple[bytes, bytes]:
+    """A new Ed25519 key pair as (PKCS#8 private PEM, SubjectPublicKeyInfo public PEM)."""
+    key = Ed25519PrivateKey.generate()
+    private_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    public_pem = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return private_pem, public_pem
+
+
+def _file_bytes(cert: dict) -> bytes:
+    return json_bytes(cert)
+
+
+def write_certificate(path: str | os.PathLike, cert: dict) -> None:
+    """Write a sealed certificate atomically (tmp file, fsync, rename, fsync of the folder)."""
+    path = Path(path)
+    if cert.get("content_hash") != _content_hash(cert):
+        raise AuditError(f"{path}: refusing to write a certificate that is not sealed (or changed since)")
+    atomic_write(path, json_bytes(cert))
+
+
+def _certificate_file(path: Path) -> Path:
+    return path / CERTIFICATE if path.is_dir() else path
+
+
+def _reject_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of range")
+    return value
+
+
+def _read(path: Path) -> tuple[bytes, dict]:
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise AuditError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        cert = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
+    except (ValueError, RecursionError) as exc:
+        raise AuditError(f"{path}: not valid JSON ({exc})") from None
+    _check_structure(cert, path)
+    return raw, cert
+
+
+def load_certificate(path: str | os.PathLike) -> dict:
+    """A certificate whose structure is valid (hashes, signature and runs are not checked here)."""
+    return _read(_certificate_file(Path(path)))[1]
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_hex(value: object) -> bool:
+    return isinstance(value, str) and HEX_DIGEST.fullmatch(value) is not None
+
+
+def _check_structure(cert: object, path: Path) -> None:
+    """AuditError naming `path` and the first field that does not have the certificate format."""
+
+    def fail(problem: str) -> NoReturn:
+        raise AuditError(f"{path}: {problem}")
+
+    if not isinstance(cert, dict):
+        fail("not a JSON object")
+    if cert.get("format") != CERTIFICATE_FORMAT:
+        fail(f"format {cert.get('format')!r} is not {CERTIFICATE_FORMAT!r}")
+    missing = sorted(_TOP_KEYS - set(cert))
+    if missing:
+        fail(f"missing field(s) {', '.join(missing)}")
+    unknown = sorted(set(cert) - _TOP_KEYS - {"signature"})
+    if unknown:
+        fail(f"unknown field(s) {', '.join(unknown)}")
+    for key in ("suite", "checkpoint", "rerun", "verdict_counts"):
+        if not isinstance(cert[key], dict):
+            fail(f"{key} must be an object")
+    for key in ("created", "reference"):
+        if not isinstance(cert[key], str):
+            fail(f"{key} must be a string")
+    threshold = cert["near_tie_threshold"]
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold):
+        fail("near_tie_threshold must be a finite number")
+    if cert["verdict"] not in VERDICTS:
+        fail(f"verdict {cert['verdict']!r} is not one of {', '.join(VERDICTS)}")
+    if not isinstance(cert["controls"], list):
+        fail("controls must be a list")
+    if not _is_hex(cert["content_hash"]):
+        fail("content_hash is not 64 lower-case hex digits")
+    signature = cert.get("signature")
+    if "signature" in cert and (not isinstance(signature, dict) or set(signature) != _SIGNATURE_KEYS):
+        fail(f"signature must be an object with exactly {', '.join(sorted(_SIGNATURE_KEYS))}")
+    configurations = cert["configurations"]
+    if not isinstance(configurations, list) or not configurations:
+        fail("configurations must be a non-empty list")
+    for number, c in enumerate(configurations):
+        if not isinstance(c, dict) or set(c) != _CONFIG_KEYS:
+            fail(f"configuration {number} must be an object with exactly {', '.join(sorted(_CONFIG_KEYS))}")
+        where = f"configuration {c['name']!r}"
+        if not isinstance(c["name"], str) or c["role"] not in ROLES or not isinstance(c["config"], dict):
+            fail(f"configuration {number}: name must be a string, role one of {ROLES}, config an object")
+        if not _is_count(c["count"]) or not _is_hex(c["token_root"]) or not _is_hex(c["logit_root"]):
+            fail(f"{where}: count must be a non-negative integer and the roots 64 lower-case hex digits")
+        if not isinstance(c["files"], dict) or set(c["files"]) != set(RUN_FILES) or not all(
+            _is_hex(v) for v in c["files"].values()
+        ):
+            fail(f"{where}: files must map {', '.join(RUN_FILES)} to sha256 hex digests")
+        comparison = c["comparison"]
+        if not isinstance(comparison, dict) or set(comparison) != set(COMPARISON_KEYS) or not all(
+            _is_count(v) for v in comparison.values()
+        ):
+            fail(f"{where}: comparison must map {', '.join(COMPARISON_KEYS)} to counts")
+        try:
+            _run_dir(path.parent, c["run"], where)
+        except AuditError as exc:
+            fail(str(exc))
+    names = [c["name"] for c in configurations]
+    if len(set(names)) != len(names):
+        fail("configuration names are not unique")
+    if [c["name"] for c in configurations if c["role"] == "reference"] != [cert["reference"]]:
+        fail(f"reference {cert['reference']!r} is not the one configuration with role 'reference'")
+
+
+def _signature_problems(cert: dict, public_key_pem: bytes | None, name: str) -> list[str]:
+    signature = cert.get("signature")
+    pinned = None
+    if public_key_pem is not None:
+        try:
+            pinned = serialization.load_pem_public_key(public_key_pem)
+        except (ValueError, TypeError):
+            raise AuditError("public key: not a PEM-encoded Ed25519 public key") from None
+        if not isinstance(pinned, Ed25519PublicKey):
+            raise AuditError(f"public key: expected an Ed25519 key, got {type(pinned).__name__}")
+    if signature is None:
+        return [f"{name}: not signed, but a public key was given"] if pinned else []
+    if signature["algorithm"] != "ed25519":
+        return [f"{name}: signature algorithm {signature['algorithm']!r} is not 'ed25519'"]
+    try:
+        raw_key = base64.b64decode(signature["public_key"], validate=True)
+        value = base64.b64decode(signature["value"], validate=True)
+        # Only the canonical base64 spelling is accepted, so no character of the signature can change unnoticed.
+        if _b64(raw_key) != signature["public_key"] or _b64(value) != signature["value"]:
+            raise ValueError("not canonical base64")
+        key = Ed25519PublicKey.from_public_bytes(raw_key)
+    except (binascii.Error, TypeError, ValueError):
+        return [f"{name}: signature public key or value is not valid base64 of an Ed25519 key/signature"]
+    problems = []
+    if pinned is not None and _public_raw(pinned) != raw_key:
+        problems.append(f"{name}: signed by a different key than the given public key")
+    try:
+        key.verify(value, bytes.fromhex(_content_hash(cert)))
+    except InvalidSignature:
+        problems.append(f"{name}: signature is not valid for its contents")
+    return problems
+
+
+def _derived_problems(cert: dict, name: str) -> list[str]:
+    """The verdict, its counts and the controls must follow from the configurations."""
+    try:
+        overall, counts = verdict(cert["configurations"])
+    except AuditError as exc:
+        return [f"{name}: {exc}"]
+    problems = []
+    if (overall, counts) != (cert["verdict"], cert["verdict_counts"]):
+        problems.append(f"{name}: verdict {cert['verdict']} {cert['verdict_counts']} does not follow from the "
+                        f"configurations' roots (expected {overall} {counts})")
+    if control_verdicts(cert["configurations"]) != cert["controls"]:
+        problems.append(f"{name}: controls do not follow from the control configurations")
+    return problems
+
+
+def _configuration_problems(c: dict, run_dir: Path) -> list[str]:
+    """File digests, check_run and the roots of one configuration's run."""
+    label = c["run"]
+    if not run_dir.is_dir():
+        return [f"{label}: run folder of configuration {c['name']!r} is missing"]
+    problems = []
+    try:
+        digests = file_digests(run_dir)
+    except AuditError as exc:
+        problems.append(str(exc))
+    else:
+        problems.extend(
+            f"{label}/{file}: sha256 does not match the certificate (changed after certification?)"
+            for file in RUN_FILES
+            if digests[file] != c["files"][file]
+        )
+    problems.extend(check_run(run_dir))
+    try:
+        root = json.loads((run_dir / ROOT).read_bytes())
+        differing = [key for key in ("count", "token_root", "logit_root") if root.get(key) != c[key]]
+    except (OSError, ValueError, AttributeError):
+        differing = []  # check_run has reported the unreadable root.json
+    problems.extend(f"{label}/{ROOT}: {key} differs from the certificate" for key in differing)
+    return problems
+
+
+def verify_certificate(cert_path: str | os.PathLike, public_key_pem: bytes | None = None) -> list[str]:
+    """Every problem with a certificate and its runs; [] when it is valid.
+
+    Checks the file's format and exact form, the content hash, the signature (required and pinned when
+    `public_key_pem` is given) and the verdict; then, if the certificate itself is intact, per
+    configuration the run's file digests, check_run, its roots and the comparison counts recomputed
+    from the streams.
+    """
+    file = _certificate_file(Path(cert_path))
+    try:
+        raw, cert = _read(file)
+    except AuditError as exc:
+        return [str(exc)]
+    name = file.name
+    problems = []
+    if raw != json_bytes(cert):
+        problems.append(f"{name}: not in the exact form it is written in (bytes changed after writing?)")
+    if cert["content_hash"] != _content_hash(cert):
+        problems.append(f"{name}: content hash does not match its contents (edited after sealing?)")
+    problems.extend(_signature_problems(cert, public_key_pem, name))
+    problems.extend(_derived_problems(cert, name))
+    if problems:  # the runs are checked against the certificate's claims, which cannot be trusted now
+        return problems
+    intact: dict[str, Run] = {}
+    for c in cert["configurations"]:
+        run_dir = _run_dir(file.parent, c["run"], name)
+        found = _configuration_problems(c, run_dir)
+        problems.extend(found)
+        if not found:
+            intact[c["name"]] = read_run(run_dir)
+    reference = intact.get(cert["reference"])
+    for c in cert["configurations"]:
+        if reference is None or c["name"] not in intact:
+            continue
+        summary = summarize(compare_streams(reference.streams, intact[c["name"]].streams, cert["near_tie_threshold"]))
+        recomputed = {key: summary[key] for key in COMPARISON_KEYS}
+        if recomputed != c["comparison"]:
+            problems.append(f"{name}: comparison of {c['name']!r} {c['comparison']} does not match its run "
+                            f"(recomputed {recomputed})")
+    return problems
+
+
+def reference_run(path: str | os.PathLike) -> Run:
+    """The run diffs are taken against: a certificate's (file or folder) reference run, or a run folder."""
+    path = Path(path)
+    if path.is_file() or (path / CERTIFICATE).is_file():
+        file = _certificate_file(path)
+        cert = load_certificate(file)
+        c = _reference_of(cert["configurations"])
+        run = read_run(_run_dir(file.parent, c["run"], str(file)))
+        if any(run.root[key] != c[key] for key in ("count", "token_root", "logit_root")):
+            raise AuditError(f"{run.path / ROOT}: the run's root differs from {file}'s reference configuration")
+        return run
+    if (path / MANIFEST).is_file():
+        return read_run(path)
+    raise AuditError(f"{path}: neither a certificate nor a run folder")

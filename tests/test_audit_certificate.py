@@ -1,0 +1,340 @@
+"""certificate.json: building, sealing, signing, verifying against the runs, and the verdict rules."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+from pathlib import Path
+
+import polars as pl
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from audit.certificate import (
+    BITWISE,
+    DIVERGENT,
+    TOKEN,
+    build_certificate,
+    control_verdicts,
+    generate_keypair,
+    load_certificate,
+    reference_run,
+    seal,
+    sign,
+    verdict,
+    verify_certificate,
+    write_certificate,
+)
+from audit.errors import AuditError
+from audit.store import RunStore, file_digests, make_row
+
+REF = [[1, 2, 3], [4, 5], [6]]
+DRIFTED = 2.0**-20  # added to one logprob: same tokens, other fp32 bits
+
+
+def make_run(path: Path, tokens: list[list[int]], *, bump: tuple[int, int] | None = None) -> None:
+    """A finished run; `bump` = (request, position) whose logprob gets DRIFTED added."""
+    store = RunStore.create(path, {"variant": path.name})
+    rows = []
+    for i, ids in enumerate(tokens):
+        logprobs = [-0.5 - (DRIFTED if bump == (i, p) else 0.0) for p in range(len(ids))]
+        rows.append(make_row(i, f"q{i}", [9, 9], {"seed": 1}, ids, logprobs, [[t, t + 1] for t in ids],
+                             [[lp, -2.0] for lp in logprobs], None, "length", None, 0.0, 0.1, 0.2))
+    store.append(rows)
+    store.finalize()
+
+
+def configuration(name: str, role: str) -> dict:
+    return {"name": name, "role": role, "config": {"kernel": name}, "run": f"runs/{name}"}
+
+
+def certify(base: Path, configs: list[tuple[str, str]], *, key: bytes | None = None, threshold: float = 1e-2) -> dict:
+    cert = seal(build_certificate(
+        out_dir=base, reference="ref", configurations=[configuration(*c) for c in configs],
+        suite={"name": "t"}, checkpoint={"sha": "c"}, rerun={"argv": ["x"]}, near_tie_threshold=threshold,
+        created="2025-01-01T00:00:00+00:00",
+    ))
+    if key is not None:
+        cert = sign(cert, key)
+    write_certificate(base / "certificate.json", cert)
+    return cert
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("certified")
+    make_run(base / "runs" / "ref", REF)
+    make_run(base / "runs" / "same", REF)
+    make_run(base / "runs" / "drift", REF, bump=(1, 1))
+    make_run(base / "runs" / "div", [[1, 2, 3], [4, 5], [7]])
+    return base
+
+
+@pytest.fixture(scope="module")
+def keys() -> tuple[bytes, bytes]:
+    return generate_keypair()
+
+
+@pytest.fixture
+def out(runs, tmp_path) -> Path:
+    """A private copy of the runs folder for tests that write or tamper."""
+    return Path(shutil.copytree(runs, tmp_path / "out"))
+
+
+def flip(file: Path, position: int, mask: int = 0x01) -> None:
+    data = bytearray(file.read_bytes())
+    data[position] ^= mask
+    file.write_bytes(bytes(data))
+
+
+def test_build_write_verify_round_trip(out):
+    cert = certify(out, [("ref", "reference"), ("same", "variant"), ("drift", "variant"), ("div", "control")])
+    assert verify_certificate(out / "certificate.json") == []
+    assert verify_certificate(out) == []  # the folder works too
+    assert load_certificate(out / "certificate.json") == cert
+    assert cert["verdict"] == TOKEN
+    assert cert["verdict_counts"] == {"variants": 2, "bitwise_equal": 1, "token_only": 1, "divergent": 0,
+                                      "requests_diverged": 0}
+    assert cert["controls"] == [{"name": "div", "verdict": DIVERGENT, "comparison": {
+        "equal": 2, "logprob_drift": 0, "diverged": 1, "near_tie": 0, "missing": 0, "error": 0}}]
+    by_name = {c["name"]: c for c in cert["configurations"]}
+    assert by_name["drift"]["comparison"] == {"equal": 2, "logprob_drift": 1, "diverged": 0, "near_tie": 0,
+                                              "missing": 0, "error": 0}
+    assert by_name["ref"]["comparison"]["equal"] == 3
+    assert by_name["same"]["files"] == file_digests(out / "runs" / "same")
+    assert by_name["same"]["token_root"] == by_name["ref"]["token_root"]
+    assert not list(out.glob("*.tmp"))
+
+
+def test_seal_is_idempotent_and_drops_a_signature(runs, keys):
+    cert = seal(build_certificate(out_dir=runs, reference="ref", suite={}, checkpoint={}, rerun={},
+                                  configurations=[configuration("ref", "reference"), configuration("same", "variant")]))
+    assert seal(cert) == cert
+    signed = sign(cert, keys[0])
+    assert seal(signed) == cert
+
+
+def entry(name: str, role: str, token: str, logit: str, diverged: int = 0) -> dict:
+    return {"name": name, "role": role, "token_root": token * 64, "logit_root": logit * 64,
+            "comparison": {"diverged": diverged, "near_tie": 0}}
+
+
+@pytest.mark.parametrize(
+    ("variants", "expected", "counts"),
+    [
+        ([("a", "a")], BITWISE, (1, 0, 0, 0)),
+        ([("a", "a"), ("a", "b")], TOKEN, (1, 1, 0, 0)),
+        ([("a", "b"), ("c", "c", 4), ("a", "a")], DIVERGENT, (1, 1, 1, 4)),
+        ([("c", "c", 2), ("c", "d", 3)], DIVERGENT, (0, 0, 2, 5)),
+    ],
+)
+def test_verdict_rules(variants, expected, counts):
+    configs = [entry("ref", "reference", "a", "a")]
+    configs += [entry(f"v{i}", "variant", *v) for i, v in enumerate(variants)]
+    configs += [entry("ctl", "control", "z", "z", 9)]  # controls never change the main verdict
+    overall, got = verdict(configs)
+    assert overall == expected
+    assert (got["bitwise_equal"], got["token_only"], got["divergent"], got["requests_diverged"]) == counts
+    assert got["variants"] == len(variants)
+    assert control_verdicts(configs) == [
+        {"name": "ctl", "verdict": DIVERGENT, "comparison": {"diverged": 9, "near_tie": 0}}
+    ]
+
+
+def test_verdict_needs_one_reference_and_a_variant():
+    with pytest.raises(AuditError, match="at least one variant"):
+        verdict([entry("ref", "reference", "a", "a"), entry("c", "control", "a", "a")])
+    with pytest.raises(AuditError, match="exactly one reference"):
+        verdict([entry("r1", "reference", "a", "a"), entry("r2", "reference", "a", "a"),
+                 entry("v", "variant", "a", "a")])
+
+
+def test_a_divergent_control_keeps_the_verdict_bitwise(out):
+    cert = certify(out, [("ref", "reference"), ("same", "variant"), ("div", "control")])
+    assert cert["verdict"] == BITWISE
+    assert cert["controls"][0]["verdict"] == DIVERGENT
+    assert verify_certificate(out) == []
+
+
+@pytest.fixture
+def signed_small(out, keys) -> Path:
+    certify(out, [("ref", "reference"), ("same", "variant")], key=keys[0])
+    return out / "certificate.json"
+
+
+def test_flipping_any_byte_of_the_certificate_is_reported(signed_small):
+    original = signed_small.read_bytes()
+    assert verify_certificate(signed_small) == []
+    unnoticed = []
+    for position in range(len(original)):
+        flip(signed_small, position)
+        if not verify_certificate(signed_small):
+            unnoticed.append(position)
+        signed_small.write_bytes(original)
+    assert unnoticed == []
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_replacing_any_byte_of_the_certificate_is_reported(signed_small, data):
+    original = signed_small.read_bytes()
+    position = data.draw(st.integers(0, len(original) - 1))
+    mask = data.draw(st.integers(1, 255))
+    try:
+        flip(signed_small, position, mask)
+        assert verify_certificate(signed_small) != []
+    finally:
+        signed_small.write_bytes(original)
+
+
+def test_other_spellings_of_the_same_content_are_reported(out, keys):
+    """Changes that JSON or base64 decoding would hide: exponent case, whitespace, key order, pad bits."""
+    cert = certify(out, [("ref", "reference"), ("same", "variant")], key=keys[0], threshold=1e-5)
+    path = out / "certificate.json"
+    text = path.read_text()
+    value = cert["signature"]["value"]  # 64 bytes: the last character before "==" carries 4 unused bits
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+    padded = value[:-3] + alphabet[alphabet.index(value[-3]) | 1] + "=="
+    assert base64.b64decode(padded) == base64.b64decode(value)
+    spellings = [
+        text.replace("1e-05", "1E-05"),
+        text.replace('\n  "checkpoint"', '\n \t"checkpoint"'),
+        json.dumps(cert),
+        text.replace(value, padded),
+    ]
+    for spelling in spellings:
+        assert spelling != text
+        path.write_text(spelling)
+        assert verify_certificate(path) != [], spelling
+
+
+def test_signatures_and_pinned_keys(out, keys):
+    private, public = keys
+    certify(out, [("ref", "reference"), ("same", "variant")], key=private)
+    path = out / "certificate.json"
+    assert verify_certificate(path, public) == []
+    other_public = generate_keypair()[1]
+    assert verify_certificate(path, other_public) == [
+        "certificate.json: signed by a different key than the given public key"
+    ]
+    unsigned = certify(out, [("ref", "reference"), ("same", "variant")])
+    assert verify_certificate(path) == []
+    assert verify_certificate(path, public) == ["certificate.json: not signed, but a public key was given"]
+    with pytest.raises(AuditError, match="Ed25519"):
+        verify_certificate(path, b"not a key")
+    # An edited, resealed certificate that keeps the old signature: the seal is fine, the signature is not.
+    signed = sign(unsigned, private)
+    forged = {**seal({**signed, "rerun": {"argv": ["evil"]}}), "signature": signed["signature"]}
+    write_certificate(path, forged)
+    assert verify_certificate(path) == ["certificate.json: signature is not valid for its contents"]
+
+
+def test_sign_needs_a_sealed_certificate_and_an_ed25519_key(runs, keys):
+    cert = build_certificate(out_dir=runs, reference="ref", suite={}, checkpoint={}, rerun={},
+                             configurations=[configuration("ref", "reference"), configuration("same", "variant")])
+    with pytest.raises(AuditError, match="must be sealed"):
+        sign(cert, keys[0])
+    with pytest.raises(AuditError, match="private key"):
+        sign(seal(cert), keys[1])
+    with pytest.raises(AuditError, match="not sealed"):
+        write_certificate(runs / "unused.json", cert)
+
+
+def test_edited_then_resealed_claims_are_checked_against_the_runs(out):
+    cert = certify(out, [("ref", "reference"), ("same", "variant"), ("drift", "variant")])
+    path = out / "certificate.json"
+    write_certificate(path, seal({**cert, "verdict": BITWISE}))
+    assert any("does not follow from the configurations' roots" in p for p in verify_certificate(path))
+    configs = [dict(c) for c in cert["configurations"]]
+    configs[1]["comparison"] = {**configs[1]["comparison"], "equal": 2, "logprob_drift": 1}
+    write_certificate(path, seal({**cert, "configurations": configs}))
+    assert [p for p in verify_certificate(path) if "comparison of 'same'" in p]
+
+
+@pytest.mark.parametrize("name", ["streams.parquet", "root.json", "manifest.json"])
+def test_a_flipped_byte_in_a_run_file_is_reported_naming_it(out, name):
+    certify(out, [("ref", "reference"), ("same", "variant")])
+    file = out / "runs" / "same" / name
+    flip(file, len(file.read_bytes()) // 2)
+    problems = verify_certificate(out)
+    assert f"runs/same/{name}: sha256 does not match the certificate (changed after certification?)" in problems
+
+
+def test_rewritten_streams_fail_check_run(out):
+    certify(out, [("ref", "reference"), ("same", "variant")])
+    streams = out / "runs" / "same" / "streams.parquet"
+    frame = pl.read_parquet(streams)
+    frame.with_columns(pl.col("logprobs").list.eval(pl.element() - 1.0)).write_parquet(streams)
+    problems = verify_certificate(out)
+    assert any("logit_hash does not match" in p for p in problems)
+    assert any(p.startswith("runs/same/streams.parquet: sha256") for p in problems)
+
+
+def test_a_replaced_run_shows_root_mismatch(out):
+    certify(out, [("ref", "reference"), ("same", "variant")])
+    shutil.rmtree(out / "runs" / "same")
+    make_run(out / "runs" / "same", [[1, 2, 3], [4, 6], [6]])
+    problems = verify_certificate(out)
+    assert "runs/same/root.json: token_root differs from the certificate" in problems
+    assert "runs/same/root.json: logit_root differs from the certificate" in problems
+    shutil.rmtree(out / "runs" / "same")
+    assert verify_certificate(out) == ["runs/same: run folder of configuration 'same' is missing"]
+
+
+def test_unreadable_or_invalid_certificates(out):
+    path = out / "certificate.json"
+    with pytest.raises(AuditError, match="cannot read"):
+        load_certificate(path)
+    path.write_text("{not json")
+    with pytest.raises(AuditError, match="not valid JSON"):
+        load_certificate(path)
+    assert verify_certificate(path)[0].startswith(f"{path}: not valid JSON")
+    for number in ("NaN", "1e999"):
+        path.write_text(f'{{"format": "deepinfer-certificate/1", "near_tie_threshold": {number}}}')
+        with pytest.raises(AuditError, match="not valid JSON"):
+            load_certificate(path)
+    path.write_text('{"format": "deepinfer-certificate/1", "reference": "ref"}')
+    with pytest.raises(AuditError, match="missing field"):
+        load_certificate(path)
+    cert = certify(out, [("ref", "reference"), ("same", "variant")])
+    configs = [dict(c) for c in cert["configurations"]]
+    configs[1]["run"] = "../elsewhere"
+    path.write_text(json.dumps({**cert, "configurations": configs}))
+    with pytest.raises(AuditError, match="relative path inside"):
+        load_certificate(path)
+
+
+def test_reference_run_from_a_certificate_or_a_run(out):
+    certify(out, [("ref", "reference"), ("same", "variant")])
+    assert reference_run(out / "certificate.json").path == out / "runs" / "ref"
+    assert reference_run(out).path == out / "runs" / "ref"
+    assert reference_run(out / "runs" / "same").path == out / "runs" / "same"
+    with pytest.raises(AuditError, match="neither a certificate nor a run"):
+        reference_run(out / "runs")
+    (out / "notes.txt").write_text("hello")
+    with pytest.raises(AuditError, match="not valid JSON"):
+        reference_run(out / "notes.txt")
+    make_run(out / "other", [[1]])
+    shutil.rmtree(out / "runs" / "ref")
+    shutil.copytree(out / "other", out / "runs" / "ref")
+    with pytest.raises(AuditError, match="root differs"):
+        reference_run(out)
+
+
+@pytest.mark.parametrize(
+    ("configs", "reference", "match"),
+    [
+        ([configuration("ref", "reference"), configuration("same", "variant")], "same", "role 'reference'"),
+        ([configuration("ref", "reference"), {**configuration("same", "variant"), "run": "../x"}], "ref", "relative"),
+        ([configuration("ref", "reference"), configuration("same", "judge")], "ref", "role 'judge'"),
+        ([configuration("ref", "reference"), configuration("nope", "variant")], "ref", "missing"),
+        ([configuration("ref", "reference"), configuration("ref", "variant")], "ref", "unique"),
+        ([configuration("ref", "reference")], "ref", "at least one variant"),
+    ],
+)
+def test_build_rejects_bad_configurations(runs, configs, reference, match):
+    with pytest.raises(AuditError, match=match):
+        build_certificate(out_dir=runs, reference=reference, configurations=configs, suite={}, checkpoint={}, rerun={})
+
