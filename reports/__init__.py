@@ -1,1 +1,7 @@
-"""Reserved for the next issues; see ../shared/ARCHITECTURE.md §2 for what this folder owns."""
+"""Reports: render a certify output folder (certificate.json + runs/) into report.md and a
+self-contained report.html with tables and figures. Modules, one job each: load (certificate, runs,
+comparisons), tables and figures (content), document (sections), markdown and html (layout), render."""
+
+from reports.render import render_report
+
+__all__ = ["render_report"]

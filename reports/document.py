@@ -1,0 +1,215 @@
+"""The report as a format-free document (headline, sections of blocks); Markdown and HTML renderers
+lay the same document out, so both reports always say the same thing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import polars as pl
+
+from reports import figures, tables
+from reports.load import AuditData
+
+COUNTED = ("equal", "logprob_drift", "diverged", "near_tie", "missing", "error")
+VERDICT_LEVELS = {"BITWISE_REPRODUCIBLE": "good", "TOKEN_REPRODUCIBLE": "warn", "DIVERGENT": "bad"}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A verdict; level is good / warn / bad / unknown (drives the HTML colour); the primary one is
+    shown large, controls' smaller with their detail on the same line."""
+
+    label: str
+    verdict: str
+    level: str
+    detail: str = ""
+    primary: bool = False
+
+
+@dataclass(frozen=True)
+class Paragraph:
+    text: str
+
+
+@dataclass(frozen=True)
+class Bullets:
+    items: list[str]
+
+
+@dataclass(frozen=True)
+class Note:
+    """An explicit statement that a figure or table has nothing to show."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Table:
+    frame: pl.DataFrame
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A PNG figure; `filename` is its name under report_files/ next to report.md."""
+
+    filename: str
+    png: bytes
+    caption: str
+
+
+Block = Verdict | Paragraph | Bullets | Note | Table | Figure
+
+
+@dataclass(frozen=True)
+class Section:
+    title: str
+    blocks: list[Block] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Document:
+    title: str
+    intro: list[Block]
+    sections: list[Section]
+
+
+def verdict_level(verdict: str) -> str:
+    return VERDICT_LEVELS.get(verdict, "unknown")
+
+
+def outcome(counts: dict) -> str:
+    """Plain-language outcome of one configuration against the reference, from its summary counts."""
+    n = counts["requests"]
+    parts = []
+    if counts["diverged"]:
+        near = f" ({counts['near_tie']} near-tie)" if counts["near_tie"] else ""
+        parts.append(f"{counts['diverged']}/{n} requests diverged{near}")
+    if counts["logprob_drift"]:
+        parts.append(f"{counts['logprob_drift']}/{n} with logprob drift only")
+    if counts["missing"] + counts["error"]:
+        parts.append(f"{counts['missing'] + counts['error']}/{n} missing or errored")
+    return ", ".join(parts) if parts else f"all {n} requests bitwise equal"
+
+
+def count_mismatches(data: AuditData) -> list[str]:
+    """Where the certificate's comparison counts disagree with the runs compared afresh."""
+    lines = []
+    for entry in data.certificate["configurations"]:
+        recorded = entry.get("comparison") or {}
+        fresh = data.summary(entry["name"])
+        for key in COUNTED:
+            if key in recorded and recorded[key] != fresh[key]:
+                lines.append(f"{entry['name']}: {key} is {recorded[key]} in the certificate, {fresh[key]} in the runs")
+    return lines
+
+
+def _headline(data: AuditData, counts: dict[str, dict]) -> Section:
+    cert = data.certificate
+    variants = [c for c in data.configurations if c.role == "variant"]
+    controls = [c for c in data.configurations if c.role == "control"]
+    control_verdicts = {c.get("name"): c.get("verdict", "–") for c in cert.get("controls") or []}
+    blocks: list[Block] = [
+        Verdict("Verdict", cert["verdict"], verdict_level(cert["verdict"]), primary=True),
+        Paragraph(
+            f"{len(variants)} variant configuration(s) compared with the reference {data.reference.name!r} "
+            f"on {counts[data.reference.name]['requests']} requests; the verdict covers variants only."
+        ),
+        Bullets([f"{c.name} (variant): {outcome(counts[c.name])}" for c in variants] or ["no variants"]),
+    ]
+    mismatches = count_mismatches(data)
+    if mismatches:
+        blocks += [Note("The certificate's comparison counts do not match its runs; this report shows the runs."),
+                   Bullets(mismatches)]
+    if controls:
+        blocks.append(
+            Paragraph(
+                "Controls are configurations expected to break the determinism contract (such as fast, "
+                "non-batch-invariant numerics); they are reported but not part of the verdict. A diverging "
+                "control shows the suite can expose nondeterminism; a control that stays equal means this suite "
+                "did not exercise it."
+            )
+        )
+        for c in controls:
+            verdict = control_verdicts.get(c.name, "–")
+            blocks.append(Verdict(f"{c.name} control", verdict, verdict_level(verdict), outcome(counts[c.name])))
+    return Section("Verdict", blocks)
+
+
+def _certificate_facts(data: AuditData) -> Paragraph:
+    cert = data.certificate
+    signature = cert.get("signature")
+    signed = f"signed ({signature.get('algorithm', '?')})" if signature else "unsigned"
+    return Paragraph(
+        f"Certificate created {cert.get('created', '–')}, content hash {cert.get('content_hash', '–')}, {signed}."
+    )
+
+
+def _environment_differences(data: AuditData) -> list[Block]:
+    differences = tables.environment_differences(data)
+    if not differences:
+        return [Paragraph("Every configuration ran in this environment.")]
+    return [Paragraph("Configurations whose environment differs from the reference's, and where:"),
+            Bullets(differences)]
+
+
+def _figure_or_note(png: bytes | None, filename: str, caption: str, empty: str) -> Block:
+    return Note(empty) if png is None else Figure(filename, png, caption)
+
+
+def build_document(data: AuditData) -> Document:
+    """Assemble every section of the report from the loaded audit data."""
+    counts = {c.name: data.summary(c.name) for c in data.configurations}
+    reference = data.reference
+    others = data.comparisons.filter(pl.col("configuration") != reference.name)
+    zero_drift = others.filter(pl.col("max_logprob_drift") == 0).height
+    divergences = tables.divergence_table(data)
+    cert = data.certificate
+    sections = [
+        _headline(data, counts),
+        Section(
+            "Configurations",
+            [
+                Table(tables.configurations_table(data)),
+                Paragraph(f"Settings shared by every configuration: {tables.shared_settings(data) or 'none'}."),
+                Paragraph(
+                    "Roots are the first 12 hex digits of each run's Merkle roots; counts compare each run with "
+                    "the reference run request by request; a divergence is a near-tie when the smaller top-2 "
+                    f"logprob margin there is below {cert['near_tie_threshold']:g}; "
+                    "tok/s = generated tokens / latest finish time."
+                ),
+            ],
+        ),
+        Section(
+            "Invariance map",
+            [Figure("invariance.png", figures.invariance_heatmap(data),
+                    "Each configuration against the reference, one cell per request.")],
+        ),
+        Section(
+            "First divergence positions",
+            [_figure_or_note(figures.divergence_histogram(data), "divergence_positions.png",
+                             "First divergent generated-token position, all non-reference configurations.",
+                             "No divergences: every configuration generated the reference's token ids.")],
+        ),
+        Section(
+            "Logprob drift",
+            [
+                _figure_or_note(figures.drift_plot(data), "logprob_drift.png",
+                                "Max |Δlogprob| per request on the common prefix of identical token ids.",
+                                "No logprob drift: every common prefix has bit-identical logprobs."),
+                Paragraph(f"{zero_drift} of {others.height} non-reference request comparisons have zero drift."),
+            ],
+        ),
+        Section(
+            "Diverged requests",
+            [Note("No diverged, missing or errored requests.") if divergences.is_empty() else Table(divergences)],
+        ),
+        Section(
+            f"Environment of the reference run ({reference.name})",
+            [Table(tables.environment_table(reference)), *_environment_differences(data)],
+        ),
+        Section(
+            "Inputs",
+            [Table(tables.key_value_table({k: cert.get(k) for k in ("checkpoint", "suite", "rerun")}))],
+        ),
+    ]
+    return Document("DeepInfer reproducibility report", [_certificate_facts(data)], sections)

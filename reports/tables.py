@@ -1,0 +1,162 @@
+"""The report's tables as polars frames of display strings (renderers only lay them out)."""
+
+from __future__ import annotations
+
+import json
+
+import polars as pl
+
+from reports.load import AuditData, Configuration
+
+MAX_CELL = 160
+ROOT_CHARS = 12
+
+
+def cell(value: object) -> str:
+    """One value as short display text: None as an en dash, containers as compact JSON."""
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return text if len(text) <= MAX_CELL else text[: MAX_CELL - 1] + "…"
+
+
+def _flatten(obj: dict, prefix: str = "") -> list[tuple[str, str]]:
+    rows: list[tuple[str, str]] = []
+    for key, value in obj.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            rows.extend(_flatten(value, f"{name}."))
+        else:
+            rows.append((name, cell(value)))
+    return rows
+
+
+def key_value_table(obj: dict) -> pl.DataFrame:
+    """Nested dict as (key, value) rows, nested keys dotted."""
+    return pl.DataFrame(_flatten(obj), schema={"key": pl.String, "value": pl.String}, orient="row")
+
+
+def _environment(configuration: Configuration) -> dict:
+    manifest = configuration.run.manifest
+    return {
+        **(manifest.get("environment") or {}),
+        "engine_version": manifest.get("engine_version"),
+        "git": manifest.get("git"),
+    }
+
+
+def environment_table(reference: Configuration) -> pl.DataFrame:
+    """Hardware and software of the reference run, plus the engine build that produced it."""
+    return key_value_table(_environment(reference))
+
+
+def environment_differences(data: AuditData) -> list[str]:
+    """One line per configuration whose environment differs from the reference's, naming the keys."""
+    reference = dict(_flatten(_environment(data.reference)))
+    lines = []
+    for c in data.configurations:
+        env = dict(_flatten(_environment(c)))
+        differing = sorted(k for k in reference.keys() | env.keys() if reference.get(k) != env.get(k))
+        if differing:
+            lines.append(f"{c.name}: {', '.join(differing)}")
+    return lines
+
+
+def run_stats(configuration: Configuration) -> tuple[int, float | None]:
+    """(generated tokens, tokens per second); throughput is None when the run has no duration."""
+    streams = configuration.run.streams
+    tokens = int(streams["token_ids"].list.len().sum() or 0)
+    finish = streams["finish_s"].max()
+    return tokens, (tokens / finish if finish else None)
+
+
+def _knobs(data: AuditData) -> tuple[list[str], dict]:
+    """Config keys whose values differ between configurations (in first-seen order), and the settings
+    every configuration shares; a key that only repeats each configuration's name is neither."""
+    keys: list[str] = []
+    for c in data.configurations:
+        keys.extend(k for k in c.config if k not in keys)
+    varying, shared = [], {}
+    for key in keys:
+        values = [cell(c.config[key]) if key in c.config else None for c in data.configurations]
+        if values == [c.name for c in data.configurations]:
+            continue
+        if len(set(values)) > 1:
+            varying.append(key)
+        else:
+            shared[key] = data.configurations[0].config[key]
+    return varying, shared
+
+
+def shared_settings(data: AuditData) -> str:
+    """The settings every configuration shares, as 'key=value' pairs."""
+    return ", ".join(f"{k}={cell(v)}" for k, v in _knobs(data)[1].items())
+
+
+def configurations_table(data: AuditData) -> pl.DataFrame:
+    """One row per configuration: role, the knobs that differ, short roots, comparison counts, throughput."""
+    knobs = _knobs(data)[0]
+    rows = []
+    for c in data.configurations:
+        tokens, throughput = run_stats(c)
+        n = data.summary(c.name)
+        rows.append(
+            {
+                "configuration": c.name,
+                "role": c.role,
+                **{k: cell(c.config[k]) if k in c.config else "" for k in knobs},
+                "token root": c.token_root[:ROOT_CHARS],
+                "logit root": c.logit_root[:ROOT_CHARS],
+                "equal": str(n["equal"]),
+                "drift": str(n["logprob_drift"]),
+                "diverged": str(n["diverged"]),
+                "near-tie": str(n["near_tie"]),
+                "missing/error": str(n["missing"] + n["error"]),
+                "tokens": str(tokens),
+                "tok/s": "–" if throughput is None else f"{throughput:.1f}",
+            }
+        )
+    return pl.DataFrame(rows, schema={key: pl.String for key in rows[0]})
+
+
+def _token(row: dict, column: str) -> str:
+    """A token at the divergence; a stream that already ended there shows as 'end'."""
+    if row[column] is None and row["status"] == "diverged":
+        return "end"
+    return cell(row[column])
+
+
+def divergence_table(data: AuditData) -> pl.DataFrame:
+    """Every non-equal, non-drift request of every non-reference configuration, in config then index order."""
+    order = {c.name: i for i, c in enumerate(data.configurations)}
+    bad = (
+        data.comparisons.filter(
+            (pl.col("configuration") != data.reference.name)
+            & pl.col("status").is_in(["diverged", "missing", "error"])
+        )
+        .with_columns(order=pl.col("configuration").replace_strict(order, return_dtype=pl.Int64))
+        .sort("order", "index")
+    )
+    rows = []
+    for r in bad.iter_rows(named=True):
+        kind = ("near-tie" if r["near_tie"] else "hard") if r["status"] == "diverged" else r["status"]
+        rows.append(
+            {
+                "configuration": r["configuration"],
+                "request": r["request_id"],
+                "position": cell(r["first_divergence"]),
+                "token ref → other": f"{_token(r, 'token_ref')} → {_token(r, 'token_other')}",
+                "logprob ref": cell(r["logprob_ref"]),
+                "logprob other": cell(r["logprob_other"]),
+                "margin ref": cell(r["margin_ref"]),
+                "margin other": cell(r["margin_other"]),
+                "kind": kind,
+            }
+        )
+    columns = ["configuration", "request", "position", "token ref → other", "logprob ref", "logprob other",
+               "margin ref", "margin other", "kind"]
+    return pl.DataFrame(rows, schema={key: pl.String for key in columns})
