@@ -2,7 +2,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install dev test generate
+.PHONY: install dev test generate certify
+
+CERTIFY_OUT ?= certify-out/$(shell date -u +%Y%m%dT%H%M%SZ)
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,3 +26,6 @@ test: $(VENV)/.dev-installed
 
 generate: $(VENV)/.installed
 	$(VENV)/bin/deepinfer generate --prompt "The quick brown fox" --max-tokens 32
+
+certify: $(VENV)/.installed
+	$(VENV)/bin/deepinfer audit certify --suite smoke --out $(CERTIFY_OUT)

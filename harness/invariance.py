@@ -9,25 +9,12 @@ from __future__ import annotations
 
 import random
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from deepinfer import LLM, RequestOutput, SamplingParams
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One engine configuration. `stagger=k` starts with k requests and admits one more every k
-    steps, so requests join while others decode; `shuffle` submits in a seeded random order."""
-
-    name: str
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    enable_chunked_prefill: bool = True
-    num_cache_blocks: int | None = None
-    shuffle: bool = False
-    stagger: int = 0
-
+from harness.serve import serve
+from harness.sweep import Variant
 
 STANDARD_VARIANTS = (
     Variant("all-at-once"),
@@ -80,36 +67,11 @@ def run_variant(
     model: str | Path | None, requests: list[Request], variant: Variant, *, dtype: str, numerics: str,
     device: str = "cpu",
 ) -> list[RequestOutput]:
-    """Serve `requests` under `variant`; outputs come back in request order."""
-    llm = LLM(
-        model, device=device, dtype=dtype, numerics=numerics, max_num_seqs=variant.max_num_seqs,
-        max_num_batched_tokens=max(variant.max_num_batched_tokens,
-                                   0 if variant.enable_chunked_prefill else max(len(r.prompt) for r in requests)),
-        enable_chunked_prefill=variant.enable_chunked_prefill, num_cache_blocks=variant.num_cache_blocks,
-        max_model_len=512,
-    )
-    order = list(range(len(requests)))
-    if variant.shuffle:
-        random.Random(1).shuffle(order)
-    pending = list(order)
-    ids: dict[int, int] = {}
-    if variant.stagger:
-        for index in pending[: variant.stagger]:
-            ids[llm.add_request(requests[index].prompt, requests[index].params)] = index
-        pending = pending[variant.stagger:]
-    else:
-        for index in pending:
-            ids[llm.add_request(requests[index].prompt, requests[index].params)] = index
-        pending = []
-    outputs: dict[int, RequestOutput] = {}
-    steps = 0
-    while llm.has_unfinished() or pending:
-        if pending and (not llm.has_unfinished() or steps % variant.stagger == 0):
-            index = pending.pop(0)
-            ids[llm.add_request(requests[index].prompt, requests[index].params)] = index
-        for output in llm.step():
-            outputs[ids[output.request_id]] = output
-        steps += 1
+    """Serve `requests` under `variant` (with this dtype, numerics and device); outputs come back in
+    request order."""
+    variant = replace(variant, dtype=dtype, numerics=numerics, device=device, max_model_len=512)
+    llm = LLM(model, **variant.engine_kwargs(max(len(r.prompt) for r in requests)))
+    outputs = {done.index: done.output for done in serve(llm, [(r.prompt, r.params) for r in requests], variant)}
     if variant.num_cache_blocks is not None and llm.scheduler.num_preemptions == 0:
         raise AssertionError(f"variant {variant.name} was meant to force preemption but none happened")
     return [outputs[i] for i in range(len(requests))]

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.invariance import STANDARD_VARIANTS, Variant, run_matrix, standard_requests
+from harness.invariance import STANDARD_VARIANTS, run_matrix, standard_requests
+from harness.sweep import Variant
 
 
 @pytest.fixture(scope="module")

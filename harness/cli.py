@@ -1,0 +1,242 @@
+"""The full `deepinfer` command: the engine's commands plus `deepinfer audit ...`.
+
+The audit commands live here, not in deepinfer/, because they drive the harness and the audit store
+(dependencies point kernels <- deepinfer <- harness -> audit <- reports).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from audit.errors import AuditError
+from deepinfer import cli as engine_cli
+from deepinfer.errors import DeepInferError
+
+EXIT_DIFFERENT = 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return engine_cli.main(argv, more_commands=(add_audit,), user_errors=(AuditError,))
+
+
+def add_audit(commands: argparse._SubParsersAction) -> None:
+    audit = commands.add_parser("audit", help="record, compare and certify runs",
+                                description="Record runs into the audit store, compare them, and issue "
+                                            "verifiable reproducibility certificates.")
+    sub = audit.add_subparsers(title="audit commands", metavar="COMMAND", required=True)
+
+    run = sub.add_parser("run", help="record one configuration of a suite into a run folder")
+    _model_and_suite(run)
+    run.add_argument("--out", required=True, help="run folder to create (or to continue with --resume)")
+    run.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
+    _variant_flags(run)
+    run.set_defaults(run=_cmd_run)
+
+    certify = sub.add_parser("certify", help="run a suite over a sweep of configurations and certify it",
+                             description="Run the suite under the reference configuration and every variant "
+                                         "of the sweep, compare each with the reference, and write "
+                                         "certificate.json, report.md and report.html into --out.")
+    _model_and_suite(certify)
+    certify.add_argument("--sweep", help="sweep JSON file (default: batch 1/8/32, shuffled, staggered, chunk 32, "
+                                         "preemption, plus a numerics=fast control)")
+    certify.add_argument("--out", required=True, help="output folder (must be new or empty unless --resume)")
+    certify.add_argument("--resume", action="store_true", help="continue an interrupted certification in --out")
+    certify.add_argument("--sign-key", help="Ed25519 private key (PEM) to sign the certificate with")
+    certify.add_argument("--dtype", default="float32", help="dtype of the default sweep (default: float32)")
+    certify.add_argument("--device", default="cpu", help="device of the default sweep (default: cpu)")
+    _progress_flag(certify)
+    certify.set_defaults(run=_cmd_certify)
+
+    verify = sub.add_parser("verify", help="check a certificate's hash, signature and stored runs")
+    verify.add_argument("certificate", help="certificate.json")
+    verify.add_argument("--public-key", help="require a signature by this Ed25519 public key (PEM)")
+    verify.add_argument("--rerun", action="store_true", help="also re-execute the reference configuration and "
+                                                              "compare roots")
+    verify.add_argument("--model", help="checkpoint folder for --rerun (default: the path the certificate records)")
+    _progress_flag(verify)
+    verify.set_defaults(run=_cmd_verify)
+
+    keygen = sub.add_parser("keygen", help="make an Ed25519 key pair for signing certificates")
+    keygen.add_argument("--out", required=True, help="writes OUT.key (private, mode 600) and OUT.pub")
+    keygen.set_defaults(run=_cmd_keygen)
+
+    compare = sub.add_parser("compare", help="compare runs request by request with the first one")
+    compare.add_argument("runs", nargs="+", metavar="RUN", help="run folders (or certificates: their reference run)")
+    _near_tie_flag(compare)
+    compare.add_argument("--json", action="store_true", help="print the per-request comparison as JSON lines")
+    compare.set_defaults(run=_cmd_compare)
+
+    diff = sub.add_parser("diff", help="regression check: exit 0 if streams are identical, 1 if any diverged, "
+                                       "2 on bad input")
+    diff.add_argument("--baseline", required=True, help="run folder or certificate")
+    diff.add_argument("--run", required=True, dest="candidate", help="run folder or certificate")
+    _near_tie_flag(diff)
+    diff.set_defaults(run=_cmd_diff)
+
+    report = sub.add_parser("report", help="write report.md and report.html for a certification folder")
+    report.add_argument("folder", help="the --out folder of `deepinfer audit certify`")
+    report.set_defaults(run=_cmd_report)
+
+
+def _model_and_suite(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="checkpoint folder (default: the embedded tiny checkpoint)")
+    parser.add_argument("--suite", required=True,
+                        help="KIND:PATH, a JSONL file of requests, or a shipped suite name (smoke)")
+    parser.add_argument("--run-seed", type=int, default=0, help="seed from which unseeded requests derive theirs")
+
+
+def _variant_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--name", default="run", help="configuration name recorded in the manifest")
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--no-chunked-prefill", action="store_true")
+    parser.add_argument("--num-cache-blocks", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--shuffle", action="store_true", help="submit requests in a seeded random order")
+    parser.add_argument("--stagger", type=int, default=0, help="admit one request every K engine steps")
+    parser.add_argument("--numerics", default="batch_invariant", choices=("batch_invariant", "fast"))
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu")
+    _progress_flag(parser)
+
+
+def _progress_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+
+
+def _near_tie_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--near-tie", type=float, default=1e-2,
+                        help="a divergence whose top-2 logprob margin is below this is a near-tie (default: 0.01)")
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from harness.record import record_run
+    from harness.suites import load_suite
+    from harness.sweep import Variant, check_variant
+
+    variant = check_variant(Variant(
+        args.name, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=not args.no_chunked_prefill, num_cache_blocks=args.num_cache_blocks,
+        max_model_len=args.max_model_len, shuffle=args.shuffle, stagger=args.stagger, numerics=args.numerics,
+        dtype=args.dtype, device=args.device,
+    ), "flags")
+    root = record_run(args.model, load_suite(args.suite), variant, Path(args.out), run_seed=args.run_seed,
+                      resume=args.resume, progress=args.progress)
+    print(f"run {args.out}: {root['count']} requests, logit root {root['logit_root']}")
+    return 0
+
+
+def _cmd_certify(args: argparse.Namespace) -> int:
+    from harness.certify import certify
+    from harness.sweep import default_sweep, load_sweep
+
+    sweep = load_sweep(args.sweep) if args.sweep else default_sweep(args.dtype, args.device)
+    result = certify(args.model, args.suite, sweep, Path(args.out), run_seed=args.run_seed, resume=args.resume,
+                     sign_key=Path(args.sign_key) if args.sign_key else None, progress=args.progress)
+    cert = result.certificate
+    print(f"verdict: {cert['verdict']} ({_counts(cert)})")
+    for control in cert.get("controls", []):
+        print(f"control {control['name']}: {control['verdict']} ({_control_counts(control)})")
+    print(f"certificate: {result.certificate_path}")
+    print(f"report: {result.report_paths[0]} and {result.report_paths[1]}")
+    return 0
+
+
+def _counts(cert: dict) -> str:
+    variants = [c for c in cert["configurations"] if c["role"] == "variant"]
+    diverged = sum(c["comparison"]["diverged"] for c in variants)
+    drift = sum(c["comparison"]["logprob_drift"] for c in variants)
+    return (f"{len(variants)} variants vs reference {cert['reference']}, {cert['suite']['count']} requests each; "
+            f"{diverged} request divergences, {drift} logprob-only drifts")
+
+
+def _control_counts(control: dict) -> str:
+    counts = control.get("comparison", {})
+    return ", ".join(f"{k} {v}" for k, v in counts.items() if isinstance(v, int))
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from audit.certificate import verify_certificate
+    from harness.certify import rerun_reference
+
+    public_key = _read(args.public_key) if args.public_key else None
+    problems = verify_certificate(Path(args.certificate), public_key)
+    if not problems and args.rerun:
+        problems = rerun_reference(Path(args.certificate), args.model, progress=args.progress)
+    for problem in problems:
+        print(f"FAIL: {problem}", file=sys.stderr)
+    if problems:
+        return EXIT_DIFFERENT
+    print(f"OK: {args.certificate} is intact" + (" and its reference run reproduces bit for bit" if args.rerun else ""))
+    return 0
+
+
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    from audit.certificate import generate_keypair
+
+    private, public = generate_keypair()
+    key_path, pub_path = Path(args.out + ".key"), Path(args.out + ".pub")
+    for path in (key_path, pub_path):
+        if path.exists():
+            raise DeepInferError(f"{path} exists: refusing to overwrite a key")
+    try:
+        with open(key_path, "xb", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:
+            f.write(private)
+        pub_path.write_bytes(public)
+    except OSError as err:
+        raise DeepInferError(f"{args.out}: cannot write the key pair ({err.strerror or err})") from None
+    print(f"private key: {key_path}\npublic key: {pub_path}")
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from audit.certificate import reference_run
+    from audit.compare import compare_streams, format_comparison
+
+    if len(args.runs) < 2:
+        raise DeepInferError("compare needs at least two runs")
+    base = reference_run(Path(args.runs[0]))
+    for other_path in args.runs[1:]:
+        other = reference_run(Path(other_path))
+        comparison = compare_streams(base.streams, other.streams, args.near_tie)
+        if args.json:
+            for row in comparison.iter_rows(named=True):
+                print(json.dumps({"baseline": args.runs[0], "run": other_path, **row}))
+        else:
+            print(format_comparison(comparison, args.runs[0], other_path))
+    return 0
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from audit.certificate import reference_run
+    from audit.compare import compare_streams, format_comparison
+
+    baseline, candidate = reference_run(Path(args.baseline)), reference_run(Path(args.candidate))
+    comparison = compare_streams(baseline.streams, candidate.streams, args.near_tie)
+    print(format_comparison(comparison, args.baseline, args.candidate))
+    identical = comparison["status"].eq("equal").all() and candidate.streams.height == baseline.streams.height
+    return 0 if identical else EXIT_DIFFERENT
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from reports import render_report
+
+    md, html = render_report(Path(args.folder))
+    print(f"report: {md} and {html}")
+    return 0
+
+
+def _read(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as err:
+        raise DeepInferError(f"{path}: cannot read ({err.strerror or err})") from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

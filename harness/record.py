@@ -1,0 +1,124 @@
+"""Record one configuration of a suite into a run folder of the audit store.
+
+Rows are flushed in small atomic part files as requests finish, so a run killed at any point keeps
+what it finished; `resume=True` serves only the missing requests. Because outputs do not depend on
+what else is in the batch, the resumed run reaches the same root as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from audit.errors import AuditError
+from audit.files import atomic_write, json_bytes
+from audit.manifest import build_manifest
+from audit.store import RunStore, make_row
+from deepinfer import LLM
+from deepinfer.errors import DeepInferError
+from harness.serve import serve
+from harness.suites import Suite
+from harness.sweep import Variant
+
+FLUSH_ROWS = 16
+FLUSH_SECONDS = 2.0
+STATS_FILE = "stats.json"
+
+
+def record_run(
+    model: str | Path | None, suite: Suite, variant: Variant, run_dir: Path, *, run_seed: int = 0,
+    resume: bool = False, progress: bool = True,
+) -> dict:
+    """Serve `suite` under `variant` into `run_dir`; returns the run's root (root.json contents)."""
+    run_dir = Path(run_dir)
+    if resume and (run_dir / "root.json").exists():
+        return json.loads((run_dir / "root.json").read_text())
+    started = time.perf_counter()
+    llm = LLM(model, seed=run_seed, **variant.engine_kwargs(variant.max_model_len))
+    manifest = build_manifest(
+        engine={"max_num_seqs": variant.max_num_seqs, "max_num_batched_tokens": variant.max_num_batched_tokens,
+                "enable_chunked_prefill": variant.enable_chunked_prefill,
+                "num_cache_blocks": variant.num_cache_blocks, "max_model_len": variant.max_model_len,
+                "numerics": variant.numerics, "dtype": variant.dtype, "device": variant.device},
+        checkpoint={"path": str(model) if model is not None else None, "content_hash": llm.model_id},
+        suite=suite.describe(), seeds={"run_seed": run_seed}, variant=variant.to_dict(),
+    )
+    store = _open_store(run_dir, manifest, resume)
+    done = store.done()
+    rows: list[dict] = []
+    jobs, job_index = [], []
+    for index, item in enumerate(suite.requests):
+        if index in done:
+            continue
+        params = item.params(run_seed)
+        try:
+            prompt = item.prompt_ids(llm)
+        except DeepInferError as err:
+            rows.append(_error_row(index, item.request_id, params.to_dict(), str(err)))
+            continue
+        jobs.append((prompt, params))
+        job_index.append(index)
+    bar = tqdm(total=len(suite.requests), initial=len(done), desc=variant.name, unit="req", disable=not progress,
+               leave=False)
+    bar.update(len(rows))
+    last_flush = time.monotonic()
+    for finished in serve(llm, jobs, variant):
+        out = finished.output
+        index = job_index[finished.index]
+        top = out.top_logprobs or []
+        rows.append(make_row(
+            index=index, request_id=suite.requests[index].request_id, prompt_token_ids=out.prompt_token_ids,
+            params=jobs[finished.index][1].to_dict(), token_ids=out.token_ids, logprobs=out.logprobs,
+            top_token_ids=[[i for i, _ in row] for row in top], top_logprobs=[[lp for _, lp in row] for row in top],
+            text=out.text, finish_reason=out.finish_reason, error=None, arrival_s=finished.arrival_s,
+            first_token_s=None, finish_s=finished.finish_s,
+        ))
+        bar.update(1)
+        if len(rows) >= FLUSH_ROWS or time.monotonic() - last_flush > FLUSH_SECONDS:
+            store.append(rows)
+            rows, last_flush = [], time.monotonic()
+    if rows:
+        store.append(rows)
+    bar.close()
+    _add_stats(run_dir, llm, time.perf_counter() - started)
+    return store.finalize()
+
+
+def _open_store(run_dir: Path, manifest: dict, resume: bool) -> RunStore:
+    if not resume:
+        return RunStore.create(run_dir, manifest)
+    if not (run_dir / "manifest.json").exists():
+        return RunStore.create(run_dir, manifest)
+    store = RunStore.resume(run_dir)
+    for key in ("checkpoint", "suite", "variant", "engine", "seeds"):
+        if _comparable(store.manifest.get(key)) != _comparable(manifest[key]):
+            raise AuditError(f"{run_dir}: cannot resume: its {key} differs from this invocation's")
+    return store
+
+
+def _comparable(section: object) -> object:
+    """A manifest section without the fields that may legitimately differ between sessions."""
+    if isinstance(section, dict):
+        return {k: v for k, v in section.items() if k != "path"}
+    return section
+
+
+def _error_row(index: int, request_id: str, params: dict, message: str) -> dict:
+    return make_row(
+        index=index, request_id=request_id, prompt_token_ids=[], params=params, token_ids=[], logprobs=[],
+        top_token_ids=[], top_logprobs=[], text=None, finish_reason="error", error=message, arrival_s=0.0,
+        first_token_s=None, finish_s=0.0,
+    )
+
+
+def _add_stats(run_dir: Path, llm: LLM, seconds: float) -> None:
+    """Engine statistics summed over the sessions that produced the run (timing is never hashed)."""
+    path = run_dir / STATS_FILE
+    stats = json.loads(path.read_text()) if path.exists() else {"sessions": 0, "wall_s": 0.0, "preemptions": 0}
+    stats["sessions"] += 1
+    stats["wall_s"] += seconds
+    stats["preemptions"] += llm.scheduler.num_preemptions
+    atomic_write(path, json_bytes(stats))

@@ -1,0 +1,61 @@
+"""Drive one engine over a list of prompts the way a variant says: arrival order and staggering.
+
+Batch size, chunking and preemption are engine settings (see `Variant.engine_kwargs`); what this
+module adds is *when* each request reaches the engine.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from deepinfer import LLM, RequestOutput, SamplingParams
+from harness.sweep import Variant
+
+SHUFFLE_SEED = 1
+
+
+@dataclass
+class Finished:
+    """A served request: `index` is its position in the job list; times are seconds since `serve` began."""
+
+    index: int
+    output: RequestOutput
+    arrival_s: float
+    finish_s: float
+
+
+def arrival_order(count: int, variant: Variant) -> list[int]:
+    order = list(range(count))
+    if variant.shuffle:
+        random.Random(SHUFFLE_SEED).shuffle(order)
+    return order
+
+
+def serve(llm: LLM, jobs: list[tuple[list[int], SamplingParams]], variant: Variant) -> Iterator[Finished]:
+    """Submit `jobs` (prompt ids, params) in the variant's order and yield each as it finishes.
+    With `stagger=k`, k requests start together and one more joins every k engine steps."""
+    start = time.perf_counter()
+    pending = arrival_order(len(jobs), variant)
+    index_of: dict[int, int] = {}
+    arrival: dict[int, float] = {}
+
+    def submit(index: int) -> None:
+        request_id = llm.add_request(*jobs[index])
+        index_of[request_id] = index
+        arrival[index] = time.perf_counter() - start
+
+    head = len(pending) if not variant.stagger else variant.stagger
+    for index in pending[:head]:
+        submit(index)
+    pending = pending[head:]
+    steps = 0
+    while llm.has_unfinished() or pending:
+        if pending and (not llm.has_unfinished() or steps % variant.stagger == 0):
+            submit(pending.pop(0))
+        for output in llm.step():
+            index = index_of[output.request_id]
+            yield Finished(index, output, arrival[index], time.perf_counter() - start)
+        steps += 1
