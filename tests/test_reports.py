@@ -1,0 +1,235 @@
+"""reports.render_report on a synthetic certify folder: both files written, HTML self-contained and
+parseable, verdicts and divergences shown; broken runs rejected with an AuditError naming the run."""
+
+from __future__ import annotations
+
+import json
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from audit.certificate import build_certificate, seal, write_certificate
+from audit.errors import AuditError
+from audit.store import RunStore, make_row
+from reports import render_report
+
+PROMPTS = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
+REQUEST_IDS = ["greet", "sum", "poem", "code"]
+TOKENS = [10, 11, 12, 13]
+LOGPROBS = [-0.5, -0.25, -1.0, -0.125]  # fp32-exact
+ALT = 0.75  # top-2 logprob = top-1 - ALT: a wide margin (hard divergence)
+
+DRIFTED = [-0.5, -0.25 - 2**-16, -1.0, -0.125]  # same tokens, one logprob off by 2^-16
+NEAR_TIE_TOP = [[lp, lp - 2**-8] for lp in LOGPROBS]  # margin 0.0039 < 1e-2 everywhere
+
+# (name, role, config, {request index: (tokens, logprobs, top-2 logprobs or None)} overriding the reference's)
+CONFIGURATIONS = [
+    ("reference", "reference", {"batch_size": 1, "numerics": "invariant"}, {}),
+    ("batch-8", "variant", {"batch_size": 8, "numerics": "invariant"}, {}),
+    ("chunked-prefill", "variant", {"batch_size": 8, "chunk": 2, "numerics": "invariant"},
+     {1: ([10, 11, 99, 13], LOGPROBS, None), 2: (TOKENS, DRIFTED, None)}),
+    ("fast", "control", {"batch_size": 8, "numerics": "fast"},
+     {0: ([10, 77, 12, 13], LOGPROBS, NEAR_TIE_TOP), 3: ([10, 11, 12, 55], LOGPROBS, None)}),
+]
+
+
+def _rows(overrides: dict) -> list[dict]:
+    rows = []
+    for i, (request_id, prompt) in enumerate(zip(REQUEST_IDS, PROMPTS)):
+        tokens, logprobs, top = overrides.get(i, (TOKENS, LOGPROBS, None))
+        top = top or [[lp, lp - ALT] for lp in logprobs]
+        rows.append(
+            make_row(
+                index=i, request_id=request_id, prompt_token_ids=prompt,
+                params={"max_tokens": 4, "seed": i, "temperature": 0.0},
+                token_ids=tokens, logprobs=logprobs,
+                top_token_ids=[[t, t + 1] for t in tokens], top_logprobs=top,
+                text=None, finish_reason="length", error=None,
+                arrival_s=0.0, first_token_s=0.1 * (i + 1), finish_s=0.5 * (i + 1),
+            )
+        )
+    return rows
+
+
+def _manifest(name: str, config: dict) -> dict:
+    return {
+        "format": "deepinfer-manifest/1",
+        "engine_version": "0.1.0",
+        "git": {"commit": "0" * 40, "dirty": False},
+        "environment": {"python": "3.11.7", "platform": "Linux-x86_64", "cpu": "Test CPU <fast> & co",
+                        "torch": "2.9.0", "triton": None, "cuda": None,
+                        "gpu": ["NVIDIA H200"] if name == "fast" else []},
+        "engine": config,
+        "checkpoint": {"name": "tiny", "sha256": "ab" * 32},
+        "suite": {"name": "synthetic", "requests": len(REQUEST_IDS)},
+        "seeds": {"base": 0},
+        "variant": config,
+        "created": "2025-01-01T00:00:00Z",
+    }
+
+
+def _certify_folder(out: Path, configurations: list[tuple]) -> Path:
+    entries = []
+    for name, role, config, overrides in configurations:
+        config = {"name": name, **config, "dtype": "float32"}
+        store = RunStore.create(out / "runs" / name, _manifest(name, config))
+        rows = _rows(overrides)
+        store.append(rows[:2])
+        store.append(rows[2:])
+        store.finalize()
+        entries.append({"name": name, "role": role, "config": config, "run": f"runs/{name}"})
+    cert = build_certificate(
+        out_dir=out, reference=configurations[0][0], configurations=entries,
+        suite={"name": "synthetic", "requests": len(REQUEST_IDS)}, checkpoint={"name": "tiny", "sha256": "ab" * 32},
+        rerun={"suite": "synthetic", "run_seed": 0}, created="2025-01-01T00:00:00+00:00",
+    )
+    write_certificate(out / "certificate.json", seal(cert))
+    return out
+
+
+@pytest.fixture(scope="module")
+def certified(tmp_path_factory) -> Path:
+    return _certify_folder(tmp_path_factory.mktemp("certify"), CONFIGURATIONS)
+
+
+@pytest.fixture(scope="module")
+def rendered(certified) -> tuple[str, str]:
+    md_path, html_path = render_report(certified)
+    assert md_path == certified / "report.md" and html_path == certified / "report.html"
+    return md_path.read_text(encoding="utf-8"), html_path.read_text(encoding="utf-8")
+
+
+class _StrictParser(HTMLParser):
+    """Records tag nesting problems and every URL-bearing attribute."""
+
+    VOID = {"meta", "img", "br", "hr", "link", "input"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[str] = []
+        self.problems: list[str] = []
+        self.urls: list[str] = []
+        self.tags: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+        self.urls += [v for k, v in attrs if k in ("src", "href") and v is not None]
+        if tag not in self.VOID:
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        if not self.stack or self.stack[-1] != tag:
+            self.problems.append(f"</{tag}> closes {self.stack[-1:] or 'nothing'}")
+        else:
+            self.stack.pop()
+
+
+def test_both_reports_written_with_figures(certified, rendered):
+    md, _ = rendered
+    pngs = sorted(p.name for p in (certified / "report_files").glob("*.png"))
+    assert pngs == ["divergence_positions.png", "invariance.png", "logprob_drift.png"]
+    for name in pngs:
+        assert f"(report_files/{name})" in md
+        assert (certified / "report_files" / name).read_bytes().startswith(b"\x89PNG")
+
+
+def test_html_is_self_contained_and_well_formed(rendered):
+    _, html = rendered
+    for forbidden in ("http://", "https://", "<script", "<link ", "@import", "url("):
+        assert forbidden not in html
+    parser = _StrictParser()
+    parser.feed(html)
+    parser.close()
+    assert parser.problems == [] and parser.stack == []
+    assert parser.tags.count("img") == 3
+    assert parser.urls and all(u.startswith("data:image/png;base64,") for u in parser.urls)
+    assert "Test CPU &lt;fast&gt; &amp; co" in html  # manifest text is escaped
+
+
+def test_reports_name_configurations_and_verdicts(rendered):
+    for text in rendered:
+        assert "do not match its runs" not in text
+        for name, *_ in CONFIGURATIONS:
+            assert name in text
+        assert "Verdict: " in text and "DIVERGENT" in text
+        flat = re.sub(r"<[^>]+>|\*\*", "", text)  # tags and bold markers out
+        assert "fast control: DIVERGENT, 2/4 requests diverged (1 near-tie)" in flat
+        assert "chunked-prefill (variant): 1/4 requests diverged, 1/4 with logprob drift only" in flat
+        assert "batch-8 (variant): all 4 requests bitwise equal" in flat
+
+
+def test_tables_show_counts_throughput_and_divergences(rendered):
+    md, html = rendered
+    lines = md.splitlines()
+    chunked = next(line for line in lines if line.startswith("| chunked-prefill ") and "variant" in line)
+    cells = [c.strip() for c in chunked.strip("|").split("|")]
+    # knobs batch_size, numerics, chunk; two roots; equal, drift, diverged, near-tie, missing/error, tokens, tok/s
+    assert cells[:5] == ["chunked-prefill", "variant", "8", "invariant", "2"]
+    assert cells[7:] == ["2", "1", "1", "0", "0", "16", "8.0"]
+    divergence_rows = [line for line in lines if line.startswith("| chunked-prefill ") and "hard" in line]
+    assert len(divergence_rows) == 1
+    cells = [c.strip() for c in divergence_rows[0].strip("|").split("|")]
+    assert cells[:4] == ["chunked-prefill", "sum", "2", "12 → 99"]
+    near = next(line for line in lines if line.startswith("| fast ") and "near-tie" in line)
+    assert "| greet " in near and "| 1 " in near
+    assert "<td>sum</td><td>2</td><td>12 → 99</td>" in html
+    assert "Settings shared by every configuration: dtype=float32." in md
+    assert "| dtype" not in md and "| name" not in md
+    assert "- fast: gpu\n" in md  # the control ran on other hardware than the reference
+
+
+def test_rendering_again_gives_the_same_bytes(certified, rendered):
+    md_path, html_path = render_report(certified)
+    assert (md_path.read_text(encoding="utf-8"), html_path.read_text(encoding="utf-8")) == rendered
+
+
+def test_no_divergence_says_so(tmp_path):
+    out = _certify_folder(tmp_path, CONFIGURATIONS[:2])
+    md_path, html_path = render_report(out)
+    md, html = md_path.read_text(encoding="utf-8"), html_path.read_text(encoding="utf-8")
+    for text in (md, html):
+        assert "BITWISE_REPRODUCIBLE" in text
+        assert "No divergences" in text and "No logprob drift" in text
+        assert "No diverged, missing or errored requests" in text
+        assert "Every configuration ran in this environment." in text
+    assert sorted(p.name for p in (out / "report_files").glob("*.png")) == ["invariance.png"]
+
+
+@pytest.mark.parametrize(
+    ("damage", "says"),
+    [("missing streams", "streams.parquet"), ("corrupt root", "root.json"),
+     ("root not certified", "root.json token_root does not match the certificate")],
+)
+def test_broken_run_is_an_audit_error_naming_it(tmp_path, damage, says):
+    out = _certify_folder(tmp_path, CONFIGURATIONS[:2])
+    run = out / "runs" / "batch-8"
+    if damage == "missing streams":
+        (run / "streams.parquet").unlink()
+    elif damage == "corrupt root":
+        (run / "root.json").write_text("{not json", encoding="utf-8")
+    else:
+        cert = json.loads((out / "certificate.json").read_text(encoding="utf-8"))
+        cert["configurations"][1]["token_root"] = "0" * 64
+        (out / "certificate.json").write_text(json.dumps(cert), encoding="utf-8")
+    with pytest.raises(AuditError, match="configuration 'batch-8' \\(runs/batch-8\\): ") as raised:
+        render_report(out)
+    assert says in str(raised.value)
+    assert not (out / "report.md").exists()
+
+
+def test_missing_certificate_is_an_audit_error(tmp_path):
+    with pytest.raises(AuditError, match="certificate.json"):
+        render_report(tmp_path)
+
+
+def test_certificate_counts_that_disagree_with_the_runs_are_flagged(tmp_path):
+    out = _certify_folder(tmp_path, CONFIGURATIONS[:2])
+    cert = json.loads((out / "certificate.json").read_text(encoding="utf-8"))
+    cert["configurations"][1]["comparison"]["diverged"] = 3
+    (out / "certificate.json").write_text(json.dumps(cert), encoding="utf-8")
+    md_path, _ = render_report(out)
+    md = md_path.read_text(encoding="utf-8")
+    assert "do not match its runs" in md
+    assert "- batch-8: diverged is 3 in the certificate, 0 in the runs" in md
