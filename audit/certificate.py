@@ -428,6 +428,7 @@ def verify_certificate(cert_path: str | os.PathLike, public_key_pem: bytes | Non
         problems.extend(found)
         if not found:
             intact[c["name"]] = read_run(run_dir)
+            problems.extend(_manifest_problems(cert, c, intact[c["name"]].manifest, name))
     reference = intact.get(cert["reference"])
     for c in cert["configurations"]:
         if reference is None or c["name"] not in intact:
@@ -438,6 +439,17 @@ def verify_certificate(cert_path: str | os.PathLike, public_key_pem: bytes | Non
             problems.append(f"{name}: comparison of {c['name']!r} {c['comparison']} does not match its run "
                             f"(recomputed {recomputed})")
     return problems
+
+
+def _manifest_problems(cert: dict, configuration: dict, manifest: dict, name: str) -> list[str]:
+    """A run must be of the certified suite and checkpoint, under the configuration it is listed as."""
+    claims = (
+        ("suite", (manifest.get("suite") or {}).get("content_hash"), cert["suite"].get("content_hash")),
+        ("checkpoint", (manifest.get("checkpoint") or {}).get("content_hash"), cert["checkpoint"].get("content_hash")),
+        ("configuration", manifest.get("variant"), configuration["config"]),
+    )
+    return [f"{configuration['run']}/{MANIFEST}: its {what} differs from what {name} certifies"
+            for what, found, certified in claims if found != certified]
 
 
 def reference_run(path: str | os.PathLike) -> Run:

@@ -258,8 +258,8 @@ class RunStore:
             raise AuditError(f"{path / MANIFEST}: the manifest is not JSON-serializable ({exc})") from None
         path.mkdir(parents=True, exist_ok=True)
         fsync_dir(path.parent)
+        atomic_write(path / MANIFEST, data)  # first, so a kill at any later point leaves a resumable run
         (path / PARTS).mkdir()
-        atomic_write(path / MANIFEST, data)
         return cls(path, json.loads(data), set(), 1)
 
     @classmethod

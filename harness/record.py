@@ -16,7 +16,7 @@ from tqdm import tqdm
 from audit.errors import AuditError
 from audit.files import atomic_write, json_bytes
 from audit.manifest import build_manifest
-from audit.store import RunStore, make_row
+from audit.store import ROOT, RunStore, make_row, read_run
 from deepinfer import LLM
 from deepinfer.errors import DeepInferError
 from harness.serve import serve
@@ -34,8 +34,6 @@ def record_run(
 ) -> dict:
     """Serve `suite` under `variant` into `run_dir`; returns the run's root (root.json contents)."""
     run_dir = Path(run_dir)
-    if resume and (run_dir / "root.json").exists():
-        return json.loads((run_dir / "root.json").read_text())
     started = time.perf_counter()
     llm = LLM(model, seed=run_seed, **variant.engine_kwargs(variant.max_model_len))
     manifest = build_manifest(
@@ -46,6 +44,10 @@ def record_run(
         checkpoint={"path": str(model) if model is not None else None, "content_hash": llm.model_id},
         suite=suite.describe(), seeds={"run_seed": run_seed}, variant=variant.to_dict(),
     )
+    if resume and (run_dir / ROOT).exists():
+        run = read_run(run_dir)
+        _check_same_run(run_dir, run.manifest, manifest)
+        return run.root
     store = _open_store(run_dir, manifest, resume)
     done = store.done()
     rows: list[dict] = []
@@ -93,10 +95,14 @@ def _open_store(run_dir: Path, manifest: dict, resume: bool) -> RunStore:
     if not (run_dir / "manifest.json").exists():
         return RunStore.create(run_dir, manifest)
     store = RunStore.resume(run_dir)
-    for key in ("checkpoint", "suite", "variant", "engine", "seeds"):
-        if _comparable(store.manifest.get(key)) != _comparable(manifest[key]):
-            raise AuditError(f"{run_dir}: cannot resume: its {key} differs from this invocation's")
+    _check_same_run(run_dir, store.manifest, manifest)
     return store
+
+
+def _check_same_run(run_dir: Path, stored: dict, wanted: dict) -> None:
+    for key in ("checkpoint", "suite", "variant", "engine", "seeds"):
+        if _comparable(stored.get(key)) != _comparable(wanted[key]):
+            raise AuditError(f"{run_dir}: cannot resume: its {key} differs from this invocation's")
 
 
 def _comparable(section: object) -> object:

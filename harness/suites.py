@@ -64,6 +64,8 @@ def file_hash(path: Path) -> str:
 
 def load_native(path: Path) -> Suite:
     requests = [SuiteRequest(r.request_id, r) for r in read_prompts_file(str(path))]
+    for request in requests:
+        request.request.params()  # bad sampling params stop the suite before anything is written
     return Suite("native", path, file_hash(path), requests)
 
 

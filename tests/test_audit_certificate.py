@@ -32,11 +32,13 @@ from audit.store import RunStore, file_digests, make_row
 
 REF = [[1, 2, 3], [4, 5], [6]]
 DRIFTED = 2.0**-20  # added to one logprob: same tokens, other fp32 bits
+SUITE = {"name": "t", "content_hash": "5" * 64}
+CHECKPOINT = {"content_hash": "c" * 64}
 
 
 def make_run(path: Path, tokens: list[list[int]], *, bump: tuple[int, int] | None = None) -> None:
     """A finished run; `bump` = (request, position) whose logprob gets DRIFTED added."""
-    store = RunStore.create(path, {"variant": path.name})
+    store = RunStore.create(path, {"variant": {"kernel": path.name}, "suite": SUITE, "checkpoint": CHECKPOINT})
     rows = []
     for i, ids in enumerate(tokens):
         logprobs = [-0.5 - (DRIFTED if bump == (i, p) else 0.0) for p in range(len(ids))]
@@ -53,7 +55,7 @@ def configuration(name: str, role: str) -> dict:
 def certify(base: Path, configs: list[tuple[str, str]], *, key: bytes | None = None, threshold: float = 1e-2) -> dict:
     cert = seal(build_certificate(
         out_dir=base, reference="ref", configurations=[configuration(*c) for c in configs],
-        suite={"name": "t"}, checkpoint={"sha": "c"}, rerun={"argv": ["x"]}, near_tie_threshold=threshold,
+        suite=SUITE, checkpoint=CHECKPOINT, rerun={"argv": ["x"]}, near_tie_threshold=threshold,
         created="2025-01-01T00:00:00+00:00",
     ))
     if key is not None:
@@ -338,3 +340,26 @@ def test_build_rejects_bad_configurations(runs, configs, reference, match):
     with pytest.raises(AuditError, match=match):
         build_certificate(out_dir=runs, reference=reference, configurations=configs, suite={}, checkpoint={}, rerun={})
 
+
+
+@pytest.mark.parametrize(("section", "value", "what"), [
+    ("suite", {"name": "t", "content_hash": "6" * 64}, "suite"),
+    ("checkpoint", {"content_hash": "d" * 64}, "checkpoint"),
+    ("variant", {"kernel": "other"}, "configuration"),
+])
+def test_verify_rejects_a_run_of_another_suite_checkpoint_or_configuration(out, section, value, what) -> None:
+    """A run swapped in with its digests and roots re-certified is still caught by its manifest."""
+    make_run(out / "runs" / "other", REF)
+    manifest_path = out / "runs" / "other" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest[section] = value
+    manifest_path.write_text(json.dumps(manifest))
+    shutil.rmtree(out / "runs" / "same")
+    (out / "runs" / "other").rename(out / "runs" / "same")
+    if section != "variant":
+        manifest = json.loads((out / "runs" / "same" / "manifest.json").read_text())
+        manifest["variant"] = {"kernel": "same"}
+        (out / "runs" / "same" / "manifest.json").write_text(json.dumps(manifest))
+    certify(out, [("ref", "reference"), ("same", "variant")])
+    assert verify_certificate(out / "certificate.json") == [
+        f"runs/same/manifest.json: its {what} differs from what certificate.json certifies"]
