@@ -9,7 +9,10 @@ from dataclasses import dataclass, field
 class RequestOutput:
     """One finished request. `logprobs[i]` is the logprob of `token_ids[i]` under the model's
     unscaled distribution (before temperature and filtering); `top_logprobs[i]` lists the
-    `SamplingParams.logprobs` most likely (token id, logprob) pairs there, ties to the lower id."""
+    `SamplingParams.logprobs` most likely (token id, logprob) pairs there, ties to the lower id.
+    With `SamplingParams.prompt_logprobs`, `prompt_logprobs[i]` is the logprob of
+    `prompt_token_ids[i + 1]` given the tokens before it and `prompt_top_logprobs[i]` the
+    max(`logprobs`, 1) most likely pairs there (so its first entry is the greedy choice)."""
 
     request_id: int
     prompt_token_ids: list[int]
@@ -21,3 +24,5 @@ class RequestOutput:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] | None = None
     message: dict | None = None
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None

@@ -15,7 +15,9 @@ class SamplingParamsError(DeepInferError, ValueError):
 class SamplingParams:
     """temperature 0 means greedy. `seed` keys the counter-based sampling noise; requests without
     one get a seed derived from the engine's run seed and the request id (reported back).
-    `logprobs=k` returns, per generated token, the chosen token's logprob and the k most likely."""
+    `logprobs=k` returns, per generated token, the chosen token's logprob and the k most likely.
+    `prompt_logprobs=True` also scores the prompt: the logprob of every prompt token after the first
+    given the tokens before it, with the max(k, 1) most likely tokens there (what evaluations need)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -27,6 +29,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,6 +61,14 @@ class SamplingParams:
             fail(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             fail(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
+        if not isinstance(self.prompt_logprobs, bool):
+            fail(f"prompt_logprobs must be true or false, got {self.prompt_logprobs!r}")
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    def to_dict(self, *, skip_defaults: bool = False) -> dict:
+        """All fields; with `skip_defaults`, only those that differ from their defaults. Stream hashes
+        record the latter, so a field added later with a default leaves earlier hashes unchanged."""
+        values = asdict(self)
+        if skip_defaults:
+            defaults = asdict(SamplingParams())
+            values = {k: v for k, v in values.items() if v != defaults[k] or type(v) is not type(defaults[k])}
+        return values

@@ -59,7 +59,7 @@ def record_run(
         try:
             prompt = item.prompt_ids(llm)
         except DeepInferError as err:
-            rows.append(_error_row(index, item.request_id, params.to_dict(), str(err)))
+            rows.append(_error_row(index, item.request_id, params.to_dict(skip_defaults=True), str(err)))
             continue
         jobs.append((prompt, params))
         job_index.append(index)
@@ -73,7 +73,7 @@ def record_run(
         top = out.top_logprobs or []
         rows.append(make_row(
             index=index, request_id=suite.requests[index].request_id, prompt_token_ids=out.prompt_token_ids,
-            params=jobs[finished.index][1].to_dict(), token_ids=out.token_ids, logprobs=out.logprobs,
+            params=jobs[finished.index][1].to_dict(skip_defaults=True), token_ids=out.token_ids, logprobs=out.logprobs,
             top_token_ids=[[i for i, _ in row] for row in top], top_logprobs=[[lp for _, lp in row] for row in top],
             text=out.text, finish_reason=out.finish_reason, error=None, arrival_s=finished.arrival_s,
             first_token_s=None, finish_s=finished.finish_s,

@@ -177,13 +177,17 @@ class LLM:
         """One engine step; returns the requests that finished in it."""
         chunks = self.scheduler.schedule()
         finished = []
-        for chunk, token, logprob, top in self.runner.step(chunks):
-            seq = chunk.seq
-            seq.token_ids.append(token)
-            seq.logprobs.append(logprob)
-            if top is not None:
-                seq.top_logprobs.append(top)
-            if self._check_finished(seq, token):
+        for out in self.runner.step(chunks):
+            seq = out.chunk.seq
+            seq.prompt_logprobs.extend(out.prompt_logprobs)
+            seq.prompt_top_logprobs.extend(out.prompt_top_logprobs)
+            if out.token is None:
+                continue
+            seq.token_ids.append(out.token)
+            seq.logprobs.append(out.logprob)
+            if out.top is not None:
+                seq.top_logprobs.append(out.top)
+            if self._check_finished(seq, out.token):
                 seq.status = Status.FINISHED
                 finished.append(seq)
         self.scheduler.finish_step(chunks)
@@ -224,6 +228,8 @@ class LLM:
             numerics=self.numerics,
             logprobs=list(seq.logprobs),
             top_logprobs=[list(t) for t in seq.top_logprobs] if seq.params.logprobs else None,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs else None,
+            prompt_top_logprobs=[list(t) for t in seq.prompt_top_logprobs] if seq.params.prompt_logprobs else None,
         )
 
     # batch APIs ---------------------------------------------------------------------------------

@@ -2,14 +2,39 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from deepinfer.config import CSA, HCA, ModelConfig
 from deepinfer.engine.cache import POOL_PREFIX, CacheManager
 from deepinfer.engine.sampler import sample, top_logprobs
 from deepinfer.engine.scheduler import ScheduledChunk
+from deepinfer.engine.sequence import Sequence
 from deepinfer.model import CompressorStep, DeepseekV4, StepBatch
 import kernels
+
+
+@dataclass
+class ChunkOutput:
+    """What one scheduled chunk produced: the logprobs of the prompt tokens it scored for the first
+    time (see `scored_positions`) and, when the chunk samples, the new token."""
+
+    chunk: ScheduledChunk
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    token: int | None = None
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None
+
+
+def scored_positions(chunk: ScheduledChunk) -> range:
+    """Positions of the chunk whose logits score a prompt token (position p scores token p + 1) not
+    scored before: a sequence recomputed after preemption does not score its prompt twice."""
+    seq = chunk.seq
+    if not seq.params.prompt_logprobs:
+        return range(0)
+    return range(max(chunk.start, len(seq.prompt_logprobs)), min(chunk.end, len(seq.prompt_token_ids) - 1))
 
 
 class ModelRunner:
@@ -20,23 +45,41 @@ class ModelRunner:
         self.cache = cache
         self.device = torch.device(device)
 
-    def step(self, chunks: list[ScheduledChunk]) -> list[tuple[ScheduledChunk, int, float, list | None]]:
-        """Forward the chunks; for each chunk that samples, return (chunk, token, logprob, top)."""
+    def step(self, chunks: list[ScheduledChunk]) -> list[ChunkOutput]:
+        """Forward the chunks; return what each produced: prompt logprobs and/or a new token."""
         batch = self.build_batch(chunks)
         with kernels.numerics(self.numerics, self.device.type):
             logits = self.model(batch, self.cache.layer_views)
-            return self._sample([chunk for chunk in chunks if chunk.samples], logits)
+            outputs, row = [], 0
+            for chunk in chunks:
+                out = ChunkOutput(chunk)
+                scored = scored_positions(chunk)
+                if scored:
+                    out.prompt_logprobs, out.prompt_top_logprobs = self._score(chunk.seq, scored,
+                                                                               logits[row:row + len(scored)])
+                    row += len(scored)
+                if chunk.samples:
+                    out.token, out.logprob, out.top = self._sample(chunk.seq, logits[row])
+                    row += 1
+                outputs.append(out)
+            return outputs
 
-    def _sample(self, sampling: list[ScheduledChunk], logits: torch.Tensor) -> list:
-        results = []
-        for row, chunk in enumerate(sampling):
-            seq = chunk.seq
-            token = sample(logits[row], seq.params, seq.seed, len(seq.token_ids))
-            logprobs = kernels.log_softmax(logits[row])
-            k = seq.params.logprobs
-            top = top_logprobs(logprobs, k) if k else None
-            results.append((chunk, token, float(logprobs[token]), top))
-        return results
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> tuple[int, float, list | None]:
+        token = sample(logits, seq.params, seq.seed, len(seq.token_ids))
+        logprobs = kernels.log_softmax(logits)
+        k = seq.params.logprobs
+        return token, float(logprobs[token]), top_logprobs(logprobs, k) if k else None
+
+    def _score(self, seq: Sequence, positions: range, logits: torch.Tensor) -> tuple[list, list]:
+        """Logprob of prompt token p + 1 at each position p, and the max(k, 1) most likely there
+        (ties to the lower id, as in greedy sampling). log_softmax and sort are row-local."""
+        logprobs = kernels.log_softmax(logits)
+        targets = torch.tensor(seq.prompt_token_ids[positions.start + 1:positions.stop + 1], device=logits.device)
+        chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+        k = max(seq.params.logprobs or 0, 1)
+        values, ids = torch.sort(logprobs, dim=-1, descending=True, stable=True)
+        top = [list(zip(i, v)) for i, v in zip(ids[:, :k].tolist(), values[:, :k].tolist())]
+        return chosen, top
 
     def build_batch(self, chunks: list[ScheduledChunk]) -> StepBatch:
         cache, window = self.cache, self.config.sliding_window
@@ -52,6 +95,7 @@ class ModelRunner:
             valid = rows >= 0
             window_read.append(cache.slots(seq.blocks, "window", torch.where(valid, rows, pos.unsqueeze(1))))
             window_valid.append(valid)
+            sample_index.extend(offset + p - chunk.start for p in scored_positions(chunk))
             offset += chunk.num_tokens
             if chunk.samples:
                 sample_index.append(offset - 1)

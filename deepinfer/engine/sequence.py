@@ -27,6 +27,8 @@ class Sequence:
     blocks: BlockTables = field(default_factory=BlockTables)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     text: str | None = None
     num_preemptions: int = 0
