@@ -1,0 +1,60 @@
+"""`deepinfer audit eval`: lm-eval tasks at several batch sizes, certified identical (or not).
+
+Registered by `add_eval_command(audit_subcommands)`; lm-eval is imported only when the command runs,
+so the rest of the CLI works without the `eval` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from deepinfer.errors import DeepInferError
+
+EXIT_DIFFERENT = 1
+
+
+def add_eval_command(commands: argparse._SubParsersAction) -> None:
+    """Add `eval` to the `deepinfer audit` subcommands."""
+    command = commands.add_parser(
+        "eval", help="run lm-eval tasks offline at several batch sizes and certify identical results",
+        description="Run lm-eval tasks offline through the engine once per batch size, record every request "
+                    "into a run, and certify that the metrics and every request's stream hashes are identical "
+                    "across batch sizes. Writes OUT/summary.json, OUT/runs/batch-N and OUT/lm_eval/batch-N.json. "
+                    "Exit 0 when identical, 1 when anything moved.",
+    )
+    command.add_argument("--tasks", required=True,
+                         help="comma-separated tasks of harness/suites/lm_eval: deepinfer_mc, deepinfer_gen, "
+                              "deepinfer_ppl, or the tag deepinfer for all three")
+    command.add_argument("--batch-sizes", default="1,8,64", help="engine batch sizes to compare (default: 1,8,64)")
+    command.add_argument("--out", required=True, help="output folder (new or empty)")
+    command.add_argument("--model", help="checkpoint folder (default: the embedded tiny checkpoint)")
+    command.add_argument("--numerics", default="batch_invariant", choices=("batch_invariant", "fast"))
+    command.add_argument("--dtype", default="float32")
+    command.add_argument("--device", default="cpu")
+    command.add_argument("--limit", type=int, help="evaluate only the first N documents of each task")
+    command.add_argument("--max-model-len", type=int, help="longest sequence the engine holds (default: the engine's)")
+    command.add_argument("--run-seed", type=int, default=0, help="seed from which sampled generations derive theirs")
+    command.set_defaults(run=_cmd_eval)
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    try:
+        from harness.evaluate import evaluate, parse_batch_sizes
+    except ModuleNotFoundError as err:
+        if err.name != "lm_eval":
+            raise
+        raise DeepInferError("audit eval needs lm-eval: pip install 'deepinfer[eval]'") from None
+
+    summary = evaluate(args.tasks.split(","), parse_batch_sizes(args.batch_sizes), Path(args.out), model=args.model,
+                       numerics=args.numerics, dtype=args.dtype, device=args.device, limit=args.limit,
+                       run_seed=args.run_seed, max_model_len=args.max_model_len)
+    for run in summary["runs"]:
+        print(f"{run['name']}: {run['count']} requests, logit root {run['logit_root']}")
+    for comparison in summary["comparisons"]:
+        counts = ", ".join(f"{status} {n}" for status, n in comparison["streams"].items() if n)
+        metrics = "identical" if comparison["metrics_identical"] else f"{len(comparison['metric_differences'])} moved"
+        print(f"{comparison['name']} vs {summary['reference']}: metrics {metrics}; streams {counts}")
+    print(f"verdict: {summary['verdict']} ({args.numerics}, {args.dtype})")
+    print(f"summary: {Path(args.out) / 'summary.json'}")
+    return 0 if summary["verdict"] == "IDENTICAL" else EXIT_DIFFERENT

@@ -1,0 +1,209 @@
+"""Tests for the lm-eval adapter (`harness.lm_eval_model.DeepInferLM`, model "deepinfer"), the shipped
+offline tasks and `deepinfer audit eval`: scores equal the engine's own prompt logprobs, every request
+lands in the run store, and metrics plus per-request stream hashes are identical at batch sizes 1/8/64.
+
+Everything runs offline on the tiny checkpoint with a few documents per task.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+
+import pytest
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+lm_eval = pytest.importorskip("lm_eval")
+
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.api.registry import get_model  # noqa: E402
+
+from audit.errors import AuditError  # noqa: E402
+from audit.store import check_run, read_run  # noqa: E402
+from deepinfer import LLM, SamplingParams  # noqa: E402
+from deepinfer import cli as engine_cli  # noqa: E402
+from harness.eval_cli import add_eval_command  # noqa: E402
+from harness.evaluate import parse_batch_sizes, task_manager  # noqa: E402
+from harness.lm_eval_model import FORCED, DeepInferLM, EvalError  # noqa: E402
+
+LIMIT = 4
+CONTEXT = "Question: What color is the sky?\nAnswer:"
+
+
+def request(kind: str, args: tuple, doc_id: int = 0, idx: int = 0) -> Instance:
+    return Instance(request_type=kind, doc={}, arguments=args, idx=idx, metadata=("t", doc_id, 1))
+
+
+def run_cli(*argv: str) -> tuple[int, str, str]:
+    """`deepinfer audit eval ...` with the audit group holding only the eval command."""
+    def add_audit(commands: argparse._SubParsersAction) -> None:
+        add_eval_command(commands.add_parser("audit").add_subparsers(required=True))
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = engine_cli.main(["audit", "eval", *argv], more_commands=(add_audit,), user_errors=(AuditError,))
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_checkpoint) -> DeepInferLM:
+    return DeepInferLM(model=str(tiny_checkpoint), batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def certified(tiny_checkpoint, tmp_path_factory):
+    """The acceptance run: all shipped tasks at batch sizes 1/8/64."""
+    out = tmp_path_factory.mktemp("eval") / "out"
+    code, stdout, _ = run_cli("--tasks", "deepinfer", "--batch-sizes", "1,8,64", "--limit", str(LIMIT),
+                              "--model", str(tiny_checkpoint), "--out", str(out))
+    return code, stdout, out
+
+
+# --------------------------------------------------------------------------------------- adapter
+
+
+def test_registered_as_deepinfer():
+    assert get_model("deepinfer") is DeepInferLM
+
+
+def test_loglikelihood_is_the_engines_teacher_forced_score(lm, tiny_checkpoint):
+    context_ids = lm._with_bos(lm.tok_encode(CONTEXT))
+    greedy = LLM(tiny_checkpoint).generate([context_ids], SamplingParams(temperature=0, max_tokens=3))[0]
+    # the greedy continuation scores exactly what generating it reported
+    [(score, is_greedy)] = lm._loglikelihood_tokens([(("", ""), context_ids, greedy.token_ids)])
+    assert is_greedy and score == sum(greedy.logprobs)
+    [(score, is_greedy)] = lm.loglikelihood([request("loglikelihood", (CONTEXT, " blue"))])
+    scored = LLM(tiny_checkpoint).generate(
+        [context_ids + lm.tok_encode(" blue")], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=True))[0]
+    tail = scored.prompt_top_logprobs[len(context_ids) - 1:]
+    assert score == sum(scored.prompt_logprobs[len(context_ids) - 1:])
+    assert is_greedy == all(top[0][0] == t for top, t in zip(tail, lm.tok_encode(" blue")))
+
+
+def test_empty_context_conditions_on_bos(lm, tiny_checkpoint):
+    [(score, _)] = lm.loglikelihood([request("loglikelihood", ("", "The sky"))])
+    ids = [lm.prefix_token_id, *lm.tok_encode("The sky")]
+    scored = LLM(tiny_checkpoint).generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=True))[0]
+    assert score == sum(scored.prompt_logprobs)
+
+
+def test_rolling_loglikelihood_scores_every_token_once(lm, tiny_checkpoint):
+    text = "Bright stars filled the sky above the quiet village."
+    ids = lm.tok_encode(text)
+    [total] = lm.loglikelihood_rolling([request("loglikelihood_rolling", (text,))])
+    scored = LLM(tiny_checkpoint).generate([[lm.prefix_token_id, *ids]],
+                                           SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=True))[0]
+    assert total == sum(scored.prompt_logprobs)
+
+
+def test_long_rolling_text_is_split_into_windows(tiny_checkpoint, tmp_path):
+    short = DeepInferLM(model=str(tiny_checkpoint), batch_size=2, max_model_len=24, run_dir=tmp_path / "run")
+    text = "Trains leave the station every twenty minutes during the morning rush, and the platform fills up fast."
+    short.loglikelihood_rolling([request("loglikelihood_rolling", (text,))])
+    short.finalize()
+    rows = read_run(tmp_path / "run").streams
+    assert rows.height > 1 and rows["request_id"].to_list()[1] == "t/0/loglikelihood_rolling/0/w1"
+    assert sum(rows["token_ids"].list.len()) == len(short.tok_encode(text))
+    assert max(rows["prompt_token_ids"].list.len() + rows["token_ids"].list.len()) <= 23
+
+
+def test_generate_until_stops_before_the_stop_string(lm):
+    free = lm.generate_until([request("generate_until", (CONTEXT, {"until": [], "max_gen_toks": 8}))])[0]
+    stop = free[len(free) // 2]
+    [text] = lm.generate_until([request("generate_until", (CONTEXT, {"until": [stop], "max_gen_toks": 8}), 1)])
+    assert text == free[:free.index(stop)]
+
+
+def test_unknown_generation_kwargs_are_named(lm):
+    message = ("t/9/generate_until/0: unsupported generation kwargs beams (supported: do_sample, max_gen_toks, "
+               "min_p, temperature, top_k, top_p, until)")
+    with pytest.raises(EvalError, match=f"^{re.escape(message)}$"):
+        lm.generate_until([request("generate_until", (CONTEXT, {"until": ["\n"], "beams": 2}), doc_id=9)])
+
+
+def test_simple_evaluate_by_name_records_every_request(tiny_checkpoint, tmp_path):
+    # lm-eval resolves "deepinfer" through its registry; a run folder receives one row per request
+    results = lm_eval.simple_evaluate(
+        model="deepinfer", model_args=f"model={tiny_checkpoint},batch_size=8,run_dir={tmp_path / 'run'}",
+        tasks=["deepinfer_mc", "deepinfer_gen", "deepinfer_ppl"], task_manager=task_manager(), limit=2,
+        bootstrap_iters=0)
+    assert set(results["results"]) == {"deepinfer_mc", "deepinfer_gen", "deepinfer_ppl"}
+    assert results["config"]["engine_batch_size"] == 8
+    rows = {row["request_id"]: row for row in read_run(tmp_path / "run").streams.iter_rows(named=True)}
+    assert len(rows) == 2 * 4 + 2 + 2  # 4 choices per question, one generation and one window per document
+    choice = rows["deepinfer_mc/1/loglikelihood/3"]
+    assert choice["finish_reason"] == FORCED and choice["prompt_token_ids"][0] == 0  # BOS
+    assert json.loads(choice["params"])["request_type"] == "loglikelihood"
+    assert json.loads(rows["deepinfer_gen/0/generate_until/0"]["params"])["stop"] == ["\n"]
+    window = rows["deepinfer_ppl/0/loglikelihood_rolling/0/w0"]
+    assert window["prompt_token_ids"] == [0] and window["finish_reason"] == FORCED
+    assert check_run(tmp_path / "run") == []
+
+
+# ------------------------------------------------------------------------------------ audit eval
+
+
+def test_metrics_and_stream_hashes_identical_across_batch_sizes(certified):
+    code, stdout, out = certified
+    summary = json.loads((out / "summary.json").read_text())
+    assert code == 0 and "verdict: IDENTICAL (batch_invariant, float32)" in stdout
+    assert summary["verdict"] == "IDENTICAL"
+    assert [run["name"] for run in summary["runs"]] == ["batch-1", "batch-8", "batch-64"]
+    reference = summary["runs"][0]
+    assert {run["logit_root"] for run in summary["runs"]} == {reference["logit_root"]}
+    assert reference["count"] == LIMIT * 4 + LIMIT + LIMIT
+    for comparison in summary["comparisons"]:
+        assert comparison["streams"]["equal"] == reference["count"] and comparison["moved_requests"] == []
+        assert comparison["metrics_identical"] and comparison["metric_differences"] == []
+    metrics = reference["metrics"]
+    assert {"acc,none", "acc_norm,none"} <= set(metrics["deepinfer_mc"])
+    assert "exact_match,none" in metrics["deepinfer_gen"] and "word_perplexity,none" in metrics["deepinfer_ppl"]
+    samples = json.loads((out / "lm_eval" / "batch-64.json").read_text())["samples"]
+    assert len(samples["deepinfer_mc"]) == LIMIT
+    for run in summary["runs"]:
+        assert check_run(out / run["run"]) == []
+
+
+def test_fast_bf16_reports_whether_anything_moved(tiny_checkpoint, tmp_path):
+    code, stdout, _ = run_cli("--tasks", "deepinfer_gen,deepinfer_mc", "--batch-sizes", "1,8", "--limit", "3",
+                              "--numerics", "fast", "--dtype", "bf16", "--model", str(tiny_checkpoint),
+                              "--out", str(tmp_path / "fast"))
+    summary = json.loads((tmp_path / "fast" / "summary.json").read_text())
+    [comparison] = summary["comparisons"]
+    assert summary["engine"]["numerics"] == "fast" and summary["engine"]["dtype"] == "bf16"
+    assert comparison["streams_identical"] == (comparison["moved_requests"] == [])
+    assert code == (0 if summary["verdict"] == "IDENTICAL" else 1)
+    assert f"verdict: {summary['verdict']} (fast, bf16)" in stdout
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("1,x", "--batch-sizes must be comma-separated positive integers, got '1,x'"),
+        ("0,8", "--batch-sizes must be comma-separated positive integers, got '0,8'"),
+        ("8", "--batch-sizes needs at least two sizes to compare, got '8'"),
+        ("8,1,8", "--batch-sizes lists a size twice: '8,1,8'"),
+    ],
+)
+def test_bad_batch_sizes(spec, message, tmp_path):
+    with pytest.raises(EvalError, match=f"^{re.escape(message)}$"):
+        parse_batch_sizes(spec)
+    code, _, err = run_cli("--tasks", "deepinfer", "--batch-sizes", spec, "--out", str(tmp_path / "o"))
+    assert code == 2 and err == f"error: {message}\n"
+
+
+def test_unknown_task_and_used_output_folder(tiny_checkpoint, tmp_path):
+    code, _, err = run_cli("--tasks", "deepinfer_mc,hellaswag", "--model", str(tiny_checkpoint),
+                           "--out", str(tmp_path / "o"))
+    assert code == 2
+    assert err == ("error: unknown task 'hellaswag' (known: deepinfer, deepinfer_gen, deepinfer_mc, "
+                   "deepinfer_ppl)\n")
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "file").write_text("x")
+    code, _, err = run_cli("--tasks", "deepinfer", "--out", str(tmp_path / "used"))
+    assert code == 2 and err == f"error: {tmp_path / 'used'}: the output folder must be new or empty\n"
