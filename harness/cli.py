@@ -16,6 +16,8 @@ from pathlib import Path
 from audit.errors import AuditError
 from deepinfer import cli as engine_cli
 from deepinfer.errors import DeepInferError
+from harness.eval_cli import add_eval_command
+from harness.replay_cli import add_replay_commands
 
 EXIT_DIFFERENT = 1
 
@@ -77,6 +79,9 @@ def add_audit(commands: argparse._SubParsersAction) -> None:
     diff.add_argument("--run", required=True, dest="candidate", help="run folder or certificate")
     _near_tie_flag(diff)
     diff.set_defaults(run=_cmd_diff)
+
+    add_eval_command(sub)
+    add_replay_commands(sub)
 
     report = sub.add_parser("report", help="write report.md and report.html for a certification folder")
     report.add_argument("folder", help="the --out folder of `deepinfer audit certify`")

@@ -2,6 +2,7 @@
 file); each kind turns its file into `SuiteRequest`s with stable ids, in a fixed order.
 
 `native`: the JSONL request format of `deepinfer generate --prompts-file` (see deepinfer.prompts_file).
+`traces`: agent episodes (harness/traces.py), one request per assistant turn, teacher-forced.
 """
 
 from __future__ import annotations
@@ -69,7 +70,13 @@ def load_native(path: Path) -> Suite:
     return Suite("native", path, file_hash(path), requests)
 
 
-SUITE_KINDS: dict[str, Callable[[Path], Suite]] = {"native": load_native}
+def load_traces(path: Path) -> Suite:
+    from harness.traces import load_traces_suite  # harness.traces builds on this module's Suite
+
+    return load_traces_suite(path)
+
+
+SUITE_KINDS: dict[str, Callable[[Path], Suite]] = {"native": load_native, "traces": load_traces}
 
 
 def load_suite(spec: str) -> Suite:

@@ -1,0 +1,195 @@
+"""Cassettes: a replay of a trace file recorded by the engine, and its verification.
+
+A cassette is JSONL, editable by hand. Line 1 is the header:
+
+    {"format": "deepinfer-cassette/1", "mode": "teacher-forced" | "free-running", "run_seed": 0,
+     "traces": {"path": ..., "content_hash": ...}, "errors": [{"line": N, "message": ...}],
+     "prefill": {"prompt_tokens": ..., "unique_tokens": ...}, "manifest": {...}}
+
+`manifest` is the audit run manifest of the recording engine (checkpoint content hash, engine
+configuration, hardware and software, git state); `errors` are the trace file's malformed lines. Each
+other line is one episode of the trace file in its canonical Chat Completions form, plus `recorded`:
+per turn the token ids, fp32 logprobs, top-2 logprobs, finish reason, text, parsed message and stream
+hashes, and the episode's outcome. Verifying replays every episode from its inputs in the recorded mode
+and compares it with `recorded`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from audit.files import atomic_write
+from audit.manifest import build_manifest
+from deepinfer import LLM
+from deepinfer.errors import DeepInferError
+from harness.replay import (
+    MODES,
+    STATUSES,
+    EpisodeResult,
+    EpisodeRun,
+    PrefillCost,
+    against_recording,
+    against_trace,
+    prefill_cost,
+    replay,
+)
+from harness.suites import file_hash
+from harness.sweep import Variant, check_variant
+from harness.traces import Episode, Recording, TraceError, load_traces, parse_trace_lines
+
+CASSETTE_FORMAT = "deepinfer-cassette/1"
+_HEADER_KEYS = {"format", "mode", "run_seed", "traces", "errors", "prefill", "manifest"}
+
+
+@dataclass
+class ReplayReport:
+    """Per-episode results (malformed lines included, as `line-N`) and what the replay prefilled."""
+
+    mode: str
+    results: list[EpisodeResult]
+    prefill: PrefillCost
+
+    def counts(self) -> dict[str, int]:
+        found = Counter(r.status for r in self.results)
+        return {status: found[status] for status in STATUSES if found[status]}
+
+    def summary(self) -> str:
+        counts = ", ".join(f"{n} {status.replace('_', ' ')}" for status, n in self.counts().items())
+        cost = self.prefill
+        return (f"{len(self.results)} entries ({self.mode}): {counts}\n"
+                f"prefill: {cost.prompt_tokens} prompt tokens for {cost.unique_tokens} distinct prefix tokens "
+                f"({cost.ratio:.2f}x: there is no prefix cache)")
+
+
+@dataclass
+class Cassette:
+    path: Path
+    header: dict
+    episodes: list[Episode]
+    errors: list[TraceError]  # lines of the cassette itself that do not parse
+
+    @property
+    def mode(self) -> str:
+        return self.header["mode"]
+
+
+def record_cassette(llm: LLM, traces: str | Path, out: str | Path, *, mode: str, variant: Variant,
+                    run_seed: int = 0, checkpoint_path: str | None = None) -> ReplayReport:
+    """Replay every episode of `traces` in `mode` on `llm` (built as `variant` says) and write the
+    cassette `out`; results judge each replay against the trace (see `harness.replay.against_trace`)."""
+    out = Path(out)
+    if out.exists():
+        raise DeepInferError(f"{out}: exists (a cassette is never overwritten)")
+    episodes, errors = load_traces(traces)
+    runs = replay(llm, episodes, mode, run_seed)
+    results = [against_trace(run, llm) for run in runs]
+    recorded = [replace(run.episode, recording=Recording([t.record for t in run.turns], result.outcome()))
+                for run, result in zip(runs, results)]
+    cost = prefill_cost(runs)
+    traces_hash = file_hash(Path(traces))
+    header = {
+        "format": CASSETTE_FORMAT, "mode": mode, "run_seed": run_seed,
+        "traces": {"path": str(traces), "content_hash": traces_hash},
+        "errors": [{"line": e.line, "message": e.message} for e in errors],
+        "prefill": {"prompt_tokens": cost.prompt_tokens, "unique_tokens": cost.unique_tokens},
+        "manifest": build_manifest(
+            engine={"max_num_seqs": variant.max_num_seqs, "max_num_batched_tokens": variant.max_num_batched_tokens,
+                    "max_model_len": variant.max_model_len, "numerics": variant.numerics, "dtype": variant.dtype,
+                    "device": variant.device},
+            checkpoint={"path": checkpoint_path, "content_hash": llm.model_id},
+            suite={"kind": "traces", "path": str(traces), "content_hash": traces_hash,
+                   "count": len(episodes)},
+            seeds={"run_seed": run_seed}, variant=variant.to_dict(),
+        ),
+    }
+    lines = [_json_line(header)] + [_json_line(e.to_json()) for e in recorded]
+    atomic_write(out, "".join(lines).encode("utf-8"))
+    ordered = sorted([(e.line, r) for e, r in zip(episodes, results)] + [(e.line, _malformed(e)) for e in errors],
+                     key=lambda item: item[0])
+    return ReplayReport(mode, [r for _, r in ordered], cost)
+
+
+def read_cassette(path: str | Path) -> Cassette:
+    """The header (which must be intact) and the episodes; a damaged episode line becomes an error."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as err:
+        raise DeepInferError(f"{path}: cannot read ({err.strerror or err})") from None
+    except UnicodeDecodeError:
+        raise DeepInferError(f"{path}: not UTF-8 text") from None
+    header = _header(lines[0] if lines else "", path)
+    episodes, errors = parse_trace_lines(str(path), list(enumerate(lines, start=1))[1:])
+    return Cassette(path, header, episodes, errors)
+
+
+def verify_cassette(llm: LLM, cassette: Cassette) -> ReplayReport:
+    """Replay the cassette's episodes on `llm` and compare each with its recording. The trace file's
+    malformed lines are listed as `malformed` (there is nothing of theirs to reproduce)."""
+    recorded_with = cassette.header["manifest"]["checkpoint"]["content_hash"]
+    if llm.model_id != recorded_with:
+        raise DeepInferError(f"{cassette.path}: recorded with checkpoint {recorded_with}, "
+                             f"but the engine has {llm.model_id}")
+    runs = replay(llm, cassette.episodes, cassette.mode, cassette.header["run_seed"])
+    found = [(e.line, _verify_episode(run, llm)) for e, run in zip(cassette.episodes, runs)]
+    found += [(e.line, EpisodeResult(f"line-{e.line}", "error", detail=e.message)) for e in cassette.errors]
+    malformed = [EpisodeResult(f"line-{e['line']}", "malformed", detail=e["message"])
+                 for e in cassette.header["errors"]]
+    return ReplayReport(cassette.mode, malformed + [r for _, r in sorted(found, key=lambda item: item[0])],
+                        prefill_cost(runs))
+
+
+def cassette_engine(cassette: Cassette, model: str | None = None, **overrides: str | None) -> LLM:
+    """The engine a cassette was recorded with (its checkpoint path unless `model` is given), with
+    `device`, `dtype` or `numerics` overridden where given, e.g. to check a cassette on other hardware."""
+    manifest = cassette.header["manifest"]
+    try:
+        variant = Variant(**manifest["variant"])
+    except TypeError:
+        raise DeepInferError(f"{cassette.path}: the header's manifest has no valid variant") from None
+    variant = check_variant(replace(variant, **{k: v for k, v in overrides.items() if v is not None}),
+                            f"{cassette.path}: variant")
+    model = model if model is not None else manifest["checkpoint"]["path"]
+    return LLM(model, seed=cassette.header["run_seed"], **variant.engine_kwargs(variant.max_model_len))
+
+
+def _verify_episode(run: EpisodeRun, llm: LLM) -> EpisodeResult:
+    recording = run.episode.recording
+    if recording is None:
+        return EpisodeResult(run.episode.episode_id, "error",
+                             detail=f"{run.episode.where}: no recorded outputs to compare with (not a cassette line)")
+    return against_recording(run, recording, llm)
+
+
+def _malformed(error: TraceError) -> EpisodeResult:
+    return EpisodeResult(f"line-{error.line}", "malformed", detail=error.message)
+
+
+def _header(line: str, path: Path) -> dict:
+    try:
+        header = json.loads(line)
+    except json.JSONDecodeError:
+        header = None
+    if not isinstance(header, dict) or header.get("format") != CASSETTE_FORMAT:
+        raise DeepInferError(f"{path}:1: not a cassette (the first line must be a {CASSETTE_FORMAT} header)")
+    if set(header) != _HEADER_KEYS:
+        raise DeepInferError(f"{path}:1: header keys must be {', '.join(sorted(_HEADER_KEYS))}")
+    if header["mode"] not in MODES:
+        raise DeepInferError(f"{path}:1: mode: must be one of {', '.join(MODES)}, got {header['mode']!r}")
+    seed = header["run_seed"]
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise DeepInferError(f"{path}:1: run_seed: must be an integer")
+    errors = header["errors"]
+    if not isinstance(errors, list) or not all(isinstance(e, dict) and set(e) == {"line", "message"} for e in errors):
+        raise DeepInferError(f"{path}:1: errors: must be a list of {{'line', 'message'}} objects")
+    checkpoint = header["manifest"].get("checkpoint") if isinstance(header["manifest"], dict) else None
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("content_hash"), str):
+        raise DeepInferError(f"{path}:1: manifest.checkpoint.content_hash: missing")
+    return header
+
+
+def _json_line(obj: dict) -> str:
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False) + "\n"

@@ -1,0 +1,386 @@
+"""Replaying agent episodes through the engine, and judging each replay.
+
+Two modes:
+- teacher-forced: every assistant turn is regenerated from the recorded history; the turns of all
+  episodes are independent, so they are served as one batch.
+- free-running: the model's own turns (its exact tokens) feed forward. After a turn with tool calls a
+  `ToolStub` answers each call from the trace (matched by tool name and canonical JSON arguments);
+  after a turn without calls the trace's next user message follows, and when there is none the
+  episode is complete. A call the trace did not record ends the episode at that turn. Episodes run
+  in lockstep, one batch per round.
+
+Each replay is judged against a reference, giving one `EpisodeResult` per episode: against the trace
+itself (`against_trace`: teacher-forced turns are compared token by token with the trace's own
+assistant turns; free-running episodes report how they ended) or against a recording of an earlier
+replay (`against_recording`: the first turn, token and top-2 margins where the two differ).
+
+The engine has no prefix cache, so every turn's prompt is prefilled in full although it extends the
+previous turn's prompt; `prefill_cost` measures what that costs.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, fields
+
+import polars as pl
+
+from audit.compare import compare_streams
+from audit.streams import STREAM_SCHEMA, stream_hashes
+from deepinfer import LLM, RequestOutput, SamplingParams
+from deepinfer.errors import DeepInferError
+from deepinfer.recipe.chat import encode_chat, encode_messages, parse_completion
+from harness.traces import Episode, RecordedTurn, Recording, ToolResult, canonical_arguments, turn_request_id
+
+MODES = ("teacher-forced", "free-running")
+STATUSES = ("identical", "completed", "diverged", "unrecorded_call", "error", "malformed")
+_COMPARED_COLUMNS = ("index", "request_id", "prompt_token_ids", "token_ids", "logprobs", "top_token_ids",
+                     "top_logprobs", "finish_reason", "error")
+
+
+@dataclass(frozen=True)
+class EpisodeResult:
+    """How one episode's replay compares with its reference. `turn` counts from 1, `token` (a position
+    in that turn's output) from 0; margins are top-1 minus top-2 logprob there, of the replay and of
+    the recording."""
+
+    episode_id: str
+    status: str
+    turn: int | None = None
+    token: int | None = None
+    margin: float | None = None
+    recorded_margin: float | None = None
+    near_tie: bool = False
+    detail: str = ""
+
+    def describe(self) -> str:
+        if self.status in ("identical", "completed"):
+            return f"{self.episode_id}: {self.status}" + (f" ({self.detail})" if self.detail else "")
+        if self.status == "unrecorded_call":
+            return f"{self.episode_id}: diverged at turn {self.turn} ({self.detail})"
+        if self.status == "diverged":
+            if self.token is None:
+                return f"{self.episode_id}: diverged at turn {self.turn}: {self.detail}"
+            margins = [f"margin {_number(self.margin)}"]
+            if self.recorded_margin is not None:
+                margins.append(f"recorded margin {_number(self.recorded_margin)}")
+            if self.near_tie:
+                margins.append("near-tie")
+            return (f"{self.episode_id}: diverged at turn {self.turn} token {self.token} ({', '.join(margins)}): "
+                    f"{self.detail}")
+        at = f" at turn {self.turn}" if self.turn is not None else ""
+        return f"{self.episode_id}: {self.status}{at}: {self.detail}"
+
+    def outcome(self) -> dict:
+        """The result without the episode id: what a cassette records for the episode."""
+        return {k: v for k, v in asdict(self).items() if k != "episode_id"}
+
+
+@dataclass
+class TurnRun:
+    """One replayed turn: its prompt, what the engine produced, and (teacher-forced) the trace's own
+    turn as token ids."""
+
+    prompt_ids: list[int]
+    record: RecordedTurn
+    target_ids: list[int] | None = None
+
+
+@dataclass
+class EpisodeRun:
+    episode: Episode
+    mode: str
+    turns: list[TurnRun]
+    ending: EpisodeResult | None = None  # why it stopped: a failed turn; free-running also completion or a call
+
+
+@dataclass(frozen=True)
+class PrefillCost:
+    """Prompt tokens the engine prefilled, and how many distinct prompt prefixes they hold (what an
+    ideal prefix cache shared across turns and episodes would prefill)."""
+
+    prompt_tokens: int
+    unique_tokens: int
+
+    @property
+    def ratio(self) -> float:
+        return self.prompt_tokens / self.unique_tokens if self.unique_tokens else 1.0
+
+
+class ToolStub:
+    """Answers free-running tool calls from a trace: a call gets the recorded answer of a call with the
+    same tool name and canonical JSON arguments. Each answer is given once, in recorded order (a
+    repeated call takes the next recorded answer), so an episode cannot loop forever."""
+
+    def __init__(self, results: Iterable[ToolResult]) -> None:
+        self._answers: dict[tuple[str, str], deque[str]] = defaultdict(deque)
+        self._given: dict[tuple[str, str], int] = defaultdict(int)
+        for result in results:
+            self._answers[(result.name, result.arguments)].append(result.content)
+
+    def answer(self, name: str, arguments: str | dict) -> tuple[str | None, str]:
+        """(the recorded answer, "") or (None, why the call is unrecorded)."""
+        key = (name, canonical_arguments(arguments))
+        if self._answers[key]:
+            self._given[key] += 1
+            return self._answers[key].popleft(), ""
+        used = self._given[key]
+        why = f"unrecorded call {name} {key[1]}"
+        return None, why + (f": its {used} recorded answer(s) were already used" if used else "")
+
+
+def replay(llm: LLM, episodes: list[Episode], mode: str, run_seed: int = 0) -> list[EpisodeRun]:
+    if mode not in MODES:
+        raise DeepInferError(f"unknown replay mode {mode!r} (expected one of {', '.join(MODES)})")
+    return (teacher_forced if mode == "teacher-forced" else free_running)(llm, episodes, run_seed)
+
+
+def teacher_forced(llm: LLM, episodes: list[Episode], run_seed: int = 0) -> list[EpisodeRun]:
+    """Regenerate every assistant turn from its recorded history. A turn whose prompt the engine
+    refuses ends its episode there (later turns only have longer prompts)."""
+    runs = [EpisodeRun(e, "teacher-forced", []) for e in episodes]
+    jobs: list[tuple[EpisodeRun, int, list[int], SamplingParams, list[int]]] = []
+    for run in runs:
+        episode = run.episode
+        for turn in range(1, episode.turns + 1):
+            request = episode.request(turn)
+            try:
+                prompt = request.prompt_ids(llm)
+            except DeepInferError as err:
+                run.ending = EpisodeResult(episode.episode_id, "error", turn, detail=str(err))
+                break
+            position = episode.turn_positions[turn - 1]
+            full = encode_chat(llm.tokenizer, episode.messages[: position + 1], episode.tools,
+                               add_generation_prompt=False)
+            jobs.append((run, turn, prompt, request.params(run_seed), full[len(prompt):]))
+    outputs = llm.generate([job[2] for job in jobs], [job[3] for job in jobs]) if jobs else []
+    for (run, turn, prompt, params, target), output in zip(jobs, outputs):
+        run.turns.append(TurnRun(prompt, _record(turn, prompt, params, output), target))
+    return runs
+
+
+@dataclass
+class _Running:
+    """A free-running episode between rounds."""
+
+    run: EpisodeRun
+    stub: ToolStub
+    users: deque[list[dict]]
+    prompt: list[int] | None = None
+    answered: int = 0  # tool calls the stub answered
+
+
+def free_running(llm: LLM, episodes: list[Episode], run_seed: int = 0) -> list[EpisodeRun]:
+    states = [_Running(EpisodeRun(e, "free-running", []), ToolStub(e.tool_results), deque(_user_blocks(e)))
+              for e in episodes]
+    for state in states:
+        try:
+            state.prompt = state.run.episode.request(1).prompt_ids(llm)
+        except DeepInferError as err:
+            state.run.ending = EpisodeResult(state.run.episode.episode_id, "error", 1, detail=str(err))
+    while active := [s for s in states if s.run.ending is None]:
+        jobs = []
+        for state in active:
+            turn = len(state.run.turns) + 1
+            jobs.append((state, turn, state.prompt, state.run.episode.params(turn, run_seed)))
+        outputs = llm.generate([job[2] for job in jobs], [job[3] for job in jobs])
+        for (state, turn, prompt, params), output in zip(jobs, outputs):
+            record = _record(turn, prompt, params, output)
+            state.run.turns.append(TurnRun(prompt, record))
+            _feed_forward(llm, state, turn, output.token_ids, record.message)
+    return [s.run for s in states]
+
+
+def _feed_forward(llm: LLM, state: _Running, turn: int, token_ids: list[int], message: dict) -> None:
+    """The next prompt after the model's turn: its own tokens (closed with EOS if it was cut off), then
+    the stub's answers to its calls or the next user message, then the generation prompt. Sets
+    `ending` instead when the episode is over."""
+    episode = state.run.episode
+    calls = message.get("tool_calls", [])
+    if calls:
+        replies = []
+        for call in calls:
+            content, why = state.stub.answer(call["function"]["name"], call["function"]["arguments"])
+            if content is None:
+                state.run.ending = EpisodeResult(episode.episode_id, "unrecorded_call", turn, detail=why)
+                return
+            replies.append({"role": "tool", "tool_call_id": call["id"], "content": content})
+        state.answered += len(calls)
+    elif state.users:
+        replies = state.users.popleft()
+    else:
+        state.run.ending = EpisodeResult(
+            episode.episode_id, "completed",
+            detail=f"{turn} turn(s) and {state.answered} tool call(s) answered; the trace has {episode.turns} turn(s)")
+        return
+    eos = llm.tokenizer.eos_id
+    closed = list(token_ids) if token_ids and token_ids[-1] == eos else [*token_ids, eos]
+    prompt = state.prompt + closed + llm.tokenizer.encode(_continuation(calls, replies))
+    try:
+        state.prompt = llm.encode(prompt)
+    except DeepInferError as err:
+        state.run.ending = EpisodeResult(episode.episode_id, "error", turn + 1, detail=f"{episode.where}: {err}")
+
+
+def _continuation(calls: list[dict], replies: list[dict]) -> str:
+    """Prompt text that follows an assistant turn: `replies` (tool results or user messages) and the
+    generation prompt, as the chat template writes them after an exchange that ends with `calls`."""
+    head = [{"role": "user", "content": ""}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    return encode_messages(head + replies)[len(encode_messages(head, add_generation_prompt=False)):]
+
+
+def _user_blocks(episode: Episode) -> list[list[dict]]:
+    """The runs of consecutive user messages after the first assistant turn: what the user says next."""
+    blocks: list[list[dict]] = []
+    previous = None
+    for message in episode.messages[episode.turn_positions[0]:]:
+        if message["role"] == "user":
+            if previous != "user":
+                blocks.append([])
+            blocks[-1].append(message)
+        previous = message["role"]
+    return blocks
+
+
+def _record(turn: int, prompt: list[int], params: SamplingParams, output: RequestOutput) -> RecordedTurn:
+    """The turn's outputs, hashed exactly as `harness.record` hashes a run's rows (params without defaults)."""
+    hashes = stream_hashes(prompt, params.to_dict(skip_defaults=True), output.token_ids, output.logprobs,
+                           output.finish_reason)
+    top = output.top_logprobs or []
+    return RecordedTurn(
+        turn=turn, prompt_hash=hashes.prompt_hash, token_ids=list(output.token_ids), logprobs=list(output.logprobs),
+        top_token_ids=[[i for i, _ in row] for row in top], top_logprobs=[[lp for _, lp in row] for row in top],
+        finish_reason=output.finish_reason, text=output.text, message=parse_completion(output.text or ""),
+        token_hash=hashes.token_hash, logit_hash=hashes.logit_hash,
+    )
+
+
+# judging ------------------------------------------------------------------------------------------
+
+
+def against_trace(run: EpisodeRun, llm: LLM) -> EpisodeResult:
+    """The replay judged against the trace: teacher-forced, the first turn whose output differs from
+    the trace's own turn; free-running, how the episode ended."""
+    episode_id = run.episode.episode_id
+    if run.mode == "free-running":
+        assert run.ending is not None, "a free-running replay always ends"
+        return run.ending
+    for turn in run.turns:
+        target = turn.target_ids or []
+        ids = turn.record.token_ids
+        position = next((j for j, (a, b) in enumerate(zip(ids, target)) if a != b), None)
+        if position is None and len(ids) != len(target):
+            position = min(len(ids), len(target))
+        if position is None:
+            continue
+        expected = _token(llm, target, position)
+        if position == len(ids) and turn.record.finish_reason == "length":
+            detail = f"the output was cut at max_tokens where the trace goes on with {expected}"
+        else:
+            detail = f"generated {_token(llm, ids, position)} where the trace has {expected}"
+        return EpisodeResult(episode_id, "diverged", turn.record.turn, position,
+                             margin=_margin(turn.record, position), detail=detail)
+    if run.ending is not None:
+        return run.ending
+    return EpisodeResult(episode_id, "identical", detail=f"{len(run.turns)} turn(s) regenerated exactly as traced")
+
+
+def against_recording(run: EpisodeRun, recording: Recording, llm: LLM) -> EpisodeResult:
+    """The replay judged against an earlier recording of the same episode: identical, or the first turn
+    that differs (its prompt, then its tokens and logprobs, then any other recorded field), or the
+    turn at which one of the two stopped while the other went on."""
+    episode_id = run.episode.episode_id
+    recorded = recording.turns
+    for index in range(max(len(run.turns), len(recorded))):
+        turn = index + 1
+        if index >= len(run.turns):
+            ending = run.ending
+            if ending is not None and ending.status != "completed":
+                return ending
+            why = f" ({ending.status}: {ending.detail})" if ending is not None else ""
+            return EpisodeResult(episode_id, "diverged", turn,
+                                 detail=f"the recording has this turn, the replay stopped before it{why}")
+        mine = run.turns[index]
+        if index >= len(recorded):
+            return EpisodeResult(episode_id, "diverged", turn, detail="the replay went on to this turn, the "
+                                 f"recording stopped before it ({recording.outcome.get('detail', '')})")
+        theirs = recorded[index]
+        if mine.record.prompt_hash != theirs.prompt_hash:
+            return EpisodeResult(episode_id, "diverged", turn, detail="its prompt (history, tool results, tools "
+                                                                      "or sampling) differs from the recording")
+        stream = _stream_divergence(episode_id, turn, mine, theirs, llm)
+        if stream is not None:
+            return stream
+        field = next((f.name for f in fields(RecordedTurn)
+                      if getattr(mine.record, f.name) != getattr(theirs, f.name)), None)
+        if field is not None:
+            return EpisodeResult(episode_id, "diverged", turn, detail=f"the recorded {field} does not match the replay")
+    replayed = against_trace(run, llm)
+    if replayed.outcome() != recording.outcome:
+        return EpisodeResult(episode_id, "diverged", replayed.turn,
+                             detail=f"outcome differs: replay {replayed.outcome()}, recorded {recording.outcome}")
+    return EpisodeResult(episode_id, "identical", detail=f"{len(run.turns)} turn(s) reproduced bit for bit")
+
+
+def _stream_divergence(episode_id: str, turn: int, mine: TurnRun, theirs: RecordedTurn,
+                       llm: LLM) -> EpisodeResult | None:
+    """Tokens and logprob bits of one turn, compared the way `deepinfer audit compare` compares runs."""
+    request_id = turn_request_id(episode_id, turn)
+    frames = [pl.DataFrame([_stream_row(request_id, mine.prompt_ids, record)],
+                           schema={c: STREAM_SCHEMA[c] for c in _COMPARED_COLUMNS})
+              for record in (theirs, mine.record)]
+    row = compare_streams(frames[0], frames[1]).row(0, named=True)
+    if row["status"] == "equal":
+        return None
+    if row["status"] == "logprob_drift":
+        return EpisodeResult(episode_id, "diverged", turn, detail=f"tokens identical, logprobs differ (max drift "
+                                                                  f"{_number(row['max_logprob_drift'])})")
+    position = row["first_divergence"]
+    return EpisodeResult(
+        episode_id, "diverged", turn, position, row["margin_other"], row["margin_ref"], bool(row["near_tie"]),
+        detail=f"replay {_token(llm, mine.record.token_ids, position)}, "
+               f"recorded {_token(llm, theirs.token_ids, position)}",
+    )
+
+
+def _stream_row(request_id: str, prompt: list[int], record: RecordedTurn) -> dict:
+    return {"index": 0, "request_id": request_id, "prompt_token_ids": prompt, "token_ids": record.token_ids,
+            "logprobs": record.logprobs, "top_token_ids": record.top_token_ids, "top_logprobs": record.top_logprobs,
+            "finish_reason": record.finish_reason, "error": None}
+
+
+def _margin(record: RecordedTurn, position: int) -> float | None:
+    if position >= len(record.top_logprobs) or len(record.top_logprobs[position]) < 2:
+        return None
+    top = record.top_logprobs[position]
+    return float(top[0]) - float(top[1])
+
+
+def _token(llm: LLM, ids: list[int], position: int) -> str:
+    if position >= len(ids):
+        return "the end of the turn"
+    return f"token {ids[position]} {llm.tokenizer.decode([ids[position]])!r}"
+
+
+def _number(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4g}"
+
+
+def prefill_cost(runs: Iterable[EpisodeRun]) -> PrefillCost:
+    """Prompt tokens prefilled by `runs` against distinct prompt prefixes: the size of the prompts'
+    prefix trie, counted from the prompts sorted (each adds its length less its common prefix with
+    the one before)."""
+    prompts = sorted(tuple(turn.prompt_ids) for run in runs for turn in run.turns)
+    total = sum(len(p) for p in prompts)
+    shared = sum(_common_prefix(a, b) for a, b in zip(prompts, prompts[1:]))
+    return PrefillCost(total, total - shared)
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

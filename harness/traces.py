@@ -1,0 +1,378 @@
+"""Agent traces: the JSONL episode format that replay reads, its validation, and the `traces` suite.
+
+One episode per line, in the OpenAI Chat Completions shape:
+
+    {"id": "weather-1", "messages": [...], "tools": [...], "sampling": {...}, "metadata": {...},
+     "recorded": {"turns": [...], "outcome": {...}}}
+
+- `messages`: system / user / assistant (with `tool_calls`) / tool (with `tool_call_id`) messages, as
+  deepinfer.recipe.chat accepts them. Each assistant message is one *turn*; turns count from 1.
+- `tools` (optional): Chat Completions function tools. `sampling` (optional): SamplingParams fields;
+  a turn without a `seed` gets one derived from the run seed and its request id `<id>/turn-<k>`.
+- `id` (optional, default `line-N`) must be unique in the file; `metadata` is any object, carried along.
+- `recorded` (optional; what a cassette adds): the engine's outputs per turn with their stream hashes,
+  and the episode's outcome as replay reported it.
+- `"format": "anthropic"` or `"format": "responses"` lines hold an Anthropic Messages conversation
+  (`system`, `messages` with text / tool_use / tool_result / thinking blocks, `tools` with
+  `input_schema`) or an OpenAI Responses one (`instructions`, `input` and optional `output` items:
+  messages, function_call, function_call_output, reasoning); harness.trace_import converts them to
+  the shape above, which is how a cassette stores them.
+
+Every error is one line that names `file:line` and the field. A malformed line does not stop the
+file: `load_traces` returns the good episodes and one error per bad line.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from deepinfer import LLM
+from deepinfer.errors import DeepInferError
+from deepinfer.prompts_file import PromptRequest
+from deepinfer.recipe.chat import ChatFormatError, encode_messages
+from deepinfer.sampling_params import SamplingParams
+from harness.suites import Suite, SuiteRequest, file_hash
+from harness.trace_import import TraceFormatError, canonical_arguments, from_anthropic, from_responses
+
+FORMATS = ("chat", "anthropic", "responses")
+_COMMON_FIELDS = {"id", "format", "tools", "sampling", "metadata"}
+_FORMAT_FIELDS = {
+    "chat": {"messages", "recorded"},
+    "anthropic": {"system", "messages"},
+    "responses": {"instructions", "input", "output"},
+}
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """A recorded call and the answer the trace gives it: what a free-running stub can replay."""
+
+    turn: int
+    name: str
+    arguments: str  # canonical JSON
+    content: str
+
+
+@dataclass(frozen=True)
+class RecordedTurn:
+    """One turn as the engine produced it (token ids, fp32 logprobs, top-2 per position) and its hashes."""
+
+    turn: int
+    prompt_hash: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_token_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+    finish_reason: str
+    text: str | None
+    message: dict
+    token_hash: str
+    logit_hash: str
+
+
+@dataclass(frozen=True)
+class Recording:
+    turns: list[RecordedTurn]
+    outcome: dict
+
+
+@dataclass(frozen=True)
+class Episode:
+    episode_id: str
+    path: str
+    line: int
+    messages: list[dict]
+    tools: list[dict] | None = None
+    sampling: dict = field(default_factory=dict)
+    metadata: dict | None = None
+    recording: Recording | None = None
+    tool_results: tuple[ToolResult, ...] = ()
+
+    @property
+    def where(self) -> str:
+        return f"{self.path}:{self.line}"
+
+    @property
+    def turn_positions(self) -> list[int]:
+        """Message index of each assistant turn."""
+        return [i for i, m in enumerate(self.messages) if m["role"] == "assistant"]
+
+    @property
+    def turns(self) -> int:
+        return len(self.turn_positions)
+
+    def history(self, turn: int) -> list[dict]:
+        """The messages before assistant turn `turn` (from 1): its teacher-forced prompt."""
+        return self.messages[: self.turn_positions[turn - 1]]
+
+    def request(self, turn: int) -> SuiteRequest:
+        """Teacher-forced turn `turn` as a suite request (the recorded history, then a generation prompt)."""
+        return _turn_request(self, turn, self.history(turn))
+
+    def params(self, turn: int, run_seed: int) -> SamplingParams:
+        """The sampling params of turn `turn`, as the `traces` suite sets them (also past the trace's turns)."""
+        return _turn_request(self, turn, []).params(run_seed)
+
+    def to_json(self) -> dict:
+        """The canonical (Chat Completions shaped) line of this episode."""
+        line: dict[str, Any] = {"id": self.episode_id, "messages": self.messages}
+        if self.tools is not None:
+            line["tools"] = self.tools
+        if self.sampling:
+            line["sampling"] = self.sampling
+        if self.metadata is not None:
+            line["metadata"] = self.metadata
+        if self.recording is not None:
+            line["recorded"] = {"turns": [asdict(t) for t in self.recording.turns], "outcome": self.recording.outcome}
+        return line
+
+
+@dataclass(frozen=True)
+class TraceError:
+    """A line that could not be read as an episode; `message` names the file, line and field."""
+
+    line: int
+    message: str
+
+
+def turn_request_id(episode_id: str, turn: int) -> str:
+    return f"{episode_id}/turn-{turn}"
+
+
+def _turn_request(episode: Episode, turn: int, messages: list[dict]) -> SuiteRequest:
+    request_id = turn_request_id(episode.episode_id, turn)
+    return SuiteRequest(request_id, PromptRequest(episode.where, request_id, "messages", messages, episode.tools,
+                                                  episode.sampling))
+
+
+# reading files --------------------------------------------------------------------------------------
+
+
+def load_traces(path: str | Path) -> tuple[list[Episode], list[TraceError]]:
+    """Every valid episode of a trace file, and one error per malformed line (blank lines are skipped)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as err:
+        raise DeepInferError(f"{path}: cannot read ({err.strerror or err})") from None
+    except UnicodeDecodeError:
+        raise DeepInferError(f"{path}: not UTF-8 text") from None
+    lines = list(enumerate(text.splitlines(), start=1))
+    if not any(line.strip() for _, line in lines):
+        raise DeepInferError(f"{path}: no episodes")
+    return parse_trace_lines(str(path), lines)
+
+
+def parse_trace_lines(path: str, lines: Iterable[tuple[int, str]]) -> tuple[list[Episode], list[TraceError]]:
+    """Episodes and errors from numbered lines of `path`; ids must be unique (the first one wins)."""
+    episodes: list[Episode] = []
+    errors: list[TraceError] = []
+    seen: dict[str, int] = {}
+    for number, line in lines:
+        if not line.strip():
+            continue
+        try:
+            episode = parse_trace_line(line, path, number)
+            if episode.episode_id in seen:
+                raise TraceFormatError(f"{path}:{number}: id: duplicate {episode.episode_id!r} "
+                                       f"(first at line {seen[episode.episode_id]})")
+        except TraceFormatError as err:
+            errors.append(TraceError(number, str(err)))
+            continue
+        seen[episode.episode_id] = number
+        episodes.append(episode)
+    return episodes, errors
+
+
+def parse_trace_line(text: str, path: str, line: int) -> Episode:
+    """One validated episode; TraceFormatError naming `path:line` and the field otherwise."""
+    where = f"{path}:{line}"
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise TraceFormatError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(obj, dict):
+        raise TraceFormatError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    try:
+        return _episode(obj, path, line)
+    except (TraceFormatError, ChatFormatError) as err:
+        raise TraceFormatError(f"{where}: {err}") from None
+
+
+def _episode(obj: dict, path: str, line: int) -> Episode:
+    kind = obj.get("format", "chat")
+    if kind not in FORMATS:
+        raise TraceFormatError(f"format: unknown {kind!r} (expected one of {', '.join(FORMATS)})")
+    unknown = set(obj) - _COMMON_FIELDS - _FORMAT_FIELDS[kind]
+    if unknown:
+        raise TraceFormatError(f"unknown field(s) {sorted(unknown)} for format {kind!r}")
+    episode_id = obj.get("id", f"line-{line}")
+    if not isinstance(episode_id, str) or not episode_id:
+        raise TraceFormatError("id: must be a non-empty string")
+    messages, tools = _IMPORTERS[kind](obj)
+    encode_messages(messages, tools)  # the chat template's own checks name the message and field
+    if not any(m["role"] == "assistant" for m in messages):
+        raise TraceFormatError("messages: no assistant turn to replay")
+    metadata = obj.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise TraceFormatError("metadata: must be an object")
+    sampling = _sampling(obj.get("sampling", {}))
+    recording = _recording(obj["recorded"]) if "recorded" in obj else None
+    return Episode(episode_id, path, line, messages, tools, sampling, metadata, recording, _tool_results(messages))
+
+
+def _chat(obj: dict) -> tuple[list[dict], list[dict] | None]:
+    if "messages" not in obj:
+        raise TraceFormatError("messages: missing")
+    if not isinstance(obj["messages"], list) or not obj["messages"]:
+        raise TraceFormatError("messages: must be a non-empty list of message objects")
+    return obj["messages"], obj.get("tools")
+
+
+_IMPORTERS: dict[str, Callable[[dict], tuple[list[dict], list[dict] | None]]] = {
+    "chat": _chat, "anthropic": from_anthropic, "responses": from_responses,
+}
+
+
+def _sampling(sampling: Any) -> dict:
+    if not isinstance(sampling, dict):
+        raise TraceFormatError("sampling: must be an object")
+    unknown = set(sampling) - {f.name for f in fields(SamplingParams)}
+    if unknown:
+        raise TraceFormatError(f"sampling: unknown field(s) {sorted(unknown)}")
+    try:
+        SamplingParams(**sampling)
+    except DeepInferError as err:
+        raise TraceFormatError(f"sampling: {err}") from None
+    return sampling
+
+
+def _tool_results(messages: list[dict]) -> tuple[ToolResult, ...]:
+    """Pair each tool message with a call of the assistant message before it: by `tool_call_id`,
+    or with the first unanswered call when it has none."""
+    results = []
+    pending: list[dict] = []
+    turn = 0
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            turn += 1
+            pending = list(message.get("tool_calls") or [])
+        elif message["role"] == "tool":
+            call_id = message.get("tool_call_id")
+            match = next((c for c in pending if call_id is None or c.get("id") == call_id), None)
+            if match is None:
+                what = f"tool_call_id {call_id!r} matches no" if call_id is not None else "there is no"
+                raise TraceFormatError(f"message {i}: {what} unanswered tool call of the assistant message before it")
+            pending.remove(match)
+            function = match["function"]
+            results.append(ToolResult(turn, function["name"], canonical_arguments(function["arguments"]),
+                                      _text(message["content"])))
+        else:
+            pending = []
+    return tuple(results)
+
+
+def _text(content: str | list) -> str:
+    """Message content as the chat template renders it (text parts joined by newlines)."""
+    return content if isinstance(content, str) else "\n".join(part["text"] for part in content)
+
+
+# recorded outputs -----------------------------------------------------------------------------------
+
+
+def _recording(value: Any) -> Recording:
+    if not isinstance(value, dict) or set(value) != {"turns", "outcome"}:
+        raise TraceFormatError("recorded: must be an object with 'turns' and 'outcome'")
+    if not isinstance(value["outcome"], dict):
+        raise TraceFormatError("recorded.outcome: must be an object")
+    if not isinstance(value["turns"], list):
+        raise TraceFormatError("recorded.turns: must be a list")
+    turns = [_recorded_turn(t, f"recorded.turns[{i}]") for i, t in enumerate(value["turns"])]
+    for i, turn in enumerate(turns):
+        if turn.turn != i + 1:
+            raise TraceFormatError(f"recorded.turns[{i}].turn: expected {i + 1}, got {turn.turn}")
+    return Recording(turns, value["outcome"])
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _ints(v: Any) -> bool:
+    return isinstance(v, list) and all(_is_int(x) and x >= 0 for x in v)
+
+
+def _numbers(v: Any) -> bool:
+    return isinstance(v, list) and all(_is_number(x) for x in v)
+
+
+_TURN_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "turn": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "prompt_hash": (lambda v: isinstance(v, str) and bool(_HEX64.fullmatch(v)), "64 lower-case hex digits"),
+    "token_ids": (_ints, "a list of token ids"),
+    "logprobs": (_numbers, "a list of numbers"),
+    "top_token_ids": (lambda v: isinstance(v, list) and all(_ints(x) for x in v), "a list of lists of token ids"),
+    "top_logprobs": (lambda v: isinstance(v, list) and all(_numbers(x) for x in v), "a list of lists of numbers"),
+    "finish_reason": (lambda v: isinstance(v, str), "a string"),
+    "text": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "message": (lambda v: isinstance(v, dict), "an object"),
+    "token_hash": (lambda v: isinstance(v, str) and bool(_HEX64.fullmatch(v)), "64 lower-case hex digits"),
+    "logit_hash": (lambda v: isinstance(v, str) and bool(_HEX64.fullmatch(v)), "64 lower-case hex digits"),
+}
+
+
+def _recorded_turn(value: Any, where: str) -> RecordedTurn:
+    if not isinstance(value, dict):
+        raise TraceFormatError(f"{where}: must be an object")
+    missing = [name for name in _TURN_CHECKS if name not in value]
+    if missing:
+        raise TraceFormatError(f"{where}: missing {', '.join(missing)}")
+    unknown = set(value) - set(_TURN_CHECKS)
+    if unknown:
+        raise TraceFormatError(f"{where}: unknown field(s) {sorted(unknown)}")
+    for name, (check, expected) in _TURN_CHECKS.items():
+        if not check(value[name]):
+            raise TraceFormatError(f"{where}.{name}: must be {expected}")
+    count = len(value["token_ids"])
+    for name in ("logprobs", "top_token_ids", "top_logprobs"):
+        if len(value[name]) != count:
+            raise TraceFormatError(f"{where}.{name}: has {len(value[name])} entries for {count} token ids")
+    return RecordedTurn(**value)
+
+
+# the `traces` suite kind ----------------------------------------------------------------------------
+
+
+@dataclass
+class MalformedTraceLine(SuiteRequest):
+    """A trace line that failed validation. Its prompt never resolves, so the harness records it as an
+    error row at the line's place in the suite, and every other line is still served."""
+
+    message: str
+
+    def prompt_ids(self, llm: LLM) -> list[int]:
+        raise TraceFormatError(self.message)
+
+
+def load_traces_suite(path: Path) -> Suite:
+    """Every assistant turn of every episode as a teacher-forced request `<id>/turn-<k>`, in file order;
+    a malformed line becomes a request `line-<N>` that fails with the line's error."""
+    episodes, errors = load_traces(path)
+    items: list[tuple[int, list[SuiteRequest]]] = [
+        (e.line, [e.request(k) for k in range(1, e.turns + 1)]) for e in episodes
+    ]
+    for error in errors:
+        request_id = f"line-{error.line}"
+        items.append((error.line, [MalformedTraceLine(request_id, PromptRequest(f"{path}:{error.line}", request_id,
+                                                                                  "messages", []), error.message)]))
+    requests = [request for _, group in sorted(items, key=lambda item: item[0]) for request in group]
+    return Suite("traces", Path(path), file_hash(Path(path)), requests)

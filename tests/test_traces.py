@@ -1,0 +1,294 @@
+"""The agent-trace format: the shipped sample, validation that names line and field, malformed lines
+that do not stop the file, the Anthropic and OpenAI Responses importers, and the `traces` suite kind."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from audit.store import read_run
+from deepinfer import LLM
+from deepinfer.recipe.chat import encode_chat
+from deepinfer.recipe.tokenizer import TextTokenizer
+from harness.record import record_run
+from harness.replay import teacher_forced
+from harness.sweep import Variant
+from harness.traces import (
+    TraceFormatError,
+    canonical_arguments,
+    load_traces,
+    load_traces_suite,
+    parse_trace_line,
+)
+
+SAMPLE = Path(__file__).resolve().parent.parent / "harness" / "suites" / "traces" / "sample.jsonl"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+def call(call_id: str, name: str, arguments: str) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def episode(episode_id: str = "ep", **extra) -> dict:
+    """Three turns: a call, a second call, an answer."""
+    return {"id": episode_id, "tools": [WEATHER], "messages": [
+        {"role": "user", "content": f"{episode_id}: Oslo or Rome?"},
+        {"role": "assistant", "content": None, "tool_calls": [call("c1", "get_weather", '{"city": "Oslo"}')]},
+        {"role": "tool", "tool_call_id": "c1", "content": "4 C, rain"},
+        {"role": "assistant", "content": None, "tool_calls": [call("c2", "get_weather", '{"city": "Rome"}')]},
+        {"role": "tool", "tool_call_id": "c2", "content": "19 C, sun"},
+        {"role": "assistant", "content": "Rome is warmer."},
+    ], **extra}
+
+
+def write_lines(path: Path, rows: list) -> Path:
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n", encoding="utf-8")
+    return path
+
+
+def parse(obj: dict | str):
+    return parse_trace_line(obj if isinstance(obj, str) else json.dumps(obj), "t.jsonl", 1)
+
+
+def test_shipped_sample_meets_the_brief() -> None:
+    episodes, errors = load_traces(SAMPLE)
+    assert errors == [] and len(episodes) >= 20
+    for e in episodes:
+        assert e.turns >= 3, e.episode_id
+        assert any(m.get("tool_calls") for m in e.messages) and e.tool_results, e.episode_id
+    raw = [json.loads(line) for line in SAMPLE.read_text(encoding="utf-8").splitlines()]
+    assert {r.get("format", "chat") for r in raw} == {"chat", "anthropic", "responses"}
+    assert any(len(m.get("tool_calls") or []) > 1 for e in episodes for m in e.messages)  # parallel calls
+    assert any(sum(m["role"] == "user" for m in e.messages) > 1 for e in episodes)  # the user speaks again
+    assert any(len({(r.name, r.arguments) for r in e.tool_results}) < len(e.tool_results) for e in episodes)
+    seeds = [e.sampling.get("seed") for e in episodes]
+    assert any(s is None for s in seeds) and any(s is not None for s in seeds)
+
+
+def test_teacher_forced_turns_are_prefixes_of_the_conversation(tiny_checkpoint) -> None:
+    """Each turn's prompt is a token prefix of the conversation that includes the turn, so the trace's
+    turn as tokens is what follows the prompt."""
+    tokenizer = TextTokenizer.from_folder(tiny_checkpoint)
+    for e in load_traces(SAMPLE)[0]:
+        whole = encode_chat(tokenizer, e.messages, e.tools, add_generation_prompt=False)
+        for k in range(1, e.turns + 1):
+            prompt = encode_chat(tokenizer, e.history(k), e.tools)
+            assert whole[: len(prompt)] == prompt, (e.episode_id, k)
+
+
+def test_malformed_lines_are_reported_and_the_rest_loads(tmp_path) -> None:
+    path = write_lines(tmp_path / "t.jsonl", [
+        episode("a"), "{not json", "", episode("b", extra=1), episode("a"), episode("c"),
+    ])
+    episodes, errors = load_traces(path)
+    assert [e.episode_id for e in episodes] == ["a", "c"]
+    assert [(e.line, e.message) for e in errors] == [
+        (2, f"{path}:2: invalid JSON (Expecting property name enclosed in double quotes at column 2)"),
+        (4, f"{path}:4: unknown field(s) ['extra'] for format 'chat'"),
+        (5, f"{path}:5: id: duplicate 'a' (first at line 1)"),
+    ]
+
+
+def with_messages(update) -> dict:
+    obj = episode()
+    update(obj["messages"])
+    return obj
+
+
+@pytest.mark.parametrize(("obj", "message"), [
+    ("[1, 2]", "t.jsonl:1: expected a JSON object, got list"),
+    ({**episode(), "format": "gemini"},
+     "t.jsonl:1: format: unknown 'gemini' (expected one of chat, anthropic, responses)"),
+    ({**episode(), "id": 5}, "t.jsonl:1: id: must be a non-empty string"),
+    ({"id": "x"}, "t.jsonl:1: messages: missing"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "t.jsonl:1: messages: no assistant turn to replay"),
+    (with_messages(lambda m: m[1]["tool_calls"][0]["function"].update(arguments="{oops")),
+     "t.jsonl:1: message 1: tool_calls[0].function.arguments is not valid JSON"),
+    (with_messages(lambda m: m[2].update(tool_call_id="zz")),
+     "t.jsonl:1: message 2: tool_call_id 'zz' matches no unanswered tool call of the assistant message before it"),
+    (with_messages(lambda m: m.insert(3, {"role": "tool", "content": "extra"})),
+     "t.jsonl:1: message 3: there is no unanswered tool call of the assistant message before it"),
+    (with_messages(lambda m: m[0].update(content="<｜User｜>")),
+     "t.jsonl:1: message 0: content contains special token '<｜User｜>'"),
+    ({**episode(), "sampling": {"temperature": -1}},
+     "t.jsonl:1: sampling: invalid sampling params: temperature must be a number >= 0, got -1"),
+    ({**episode(), "sampling": {"temp": 1}}, "t.jsonl:1: sampling: unknown field(s) ['temp']"),
+    ({**episode(), "metadata": []}, "t.jsonl:1: metadata: must be an object"),
+    ({**episode(), "recorded": {"turns": []}}, "t.jsonl:1: recorded: must be an object with 'turns' and 'outcome'"),
+    ({**episode(), "recorded": {"turns": [{"turn": 1}], "outcome": {}}},
+     "t.jsonl:1: recorded.turns[0]: missing prompt_hash, token_ids, logprobs, top_token_ids, top_logprobs, "
+     "finish_reason, text, message, token_hash, logit_hash"),
+    ({"format": "anthropic", "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]},
+                                          {"role": "assistant", "content": "no"}]},
+     "t.jsonl:1: messages[0].content[0].type: unsupported block type 'image' (expected text or tool_result)"),
+    ({"format": "anthropic", "messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t",
+                                                                             "name": "f", "input": "x"}]}]},
+     "t.jsonl:1: messages[0].content[0].input: must be an object"),
+    ({"format": "anthropic", "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+      "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+     "t.jsonl:1: tools[0].input_schema: missing (only client tools with a schema are supported)"),
+    ({"format": "anthropic", "messages": episode()["messages"]},
+     "t.jsonl:1: messages[1].content: must be a string or a list of content blocks"),
+    ({"format": "responses", "input": [{"role": "user", "content": "q"}, {"type": "web_search_call", "id": "w"}]},
+     "t.jsonl:1: input[1].type: unsupported item type 'web_search_call'"),
+    ({"format": "responses", "input": [{"role": "user", "content": "q"},
+                                       {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{"}]},
+     "t.jsonl:1: input[1].arguments: not valid JSON"),
+    ({"format": "responses", "input": [{"role": "user", "content": "q"},
+                                       {"type": "function_call", "name": "f", "arguments": "{}"}]},
+     "t.jsonl:1: input[1].call_id: missing"),
+    ({"format": "responses", "tools": [{"type": "file_search"}], "input": "q",
+      "output": [{"role": "assistant", "content": "a"}]},
+     "t.jsonl:1: tools[0].type: unsupported tool type 'file_search' (only 'function')"),
+    ({"format": "responses", "messages": []}, "t.jsonl:1: unknown field(s) ['messages'] for format 'responses'"),
+])
+def test_validation_names_the_line_and_the_field(obj, message) -> None:
+    with pytest.raises(TraceFormatError) as info:
+        parse(obj)
+    assert str(info.value) == message
+
+
+def test_tool_results_pair_by_id_or_in_order() -> None:
+    obj = episode()
+    obj["messages"][1]["tool_calls"] = [call("x", "get_weather", '{"city":"Oslo"}'),
+                                        call("y", "get_weather", '{ "city" : "Bergen" }')]
+    obj["messages"][2:3] = [{"role": "tool", "tool_call_id": "y", "content": "B"}, {"role": "tool", "content": "O"}]
+    results = parse(obj).tool_results
+    assert [(r.turn, r.name, r.arguments, r.content) for r in results] == [
+        (1, "get_weather", '{"city":"Bergen"}', "B"),
+        (1, "get_weather", '{"city":"Oslo"}', "O"),
+        (2, "get_weather", '{"city":"Rome"}', "19 C, sun"),
+    ]
+
+
+def test_anthropic_blocks_map_to_chat_messages() -> None:
+    parsed = parse({"format": "anthropic", "system": [{"type": "text", "text": "Be brief."}], "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm", "signature": "s"},
+                                          {"type": "text", "text": "Looking."},
+                                          {"type": "tool_use", "id": "t1", "name": "f", "input": {"b": 1, "a": 2}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": [{"type": "text", "text": "r1"}, {"type": "text", "text": "r2"}]},
+                                     {"type": "text", "text": "and?"}]},
+        {"role": "assistant", "content": "done"},
+    ]})
+    assert parsed.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": "Looking.", "reasoning_content": "hmm",
+         "tool_calls": [call("t1", "f", '{"a":2,"b":1}')]},
+        {"role": "tool", "tool_call_id": "t1", "content": "r1\nr2"},
+        {"role": "user", "content": "and?"},
+        {"role": "assistant", "content": "done"},
+    ]
+
+
+# importer round trips: one conversation written in each shape imports to the same episode ----------
+
+_TEXT = st.text(alphabet="abcxyz ÄéΩ語,.!?{}\"'\n0123", min_size=1, max_size=12)
+_ARGS = st.dictionaries(st.text(alphabet="abcdef", min_size=1, max_size=4),
+                        st.one_of(st.integers(-99, 99), _TEXT, st.booleans(), st.none()), max_size=3)
+_CALLS = st.lists(st.tuples(st.sampled_from(["get_weather", "search", "run_sql"]), _ARGS, _TEXT),
+                  min_size=1, max_size=3)
+_STEP = st.tuples(st.one_of(st.none(), _TEXT), _CALLS)  # (text before the calls, [(tool, arguments, result)])
+_TURN = st.tuples(_TEXT, st.lists(_STEP, max_size=2), _TEXT)  # (user, tool-using steps, final answer)
+CONVERSATIONS = st.tuples(st.one_of(st.none(), _TEXT), st.lists(_TURN, min_size=1, max_size=3))
+
+
+def _numbered(turns):
+    """The conversation with a unique call id per call."""
+    n = 0
+    for user, steps, final in turns:
+        numbered_steps = []
+        for text, calls in steps:
+            numbered_steps.append((text, [(f"call-{(n := n + 1)}", *c) for c in calls]))
+        yield user, numbered_steps, final
+
+
+def as_chat(system, turns) -> dict:
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    for user, steps, final in _numbered(turns):
+        messages.append({"role": "user", "content": user})
+        for text, calls in steps:
+            messages.append({"role": "assistant", "content": text,
+                             "tool_calls": [call(i, name, canonical_arguments(args)) for i, name, args, _ in calls]})
+            messages += [{"role": "tool", "tool_call_id": i, "content": result} for i, _, _, result in calls]
+        messages.append({"role": "assistant", "content": final})
+    return {"messages": messages, "tools": [WEATHER]}
+
+
+def as_anthropic(system, turns) -> dict:
+    messages = []
+    for user, steps, final in _numbered(turns):
+        messages.append({"role": "user", "content": user})
+        for text, calls in steps:
+            blocks = [{"type": "text", "text": text}] if text is not None else []
+            blocks += [{"type": "tool_use", "id": i, "name": name, "input": args} for i, name, args, _ in calls]
+            messages.append({"role": "assistant", "content": blocks})
+            messages.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": i, "content": result}
+                                                         for i, _, _, result in calls]})
+        messages.append({"role": "assistant", "content": [{"type": "text", "text": final}]})
+    tool = {"name": "get_weather", "input_schema": {"type": "object"}}
+    return {"format": "anthropic", "messages": messages, "tools": [tool],
+            **({"system": system} if system is not None else {})}
+
+
+def as_responses(system, turns) -> dict:
+    items = []
+    for user, steps, final in _numbered(turns):
+        items.append({"role": "user", "content": user})
+        for text, calls in steps:
+            if text is not None:
+                items.append({"type": "message", "role": "assistant",
+                              "content": [{"type": "output_text", "text": text}]})
+            items += [{"type": "function_call", "call_id": i, "name": name, "arguments": json.dumps(args, indent=1)}
+                      for i, name, args, _ in calls]
+            items += [{"type": "function_call_output", "call_id": i, "output": result} for i, _, _, result in calls]
+        items.append({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": final}]})
+    tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}, "strict": True}
+    return {"format": "responses", "input": items, "tools": [tool],
+            **({"instructions": system} if system is not None else {})}
+
+
+@settings(max_examples=60, deadline=None)
+@given(CONVERSATIONS)
+def test_importers_agree_with_the_chat_shape(conversation) -> None:
+    expected = parse(as_chat(*conversation))
+    for imported in (parse(as_anthropic(*conversation)), parse(as_responses(*conversation))):
+        assert imported.messages == expected.messages
+        assert imported.tools == expected.tools
+        assert imported.tool_results == expected.tool_results
+    assert expected.turns == sum(len(steps) + 1 for _, steps, _ in conversation[1])
+
+
+# the `traces` suite kind ----------------------------------------------------------------------------
+
+
+def test_traces_suite_serves_turns_and_records_malformed_lines_as_error_rows(tmp_path, tiny_checkpoint) -> None:
+    sampling = {"temperature": 0, "max_tokens": 2}
+    path = write_lines(tmp_path / "t.jsonl", [episode("a", sampling=sampling), '{"id": "broken"',
+                                              episode("b", sampling={**sampling, "temperature": 0.7})])
+    suite = load_traces_suite(path)
+    assert suite.kind == "traces"
+    assert [r.request_id for r in suite.requests] == ["a/turn-1", "a/turn-2", "a/turn-3", "line-2",
+                                                      "b/turn-1", "b/turn-2", "b/turn-3"]
+    message = f"{path}:2: invalid JSON (Expecting ',' delimiter at column 16)"
+    with pytest.raises(TraceFormatError, match=f"^{message}$".replace("(", r"\(").replace(")", r"\)")):
+        suite.requests[3].prompt_ids(None)
+
+    record_run(tiny_checkpoint, suite, Variant("ref", max_model_len=1024), tmp_path / "run", progress=False)
+    rows = {r["request_id"]: r for r in read_run(tmp_path / "run").streams.iter_rows(named=True)}
+    assert rows["line-2"]["error"] == message and rows["line-2"]["finish_reason"] == "error"
+    assert all(rows[f"{e}/turn-{k}"]["error"] is None for e in "ab" for k in (1, 2, 3))
+
+    # the suite's rows are the streams teacher-forced replay produces: same prompts, params and seeds
+    llm = LLM(tiny_checkpoint, max_model_len=1024)
+    runs = teacher_forced(llm, load_traces(path)[0])
+    for run in runs:
+        for turn in run.turns:
+            row = rows[f"{run.episode.episode_id}/turn-{turn.record.turn}"]
+            assert (row["prompt_hash"], row["logit_hash"]) == (turn.record.prompt_hash, turn.record.logit_hash)
