@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deepinfer.errors import DeepInferError
@@ -58,16 +59,9 @@ class PromptRequest:
 
 def read_prompts_file(path: str) -> list[PromptRequest]:
     """Parse and validate every line; ids default to `line-N` and must be unique."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError as err:
-        raise DeepInferError(f"{path}: cannot read ({err.strerror or err})") from None
-    except UnicodeDecodeError:
-        raise DeepInferError(f"{path}: not UTF-8 text") from None
     requests: list[PromptRequest] = []
     seen: dict[str, str] = {}
-    for number, line in enumerate(lines, start=1):
+    for number, line in read_jsonl_lines(path):
         if line.strip():
             request = parse_request_line(line, f"{path}:{number}", f"line-{number}")
             if request.request_id in seen:
@@ -80,13 +74,30 @@ def read_prompts_file(path: str) -> list[PromptRequest]:
     return requests
 
 
-def parse_request_line(line: str, where: str, default_id: str) -> PromptRequest:
+def read_jsonl_lines(path: str | Path) -> list[tuple[int, str]]:
+    """The numbered lines (from 1) of a UTF-8 text file; one-line errors for unreadable files."""
     try:
-        request = json.loads(line)
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as err:
+        raise DeepInferError(f"{path}: cannot read ({err.strerror or err})") from None
+    except UnicodeDecodeError:
+        raise DeepInferError(f"{path}: not UTF-8 text") from None
+    return list(enumerate(text.splitlines(), start=1))
+
+
+def json_object(line: str, where: str) -> dict:
+    """One JSONL line that must hold a JSON object; errors name `where` (file:line)."""
+    try:
+        value = json.loads(line)
     except json.JSONDecodeError as err:
-        raise DeepInferError(f"{where}: invalid JSON ({err.msg})") from None
-    if not isinstance(request, dict):
-        raise DeepInferError(f"{where}: expected a JSON object")
+        raise DeepInferError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(value, dict):
+        raise DeepInferError(f"{where}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def parse_request_line(line: str, where: str, default_id: str) -> PromptRequest:
+    request = json_object(line, where)
     unknown = set(request) - FIELDS
     if unknown:
         raise DeepInferError(f"{where}: unknown field(s) {sorted(unknown)}")

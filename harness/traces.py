@@ -24,7 +24,6 @@ file: `load_traces` returns the good episodes and one error per bad line.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, fields
@@ -33,7 +32,7 @@ from typing import Any
 
 from deepinfer import LLM
 from deepinfer.errors import DeepInferError
-from deepinfer.prompts_file import PromptRequest
+from deepinfer.prompts_file import PromptRequest, json_object, read_jsonl_lines
 from deepinfer.recipe.chat import ChatFormatError, encode_messages
 from deepinfer.sampling_params import SamplingParams
 from harness.suites import Suite, SuiteRequest, file_hash
@@ -156,13 +155,7 @@ def _turn_request(episode: Episode, turn: int, messages: list[dict]) -> SuiteReq
 
 def load_traces(path: str | Path) -> tuple[list[Episode], list[TraceError]]:
     """Every valid episode of a trace file, and one error per malformed line (blank lines are skipped)."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as err:
-        raise DeepInferError(f"{path}: cannot read ({err.strerror or err})") from None
-    except UnicodeDecodeError:
-        raise DeepInferError(f"{path}: not UTF-8 text") from None
-    lines = list(enumerate(text.splitlines(), start=1))
+    lines = read_jsonl_lines(path)
     if not any(line.strip() for _, line in lines):
         raise DeepInferError(f"{path}: no episodes")
     return parse_trace_lines(str(path), lines)
@@ -193,11 +186,9 @@ def parse_trace_line(text: str, path: str, line: int) -> Episode:
     """One validated episode; TraceFormatError naming `path:line` and the field otherwise."""
     where = f"{path}:{line}"
     try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise TraceFormatError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
-    if not isinstance(obj, dict):
-        raise TraceFormatError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        obj = json_object(text, where)
+    except DeepInferError as err:
+        raise TraceFormatError(str(err)) from None
     try:
         return _episode(obj, path, line)
     except (TraceFormatError, ChatFormatError) as err:

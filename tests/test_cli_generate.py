@@ -117,8 +117,8 @@ def test_help_mentions_prompts_file(capsys):
 @pytest.mark.parametrize(
     ("lines", "message"),
     [
-        ([{"prompt": "a"}, '{"prompt": '], "{path}:2: invalid JSON (Expecting value)"),
-        (["[1, 2]"], "{path}:1: expected a JSON object"),
+        ([{"prompt": "a"}, '{"prompt": '], "{path}:2: invalid JSON (Expecting value at column 12)"),
+        (["[1, 2]"], "{path}:1: expected a JSON object, got list"),
         ([{"sampling": {"max_tokens": 3}}], "{path}:1: needs exactly one of 'prompt', 'prompt_token_ids', 'messages'"),
         ([{"prompt": "a"}, {"prompt": "a", "prompt_token_ids": [1]}],
          "{path}:2: needs exactly one of 'prompt', 'prompt_token_ids', 'messages'"),

@@ -562,7 +562,7 @@ def test_bad_sweep_files(capsys, certified, tiny_checkpoint, tmp_path, text, mes
 
 
 @pytest.mark.parametrize("lines, message", [
-    (['{"prompt": "a"}', '{"prompt": '], "{path}:2: invalid JSON (Expecting value)"),
+    (['{"prompt": "a"}', '{"prompt": '], "{path}:2: invalid JSON (Expecting value at column 12)"),
     (['{"prompt": "a", "id": "x"}', "", '{"prompt": "b", "id": "x"}'],
      "{path}:3: duplicate id 'x' (first at {path}:1)"),
     (['{"prompt": "a", "tools": []}'], "{path}:1: 'tools' only goes with 'messages'"),
