@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from reports import figures, tables
+from reports.groups import group_outcomes, request_grouping
 from reports.load import AuditData
 
 COUNTED = ("equal", "logprob_drift", "diverged", "near_tie", "missing", "error")
+GROUP_KINDS = (("diverged", "diverged"), ("drift", "with logprob drift only"), ("identical", "identical"))
 VERDICT_LEVELS = {"BITWISE_REPRODUCIBLE": "good", "TOKEN_REPRODUCIBLE": "warn", "DIVERGENT": "bad"}
 
 
@@ -156,6 +158,52 @@ def _figure_or_note(png: bytes | None, filename: str, caption: str, empty: str) 
     return Note(empty) if png is None else Figure(filename, png, caption)
 
 
+def _groups_section(data: AuditData) -> list[Section]:
+    """Per-episode (agent traces) or per-task (lm-eval) results; no section when no request id has a '/'."""
+    grouping = request_grouping(data.comparisons.filter(pl.col("configuration") == data.reference.name)
+                                ["request_id"].to_list())
+    if grouping is None:
+        return []
+    noun, members = grouping.noun, f"{grouping.member}s"
+    outcomes = group_outcomes(data, grouping)
+    n_groups = len(set(grouping.group.values()))
+    blocks: list[Block] = [
+        Paragraph(
+            f"{len(grouping.group)} requests form {n_groups} {noun}s. Per configuration, each {noun} is identical "
+            f"when all its {members} are bitwise equal to the reference's, has logprob drift only when its token "
+            f"ids all match but some logprobs differ, and otherwise is named with the first of its {members} to "
+            f"diverge (in suite order), that request's first divergent generated-token position (counted from 0, "
+            f"as under Diverged requests) and whether it was a near-tie. Diverged {members} counts missing and "
+            "errored ones too."
+        ),
+    ]
+    if grouping.ungrouped:
+        blocks.append(Paragraph(f"{grouping.ungrouped} request(s) whose id has no '/' belong to no {noun} and "
+                                "are left out here; the other sections include them."))
+    others = [c for c in data.configurations if c.role != "reference"]
+    everywhere = n_groups - outcomes.filter(pl.col("kind") != "identical")["group"].n_unique()
+    identical = f"{everywhere} of {n_groups} {noun}s are identical in all {len(others)} non-reference configuration(s)"
+    variants = [c.name for c in others if c.role == "variant"]
+    if len(variants) < len(others):
+        broken = outcomes.filter(pl.col("configuration").is_in(variants) & (pl.col("kind") != "identical"))
+        identical += f"; {n_groups - broken['group'].n_unique()} in all {len(variants)} variant(s)"
+    blocks.append(Paragraph(identical + "."))
+    lines = []
+    for c in others:
+        kinds = outcomes.filter(pl.col("configuration") == c.name)["kind"].to_list()
+        if kinds.count("identical") == n_groups:
+            lines.append(f"{c.name} ({c.role}): all {n_groups} {noun}s identical")
+            continue
+        counts = [(kinds.count(k), text) for k, text in GROUP_KINDS if kinds.count(k)]
+        parts = [f"{counts[0][0]} of {n_groups} {noun}s {counts[0][1]}", *(f"{n} {text}" for n, text in counts[1:])]
+        lines.append(f"{c.name} ({c.role}): {', '.join(parts)}")
+    if lines:
+        blocks.append(Bullets(lines))
+    table = tables.group_table(outcomes, grouping)
+    blocks.append(Note(f"Every {noun} is identical in every configuration.") if table.is_empty() else Table(table))
+    return [Section(grouping.title, blocks)]
+
+
 def build_document(data: AuditData) -> Document:
     """Assemble every section of the report from the loaded audit data."""
     counts = {c.name: data.summary(c.name) for c in data.configurations}
@@ -199,6 +247,7 @@ def build_document(data: AuditData) -> Document:
                 Paragraph(f"{zero_drift} of {others.height} non-reference request comparisons have zero drift."),
             ],
         ),
+        *_groups_section(data),
         Section(
             "Diverged requests",
             [Note("No diverged, missing or errored requests.") if divergences.is_empty() else Table(divergences)],

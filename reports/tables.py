@@ -6,6 +6,7 @@ import json
 
 import polars as pl
 
+from reports.groups import Grouping, outcome_text
 from reports.load import AuditData, Configuration
 
 MAX_CELL = 160
@@ -159,4 +160,22 @@ def divergence_table(data: AuditData) -> pl.DataFrame:
         )
     columns = ["configuration", "request", "position", "token ref → other", "logprob ref", "logprob other",
                "margin ref", "margin other", "kind"]
+    return pl.DataFrame(rows, schema={key: pl.String for key in columns})
+
+
+def group_table(outcomes: pl.DataFrame, grouping: Grouping) -> pl.DataFrame:
+    """One row per (configuration, group) that is not identical to the reference, in the outcomes' order."""
+    members = f"{grouping.member}s"
+    rows = [
+        {
+            "configuration": r["configuration"],
+            grouping.noun: r["group"],
+            members: str(r["requests"]),
+            "outcome": outcome_text(r),
+            f"diverged {members}": str(r["bad"]),
+            f"drift-only {members}": str(r["drift"]),
+        }
+        for r in outcomes.filter(pl.col("kind") != "identical").iter_rows(named=True)
+    ]
+    columns = ["configuration", grouping.noun, members, "outcome", f"diverged {members}", f"drift-only {members}"]
     return pl.DataFrame(rows, schema={key: pl.String for key in columns})

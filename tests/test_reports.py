@@ -14,6 +14,7 @@ from audit.certificate import build_certificate, seal, write_certificate
 from audit.errors import AuditError
 from audit.store import RunStore, make_row
 from reports import render_report
+from reports.groups import request_grouping
 
 PROMPTS = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
 REQUEST_IDS = ["greet", "sum", "poem", "code"]
@@ -35,9 +36,9 @@ CONFIGURATIONS = [
 ]
 
 
-def _rows(overrides: dict) -> list[dict]:
+def _rows(overrides: dict, request_ids: list[str]) -> list[dict]:
     rows = []
-    for i, (request_id, prompt) in enumerate(zip(REQUEST_IDS, PROMPTS)):
+    for i, (request_id, prompt) in enumerate(zip(request_ids, PROMPTS)):
         tokens, logprobs, top = overrides.get(i, (TOKENS, LOGPROBS, None))
         top = top or [[lp, lp - ALT] for lp in logprobs]
         rows.append(
@@ -70,12 +71,12 @@ def _manifest(name: str, config: dict) -> dict:
     }
 
 
-def _certify_folder(out: Path, configurations: list[tuple]) -> Path:
+def _certify_folder(out: Path, configurations: list[tuple], request_ids: list[str] = REQUEST_IDS) -> Path:
     entries = []
     for name, role, config, overrides in configurations:
         config = {"name": name, **config, "dtype": "float32"}
         store = RunStore.create(out / "runs" / name, _manifest(name, config))
-        rows = _rows(overrides)
+        rows = _rows(overrides, request_ids)
         store.append(rows[:2])
         store.append(rows[2:])
         store.finalize()
@@ -178,6 +179,67 @@ def test_tables_show_counts_throughput_and_divergences(rendered):
     assert "Settings shared by every configuration: dtype=float32." in md
     assert "| dtype" not in md and "| name" not in md
     assert "- fast: gpu\n" in md  # the control ran on other hardware than the reference
+
+
+def test_ungrouped_ids_get_no_group_section(rendered):
+    for text in rendered:
+        assert "Per-episode results" not in text and "Per-task results" not in text
+
+
+TRACE_IDS = ["ep-a/turn-1", "ep-a/turn-2", "ep-b/turn-1", "ep-b/turn-2"]
+TRACE_CONFIGURATIONS = [
+    CONFIGURATIONS[0],
+    CONFIGURATIONS[1],
+    ("chunked-prefill", "variant", {"batch_size": 8, "chunk": 2, "numerics": "invariant"},
+     {2: (TOKENS, [-0.5, -0.25, -1.0 - 2**-16, -0.125], None), 3: ([10, 11, 99, 13], LOGPROBS, None)}),
+    ("fast", "control", {"batch_size": 8, "numerics": "fast"}, {1: (TOKENS, DRIFTED, None)}),
+]
+
+
+def _table_rows(md: str, first_cell: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split("|")] for line in md.splitlines()
+            if line.startswith(f"| {first_cell} ")]
+
+
+def test_trace_episodes_get_a_per_episode_section(tmp_path):
+    md_path, html_path = render_report(_certify_folder(tmp_path, TRACE_CONFIGURATIONS, TRACE_IDS))
+    md, html = md_path.read_text(encoding="utf-8"), html_path.read_text(encoding="utf-8")
+    section = md.split("## Per-episode results", 1)[1].split("\n## ", 1)[0]
+    assert "Per-task results" not in md
+    assert "4 requests form 2 episodes." in section
+    assert "0 of 2 episodes are identical in all 3 non-reference configuration(s); 1 in all 2 variant(s)." in section
+    assert "- batch-8 (variant): all 2 episodes identical\n" in section
+    assert "- chunked-prefill (variant): 1 of 2 episodes diverged, 1 identical\n" in section
+    assert "- fast (control): 1 of 2 episodes with logprob drift only, 1 identical\n" in section
+    # columns: configuration, episode, turns, outcome, diverged turns, drift-only turns; identical pairs left out
+    assert _table_rows(section, "chunked-prefill") == [
+        ["chunked-prefill", "ep-b", "2", "diverged at turn 2, token 2 (hard)", "1", "1"]]
+    assert _table_rows(section, "fast") == [["fast", "ep-a", "2", "logprob drift only", "0", "1"]]
+    assert _table_rows(section, "batch-8") == []
+    assert "<h2>Per-episode results</h2>" in html
+    assert "<td>chunked-prefill</td><td>ep-b</td><td>2</td><td>diverged at turn 2, token 2 (hard)</td>" in html
+
+
+def test_lm_eval_tasks_get_a_per_task_section(tmp_path):
+    ids = ["arc/0/loglikelihood/0", "arc/1/loglikelihood/0", "gsm/0/generate_until/0", "gsm/1/generate_until/0"]
+    md_path, _ = render_report(_certify_folder(tmp_path, CONFIGURATIONS[:3], ids))
+    section = md_path.read_text(encoding="utf-8").split("## Per-task results", 1)[1].split("\n## ", 1)[0]
+    assert "4 requests form 2 tasks." in section
+    assert _table_rows(section, "chunked-prefill") == [
+        ["chunked-prefill", "arc", "2", "diverged at request 1/loglikelihood/0, token 2 (hard)", "1", "0"],
+        ["chunked-prefill", "gsm", "2", "logprob drift only", "0", "1"]]
+
+
+def test_request_grouping_episodes_tasks_and_none():
+    episodes = request_grouping(["x/y/turn-1", "x/y/turn-10", "line-3"])
+    assert (episodes.noun, episodes.group, episodes.label, episodes.ungrouped) == (
+        "episode", {"x/y/turn-1": "x/y", "x/y/turn-10": "x/y"}, {"x/y/turn-1": "turn 1", "x/y/turn-10": "turn 10"}, 1)
+    tasks = request_grouping(["arc/0/loglikelihood/0", "arc/0/loglikelihood/1", "gsm/3/generate_until/0"])
+    assert (tasks.noun, tasks.title) == ("task", "Per-task results")
+    assert tasks.group == {"arc/0/loglikelihood/0": "arc", "arc/0/loglikelihood/1": "arc",
+                           "gsm/3/generate_until/0": "gsm"}
+    assert tasks.label["gsm/3/generate_until/0"] == "request 3/generate_until/0"
+    assert request_grouping(REQUEST_IDS) is None
 
 
 def test_rendering_again_gives_the_same_bytes(certified, rendered):
