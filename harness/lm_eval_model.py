@@ -7,38 +7,28 @@ through the engine's prompt logprobs, so `loglikelihood` sees exactly the number
 report for those tokens, and `batch_size` is the engine's `max_num_seqs`: the engine, not lm-eval,
 batches requests. With `run_dir`, every request served becomes one stream row of a run in the audit
 store, in the order lm-eval asks (which does not depend on the batch size), so two evaluations can
-be compared request by request:
-
-- loglikelihood: prompt = context ids, tokens = continuation ids with their logprobs, finish "forced";
-- loglikelihood_rolling: one row per window, the first being the text as continuation of BOS;
-- generate_until: the generated stream, as `deepinfer audit run` records it.
+be compared request by request. harness.lm_eval_requests turns each request into engine requests and
+rows (loglikelihood and rolling windows teacher-forced, finish "forced"; generate_until the generated
+stream), the same way the `lm-eval:TASKS` suite of `deepinfer audit certify` does.
 """
 
 from __future__ import annotations
 
 import time
 import weakref
-from collections import Counter
 from pathlib import Path
 
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from audit.manifest import build_manifest
 from audit.store import RunStore, make_row
-from deepinfer import LLM, RequestOutput, SamplingParams
-from deepinfer.errors import DeepInferError
-from harness.suites import TOP_LOGPROBS, request_seed
+from deepinfer import LLM
+from harness.lm_eval_requests import (FORCED, EvalError, Generation, LmEvalText, RequestNames, Scoring, request_params,
+                                      score)
 
-FORCED = "forced"  # finish reason of a teacher-forced (scored, not generated) stream
-GENERATION_KWARGS = frozenset({"until", "max_gen_toks", "do_sample", "temperature", "top_p", "top_k", "min_p"})
-DEFAULT_MAX_GEN_TOKS = 256
-
-
-class EvalError(DeepInferError, ValueError):
-    """An lm-eval request or model argument the adapter cannot serve."""
+__all__ = ["FORCED", "DeepInferLM", "EvalError"]
 
 
 def _positive_int(value: object, name: str) -> int:
@@ -69,12 +59,9 @@ class DeepInferLM(TemplateLM):
         engine = dict(device=device, dtype=dtype, numerics=numerics, max_num_seqs=self.batch_size,
                       max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
         self.llm = LLM(model, seed=run_seed, **engine)
-        if self.llm.tokenizer is None:
-            raise EvalError(f"{model}: lm-eval needs text: the checkpoint has no tokenizer.json")
-        self.text = self.llm.tokenizer
+        self.text = LmEvalText(self.llm, str(model))
         self._next_index = 0
-        self._names: Counter[str] = Counter()
-        self._pending: list[str] = []  # names of the loglikelihood requests on their way to _loglikelihood_tokens
+        self._names = RequestNames()
         self._started = time.perf_counter()
         self.store: RunStore | None = None
         if run_dir is not None:
@@ -97,19 +84,19 @@ class DeepInferLM(TemplateLM):
 
     @property
     def eot_token_id(self) -> int:
-        return self.text.eos_id
+        return self.text.tokenizer.eos_id
 
     @property
     def prefix_token_id(self) -> int:
-        return self.text.bos_id
+        return self.text.bos
 
     @property
     def max_length(self) -> int:
         """The longest prompt the engine takes (it keeps room for one generated token)."""
-        return self.llm.max_model_len - 1
+        return self.text.max_length
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        """Text ids without BOS unless asked for; requests get their BOS in `_with_bos`."""
+        """Text ids without BOS unless asked for; requests get their BOS from LmEvalText."""
         return self.text.encode(string, add_bos=bool(add_special_tokens))
 
     def tok_decode(self, tokens: list[int]) -> str:
@@ -120,130 +107,51 @@ class DeepInferLM(TemplateLM):
                 "dtype": str(self.llm.dtype).removeprefix("torch."), "device": str(self.llm.device),
                 "engine_batch_size": self.batch_size}
 
-    # the three request types -----------------------------------------------------------------------
+    # the three request types (harness.lm_eval_requests builds the engine requests) -----------------
 
     def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        self._pending = self._request_names(requests)
-        return super().loglikelihood(requests, disable_tqdm)
+        return [score(fields) for fields in self._serve(self._engine_requests(requests))]
 
     def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
-        """((context, continuation) strings, context ids, continuation ids) -> (logprob, is_greedy).
-        Requests that do not come through `loglikelihood` are named by their position in the run."""
-        names, self._pending = self._pending, []
-        if len(names) != len(requests):
-            names = [f"loglikelihood/{self._next_index + i}" for i in range(len(requests))]
-        pairs = [(self._with_bos(context), continuation) for _, context, continuation in requests]
-        return self._score(names, pairs, "loglikelihood")
+        """((context, continuation) strings, context ids, continuation ids) -> (logprob, is_greedy), for
+        callers that encode themselves; named by their position in the run."""
+        scorings = [self.text.scoring(f"loglikelihood/{self._next_index + i}", "loglikelihood",
+                                      self.text.with_bos(context), continuation)
+                    for i, (_, context, continuation) in enumerate(requests)]
+        return [score(fields) for fields in self._serve(scorings)]
 
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
-        names, pairs, owner = [], [], []
-        for number, (name, request) in enumerate(zip(self._request_names(requests), requests)):
-            windows = get_rolling_token_windows(self.tok_encode(request.args[0]), self.prefix_token_id,
-                                                max_seq_len=self.max_length - 1, context_len=1)
-            for w, window in enumerate(map(make_disjoint_window, windows)):
-                names.append(f"{name}/w{w}")
-                pairs.append(window)
-                owner.append(number)
-        totals = [0.0] * len(requests)
-        for number, (logprob, _) in zip(owner, self._score(names, pairs, "loglikelihood_rolling")):
-            totals[number] += logprob
-        return totals
+        """The sum over the text's windows (one row each)."""
+        texts = [self._requests_of(name, request) for name, request in zip(self._names(requests), requests)]
+        scores = iter(self._serve([window for windows in texts for window in windows]))
+        return [sum(score(next(scores))[0] for _ in windows) for windows in texts]
 
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
-        names = self._request_names(requests)
-        prompts, params = [], []
-        for name, request in zip(names, requests):
-            context, kwargs = request.args
-            sampling = self._generation_params(name, kwargs)
-            keep = max(self.max_length - sampling.max_tokens, 1)
-            prompts.append(self._with_bos(self.tok_encode(context))[-keep:])
-            params.append(sampling)
-        arrival = self._now()
-        outputs = self.llm.generate(prompts, params)
-        finish = self._now()
-        rows = [self._row(name, out.prompt_token_ids,
-                          {"request_type": "generate_until", **sp.to_dict(skip_defaults=True)}, out.token_ids,
-                          out.logprobs, out.top_logprobs or [], out.text, out.finish_reason, arrival, finish)
-                for name, sp, out in zip(names, params, outputs)]
-        self._record(rows)
-        return [out.text for out in outputs]
+        return [fields["text"] for fields in self._serve(self._engine_requests(requests))]
 
     # helpers ---------------------------------------------------------------------------------------
 
-    def _request_names(self, requests: list[Instance]) -> list[str]:
-        """Stable ids: task/doc/type/choice, with #k for the k-th repeat of a repeated request."""
-        names = []
-        for request in requests:
-            name = f"{request.task_name}/{request.doc_id}/{request.request_type}/{request.idx}"
-            repeat = self._names[name]
-            self._names[name] += 1
-            names.append(f"{name}#{repeat}" if repeat else name)
-        return names
+    def _engine_requests(self, requests: list[Instance]) -> list[Scoring | Generation]:
+        return [engine_request for name, request in zip(self._names(requests), requests)
+                for engine_request in self._requests_of(name, request)]
 
-    def _with_bos(self, ids: list[int]) -> list[int]:
-        return ids if ids[:1] == [self.prefix_token_id] else [self.prefix_token_id, *ids]
+    def _requests_of(self, name: str, request: Instance) -> list[Scoring | Generation]:
+        return self.text.requests(name, request, request_params(name, request, self.run_seed))
 
-    def _generation_params(self, name: str, kwargs: dict) -> SamplingParams:
-        unknown = sorted(set(kwargs) - GENERATION_KWARGS)
-        if unknown:
-            raise EvalError(f"{name}: unsupported generation kwargs {', '.join(unknown)} "
-                            f"(supported: {', '.join(sorted(GENERATION_KWARGS))})")
-        until = kwargs.get("until") or []
-        sampled = kwargs.get("do_sample", False)
-        return SamplingParams(
-            temperature=float(kwargs.get("temperature", 1.0)) if sampled else 0.0,
-            top_p=kwargs.get("top_p", 1.0), top_k=kwargs.get("top_k", 0), min_p=kwargs.get("min_p", 0.0),
-            max_tokens=kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS),
-            stop=[until] if isinstance(until, str) else list(until),
-            seed=request_seed(self.run_seed, name), logprobs=TOP_LOGPROBS,
-        )
-
-    def _score(self, names: list[str], pairs: list[tuple[list[int], list[int]]], request_type: str
-               ) -> list[tuple[float, bool]]:
-        """Teacher-force each continuation after its context: (sum of logprobs, all greedy)."""
-        scoring = SamplingParams(temperature=0.0, max_tokens=1, logprobs=TOP_LOGPROBS, prompt_logprobs=True)
-        fitted = [self._fit(context, continuation) for context, continuation in pairs]
-        served = [i for i, (_, continuation) in enumerate(fitted) if continuation]
+    def _serve(self, requests: list[Scoring | Generation]) -> list[dict]:
+        """Serve in one engine batch; record one row each; return each row's prompt, params and stream."""
         arrival = self._now()
-        outputs = dict(zip(served, self.llm.generate([fitted[i][0] + fitted[i][1] for i in served], scoring)))
+        outputs = self.llm.generate([r.prompt for r in requests], [r.params for r in requests])
         finish = self._now()
-        params = {"request_type": request_type, **scoring.to_dict(skip_defaults=True)}
-        results, rows = [], []
-        for i, (name, (context, continuation)) in enumerate(zip(names, fitted)):
-            logprobs, top = _continuation_scores(outputs.get(i), len(context))
-            greedy = all(t[0][0] == token for t, token in zip(top, continuation))
-            results.append((sum(logprobs), greedy))
-            rows.append(self._row(name, context, params, continuation, logprobs, top,
-                                  self.text.decode(continuation), FORCED, arrival, finish))
-        self._record(rows)
-        return results
-
-    def _fit(self, context: list[int], continuation: list[int]) -> tuple[list[int], list[int]]:
-        """Drop the oldest tokens until context + continuation fits; at least one context token stays."""
-        whole = (context + continuation)[-self.max_length:]
-        cut = max(len(whole) - len(continuation), 1)
-        return whole[:cut], whole[cut:]
-
-    def _row(self, name: str, prompt: list[int], params: dict, tokens: list[int], logprobs: list[float],
-             top: list[list[tuple[int, float]]], text: str | None, finish_reason: str, arrival: float,
-             finish: float) -> dict:
-        index = self._next_index
-        self._next_index += 1
-        return make_row(index=index, request_id=name, prompt_token_ids=prompt, params=params, token_ids=tokens,
-                        logprobs=logprobs, top_token_ids=[[i for i, _ in t] for t in top],
-                        top_logprobs=[[lp for _, lp in t] for t in top], text=text, finish_reason=finish_reason,
-                        error=None, arrival_s=arrival, first_token_s=None, finish_s=finish)
-
-    def _record(self, rows: list[dict]) -> None:
+        served = [r.row_fields(out) for r, out in zip(requests, outputs)]
+        rows = []
+        for request, fields in zip(requests, served):
+            rows.append(make_row(index=self._next_index, request_id=request.request_id, **fields, error=None,
+                                 arrival_s=arrival, first_token_s=None, finish_s=finish))
+            self._next_index += 1
         if self.store is not None:
             self.store.append(rows)
+        return served
 
     def _now(self) -> float:
         return time.perf_counter() - self._started
-
-
-def _continuation_scores(output: RequestOutput | None, context_len: int) -> tuple[list[float], list]:
-    """The continuation's slice of a scored request's prompt logprobs (none for an empty continuation)."""
-    if output is None:
-        return [], []
-    return output.prompt_logprobs[context_len - 1:], output.prompt_top_logprobs[context_len - 1:]

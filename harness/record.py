@@ -59,7 +59,7 @@ def record_run(
         try:
             prompt = item.prompt_ids(llm)
         except DeepInferError as err:
-            rows.append(_error_row(index, item.request_id, params.to_dict(skip_defaults=True), str(err)))
+            rows.append(_error_row(index, item.request_id, item.row_params(params), str(err)))
             continue
         jobs.append((prompt, params))
         job_index.append(index)
@@ -68,15 +68,11 @@ def record_run(
     bar.update(len(rows))
     last_flush = time.monotonic()
     for finished in serve(llm, jobs, variant):
-        out = finished.output
         index = job_index[finished.index]
-        top = out.top_logprobs or []
+        item = suite.requests[index]
         rows.append(make_row(
-            index=index, request_id=suite.requests[index].request_id, prompt_token_ids=out.prompt_token_ids,
-            params=jobs[finished.index][1].to_dict(skip_defaults=True), token_ids=out.token_ids, logprobs=out.logprobs,
-            top_token_ids=[[i for i, _ in row] for row in top], top_logprobs=[[lp for _, lp in row] for row in top],
-            text=out.text, finish_reason=out.finish_reason, error=None, arrival_s=finished.arrival_s,
-            first_token_s=None, finish_s=finished.finish_s,
+            index=index, request_id=item.request_id, **item.row_fields(llm, jobs[finished.index][1], finished.output),
+            error=None, arrival_s=finished.arrival_s, first_token_s=None, finish_s=finished.finish_s,
         ))
         bar.update(1)
         if len(rows) >= FLUSH_ROWS or time.monotonic() - last_flush > FLUSH_SECONDS:

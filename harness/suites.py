@@ -3,6 +3,8 @@ file); each kind turns its file into `SuiteRequest`s with stable ids, in a fixed
 
 `native`: the JSONL request format of `deepinfer generate --prompts-file` (see deepinfer.prompts_file).
 `traces`: agent episodes (harness/traces.py), one request per assistant turn, teacher-forced.
+`lm-eval`: `lm-eval:TASKS[?limit=N]` names shipped lm-eval tasks, not a file (harness/lm_eval_suite.py):
+every request lm-eval would send a model, scoring requests teacher-forced.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from deepinfer import LLM, SamplingParams
+from deepinfer import LLM, RequestOutput, SamplingParams
 from deepinfer.errors import DeepInferError
 from deepinfer.prompts_file import PromptRequest, read_prompts_file
 
@@ -22,10 +24,11 @@ TOP_LOGPROBS = 2  # every stored stream keeps the top-2 logprobs, for margins at
 
 @dataclass
 class SuiteRequest:
-    """One request of a suite; `prompt_ids` and `params` resolve it against an engine."""
+    """One request of a suite; `prompt_ids` and `params` resolve it against an engine, `row_fields`
+    says what its stored row holds. Kinds that do not read a `PromptRequest` (request None) override them."""
 
     request_id: str
-    request: PromptRequest
+    request: PromptRequest | None
 
     def prompt_ids(self, llm: LLM) -> list[int]:
         return self.request.prompt_ids(llm)
@@ -37,6 +40,24 @@ class SuiteRequest:
         seed = params.seed if params.seed is not None else request_seed(run_seed, self.request_id)
         return replace(params, seed=seed, logprobs=max(params.logprobs or 0, TOP_LOGPROBS))
 
+    def row_params(self, params: SamplingParams) -> dict:
+        """The params as the stored row records them."""
+        return params.to_dict(skip_defaults=True)
+
+    def row_fields(self, llm: LLM, params: SamplingParams, output: RequestOutput) -> dict:
+        """The row's prompt, params and stream (`make_row`'s fields) for the engine's `output`: the
+        generated stream here; a scoring request stores its teacher-forced continuation instead."""
+        return generated_fields(self.row_params(params), output)
+
+
+def generated_fields(params: dict, output: RequestOutput) -> dict:
+    """`make_row`'s prompt, params and stream fields for a generated stream."""
+    top = output.top_logprobs or []
+    return dict(prompt_token_ids=output.prompt_token_ids, params=params, token_ids=output.token_ids,
+                logprobs=output.logprobs, top_token_ids=[[i for i, _ in row] for row in top],
+                top_logprobs=[[lp for _, lp in row] for row in top], text=output.text,
+                finish_reason=output.finish_reason)
+
 
 @dataclass
 class Suite:
@@ -44,14 +65,16 @@ class Suite:
     path: Path
     content_hash: str
     requests: list[SuiteRequest]
+    target: str | None = None  # what follows `KIND:` when it is not the path (lm-eval: the task list)
 
     @property
     def spec(self) -> str:
-        return f"{self.kind}:{self.path}"
+        return f"{self.kind}:{self.path if self.target is None else self.target}"
 
     def describe(self) -> dict:
-        return {"kind": self.kind, "path": str(self.path), "content_hash": self.content_hash,
-                "count": len(self.requests)}
+        described = {"kind": self.kind, "path": str(self.path), "content_hash": self.content_hash,
+                     "count": len(self.requests)}
+        return described if self.target is None else {**described, "target": self.target}
 
 
 def request_seed(run_seed: int, request_id: str) -> int:
@@ -76,16 +99,31 @@ def load_traces(path: Path) -> Suite:
     return load_traces_suite(path)
 
 
+def load_lm_eval(target: str) -> Suite:
+    try:
+        from harness.lm_eval_suite import load_lm_eval_suite  # imports lm-eval
+    except ModuleNotFoundError as err:
+        if (err.name or "").partition(".")[0] != "lm_eval":
+            raise
+        raise DeepInferError("lm-eval suites need lm-eval: pip install 'deepinfer[eval]'") from None
+    return load_lm_eval_suite(target)
+
+
 SUITE_KINDS: dict[str, Callable[[Path], Suite]] = {"native": load_native, "traces": load_traces}
+NAMED_KINDS: dict[str, Callable[[str], Suite]] = {"lm-eval": load_lm_eval}  # `KIND:` names what to load, not a file
 
 
 def load_suite(spec: str) -> Suite:
-    """`KIND:PATH`, a bare path (native), or the name of a shipped native suite (e.g. `smoke`)."""
+    """`KIND:PATH`, `KIND:NAMES` for a named kind, a bare path (native), or the name of a shipped native
+    suite (e.g. `smoke`)."""
     kind, sep, rest = spec.partition(":")
+    if sep and kind in NAMED_KINDS:
+        return NAMED_KINDS[kind](rest)
     if sep and kind in SUITE_KINDS:
         loader, target = SUITE_KINDS[kind], rest
     elif sep and not Path(spec).exists():
-        raise DeepInferError(f"unknown suite kind {kind!r} in {spec!r} (known: {', '.join(SUITE_KINDS)})")
+        known = ", ".join([*SUITE_KINDS, *NAMED_KINDS])
+        raise DeepInferError(f"unknown suite kind {kind!r} in {spec!r} (known: {known})")
     else:
         loader, target = load_native, spec
     path = Path(target)

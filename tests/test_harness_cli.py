@@ -580,7 +580,8 @@ def test_missing_suite_file_and_unknown_suite_kind(capsys, certified, tiny_check
     for command in (["run"], ["certify", "--sweep", certified.sweep]):
         argv = [*command, "--model", tiny_checkpoint, "--out", tmp_path / "out", "--no-progress", "--suite"]
         assert_user_error(capsys, [*argv, missing], f"suite '{missing}': no such file")
-        assert_user_error(capsys, [*argv, "foo:bar"], "unknown suite kind 'foo' in 'foo:bar' (known: native, traces)")
+        assert_user_error(capsys, [*argv, "foo:bar"],
+                          "unknown suite kind 'foo' in 'foo:bar' (known: native, traces, lm-eval)")
         assert_user_error(capsys, [*argv, f"native:{missing}"], f"suite 'native:{missing}': no such file")
     assert not (tmp_path / "out").exists()
 

@@ -57,7 +57,8 @@ def test_suite_spec_forms(tmp_path) -> None:
     plain, prefixed = load_suite(path), load_suite(f"native:{path}")
     assert plain.content_hash == prefixed.content_hash and plain.spec == prefixed.spec
     assert [r.request_id for r in plain.requests] == ["line-1", "line-3"]
-    with pytest.raises(DeepInferError, match=r"^unknown suite kind 'foo' in 'foo:bar' \(known: native, traces\)$"):
+    unknown_kind = r"^unknown suite kind 'foo' in 'foo:bar' \(known: native, traces, lm-eval\)$"
+    with pytest.raises(DeepInferError, match=unknown_kind):
         load_suite("foo:bar")
     with pytest.raises(DeepInferError, match=r"^suite 'nope.jsonl': no such file$"):
         load_suite("nope.jsonl")

@@ -72,7 +72,7 @@ def test_registered_as_deepinfer():
 
 
 def test_loglikelihood_is_the_engines_teacher_forced_score(lm, tiny_checkpoint):
-    context_ids = lm._with_bos(lm.tok_encode(CONTEXT))
+    context_ids = lm.text.with_bos(lm.tok_encode(CONTEXT))
     greedy = LLM(tiny_checkpoint).generate([context_ids], SamplingParams(temperature=0, max_tokens=3))[0]
     # the greedy continuation scores exactly what generating it reported
     [(score, is_greedy)] = lm._loglikelihood_tokens([(("", ""), context_ids, greedy.token_ids)])

@@ -1,0 +1,110 @@
+"""The `lm-eval` suite kind: `lm-eval:TASKS[?limit=N]`, TASKS being comma-separated tasks or tags of the
+shipped offline tasks (harness/suites/lm_eval), e.g. `lm-eval:deepinfer` or `lm-eval:deepinfer_mc?limit=5`.
+
+The suite is every request lm-eval would send a model for those tasks, in lm-eval's order: the tasks
+are run once through `lm_eval.simple_evaluate` against a model that only writes the requests down.
+Each becomes a `LmEvalRequest` whose prompt, params and stored row come from harness.lm_eval_requests,
+as `DeepInferLM` serves them, so the rows equal those of `deepinfer audit eval`'s runs. A rolling
+text must fit one window at the run's max_model_len (its request is `<id>/w0`); a longer one is
+recorded as an error row.
+
+The content hash covers the shipped task files, the task list and the limit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import lm_eval
+from lm_eval.api.instance import Instance
+from lm_eval.api.model import LM
+
+from deepinfer import LLM, RequestOutput, SamplingParams
+from harness import evaluate  # keeps lm-eval and `datasets` offline (neither has loaded `datasets` yet)
+from harness.lm_eval_requests import (EvalError, Generation, LmEvalText, RequestNames, Scoring, request_params,
+                                      typed_params, window_id)
+from harness.suites import Suite, SuiteRequest
+
+KIND = "lm-eval"
+
+
+@dataclass
+class LmEvalRequest(SuiteRequest):
+    """One lm-eval request (`name`: its id before any window suffix); `request` is None."""
+
+    name: str = ""
+    instance: Instance | None = None
+
+    def params(self, run_seed: int) -> SamplingParams:
+        return request_params(self.name, self.instance, run_seed)
+
+    def prompt_ids(self, llm: LLM) -> list[int]:
+        return self.engine_request(llm, self.params(0)).prompt  # the seed does not change the prompt
+
+    def row_params(self, params: SamplingParams) -> dict:
+        return typed_params(self.instance.request_type, params)
+
+    def row_fields(self, llm: LLM, params: SamplingParams, output: RequestOutput) -> dict:
+        return self.engine_request(llm, params).row_fields(output)
+
+    def engine_request(self, llm: LLM, params: SamplingParams) -> Scoring | Generation:
+        requests = LmEvalText(llm).requests(self.name, self.instance, params)
+        if len(requests) > 1:
+            raise EvalError(f"{self.name}: the text needs {len(requests)} rolling windows at max_model_len "
+                            f"{llm.max_model_len}; an lm-eval suite scores one window per text: raise max_model_len")
+        return requests[0]
+
+
+class _Recorder(LM):
+    """A model that answers nothing useful and writes down every request it is sent, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests: list[Instance] = []
+
+    def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        self.requests += requests
+        return [(0.0, False)] * len(requests)
+
+    def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
+        self.requests += requests
+        return [0.0] * len(requests)
+
+    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
+        self.requests += requests
+        return [""] * len(requests)
+
+
+def load_lm_eval_suite(target: str) -> Suite:
+    """`TASKS[?limit=N]` as a Suite; one-line EvalError for an unknown task or a bad limit."""
+    names, _, query = target.partition("?")
+    limit = _limit(query, target)
+    if not names.strip(","):
+        raise EvalError(f"suite '{KIND}:{target}' names no task (e.g. {KIND}:deepinfer)")
+    manager = evaluate.task_manager()
+    tasks = evaluate.parse_tasks(names, manager)
+    recorder = _Recorder()
+    lm_eval.simple_evaluate(model=recorder, tasks=list(tasks), task_manager=manager, limit=limit,
+                            bootstrap_iters=0, log_samples=False)
+    ids = RequestNames()(recorder.requests)
+    requests = [
+        LmEvalRequest(window_id(name, 0) if instance.request_type == "loglikelihood_rolling" else name, None,
+                      name=name, instance=instance)
+        for name, instance in zip(ids, recorder.requests)
+    ]
+    for request in requests:
+        request.params(0)  # unsupported generation kwargs stop the suite before anything is written
+    spec = ",".join(tasks) + (f"?limit={limit}" if limit is not None else "")
+    content = json.dumps({"suite_files": evaluate.suite_hash(), "tasks": tasks, "limit": limit}, sort_keys=True)
+    return Suite(KIND, evaluate.SUITES, hashlib.sha256(content.encode()).hexdigest(), requests, target=spec)
+
+
+def _limit(query: str, target: str) -> int | None:
+    if not query:
+        return None
+    key, _, value = query.partition("=")
+    if key != "limit" or not value.isdigit() or int(value) < 1:
+        raise EvalError(f"suite '{KIND}:{target}': expected ?limit=N with N a positive integer after the tasks")
+    return int(value)
