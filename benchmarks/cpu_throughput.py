@@ -1,5 +1,6 @@
 """CPU throughput of the engine: prefill and decode tokens/s at batch 1 and 32, in both numerics
-modes side by side (same run), with the batch-invariant / fast time ratio.
+modes side by side (same run: both engines warmed up, repetitions interleaved, the median counts),
+with the batch-invariant / fast time ratio.
 
     .venv/bin/python benchmarks/cpu_throughput.py [--presets tiny small] [--out results.json]
 
@@ -20,6 +21,9 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint import create_checkpoint
 from deepinfer.checkpoint.writer import deepinfer_home
+
+
+NUMERICS = ("batch_invariant", "fast")
 
 
 def checkpoint_for(preset: str):
@@ -50,21 +54,34 @@ def measure(llm: LLM, batch: int, prompt_len: int, new_tokens: int) -> dict:
             for kind, (n, s) in totals.items()}
 
 
+def median_run(runs: list[dict]) -> dict:
+    """Per phase, the repetition with the median throughput."""
+    return {kind: sorted((run[kind] for run in runs), key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+            for kind in runs[0]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="+", default=["tiny", "small"])
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per mode; the median counts")
     parser.add_argument("--out", help="also write the results as JSON here")
     args = parser.parse_args()
-    results = {"command": "python " + " ".join(sys.argv), "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
-               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "runs": []}
+    results = {"command": "python " + " ".join(sys.argv), "torch": torch.__version__, "threads": torch.get_num_threads(),
+               "machine": platform.machine(), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+               "repeats": args.repeats, "runs": []}
     for preset in args.presets:
         for batch in (1, 32):
-            modes = {}
-            for numerics in ("batch_invariant", "fast"):
-                llm = LLM(checkpoint_for(preset), max_num_seqs=batch, max_num_batched_tokens=2048, numerics=numerics)
-                modes[numerics] = measure(llm, batch, args.prompt_len, args.new_tokens)
+            engines = {numerics: LLM(checkpoint_for(preset), max_num_seqs=batch, max_num_batched_tokens=2048,
+                                     numerics=numerics) for numerics in NUMERICS}
+            for llm in engines.values():  # warm-up: first-call allocations and library initialisation
+                measure(llm, 1, 16, 2)
+            samples = {numerics: [] for numerics in NUMERICS}
+            for rep in range(args.repeats):  # interleaved, alternating which mode goes first
+                for numerics in (NUMERICS if rep % 2 == 0 else NUMERICS[::-1]):
+                    samples[numerics].append(measure(engines[numerics], batch, args.prompt_len, args.new_tokens))
+            modes = {numerics: median_run(runs) for numerics, runs in samples.items()}
             ratio = {kind: round(modes["fast"][kind]["tokens_per_s"] / modes["batch_invariant"][kind]["tokens_per_s"], 2)
                      for kind in ("prefill", "decode")}
             results["runs"].append({"preset": preset, "batch": batch, **modes, "invariant_slowdown": ratio})

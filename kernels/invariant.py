@@ -19,8 +19,12 @@ they hold, or how much padding the batch needed:
   depends on the batch) would otherwise decide its bits. Padded pieces make every element take
   the vector path.
 
-Ops that are already row-local in PyTorch (norms, softmax over a row, rotary, pooling over a
-window's slots) are shared with `kernels.fast`.
+- sums the model spells out (hyper-connection collapse, MoE weight normalisation, window
+  pooling) go through `ordered_sum`, a fixed tree of elementwise adds.
+
+Ops whose CPU kernels already reduce each row on its own, in order (norms, softmax over a row,
+rotary, Sinkhorn's sums over hc_mult elements) are shared with `kernels.fast`; on CUDA the Triton
+kernels of `kernels/triton_ops.py` replace the reductions.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from kernels.fast import (  # noqa: F401  (re-exported: already row-invariant)
     log_softmax,
     rms_norm,
     rotary,
+    sinkhorn,
     softmax,
     unweighted_rms_norm,
 )
@@ -88,13 +93,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sum over `dim` as a chain of elementwise adds in index order: library reductions (CUDA's in
-    particular) pick how to split a reduction from the whole tensor's shape; adds do not."""
-    parts = x.unbind(dim)
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part
-    return total
+    """Sum over `dim` as a fixed tree of elementwise adds (first half + second half, an odd last
+    element carried to the next level): library reductions (CUDA's in particular) pick how to split
+    a reduction from the whole tensor's shape; elementwise adds do not. log2(n) adds, not n - 1."""
+    while x.shape[dim] > 1:
+        n = x.shape[dim]
+        half = n // 2
+        paired = x.narrow(dim, 0, half) + x.narrow(dim, half, half)
+        x = paired if n % 2 == 0 else torch.cat([paired, x.narrow(dim, n - 1, 1)], dim=dim)
+    return x.squeeze(dim)
 
 
 def window_pool(kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -105,16 +112,6 @@ def window_pool(kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor) -> tor
     """
     weights = softmax((gate.float() + bias).transpose(1, 2), dim=-1).transpose(1, 2)
     return ordered_sum(kv.float() * weights, dim=1)
-
-
-def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Doubly-stochastic projection of [..., n, n] mixing logits, with sums in index order."""
-    comb = softmax(logits, dim=-1) + eps
-    comb = comb / (ordered_sum(comb, dim=-2).unsqueeze(-2) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (ordered_sum(comb, dim=-1).unsqueeze(-1) + eps)
-        comb = comb / (ordered_sum(comb, dim=-2).unsqueeze(-2) + eps)
-    return comb
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
