@@ -63,8 +63,8 @@ def record_run(
             continue
         jobs.append((prompt, params))
         job_index.append(index)
-    bar = tqdm(total=len(suite.requests), initial=len(done), desc=variant.name, unit="req", disable=not progress,
-               leave=False)
+    bar = tqdm(total=len(suite.requests), initial=len(done), desc=variant.name, unit="req", leave=False,
+               disable=None if progress else True)  # None: bars only on a terminal
     bar.update(len(rows))
     last_flush = time.monotonic()
     for finished in serve(llm, jobs, variant):
