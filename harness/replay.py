@@ -31,6 +31,7 @@ from audit.streams import STREAM_SCHEMA, stream_hashes
 from deepinfer import LLM, RequestOutput, SamplingParams
 from deepinfer.errors import DeepInferError
 from deepinfer.recipe.chat import encode_chat, encode_messages, parse_completion
+from harness.suites import generated_fields
 from harness.traces import Episode, RecordedTurn, Recording, ToolResult, canonical_arguments, turn_request_id
 
 MODES = ("teacher-forced", "free-running")
@@ -245,12 +246,11 @@ def _user_blocks(episode: Episode) -> list[list[dict]]:
 
 def _record(turn: int, prompt: list[int], params: SamplingParams, output: RequestOutput) -> RecordedTurn:
     """The turn's outputs, hashed exactly as `harness.record` hashes a run's rows (params without defaults)."""
-    hashes = stream_hashes(prompt, params.to_dict(skip_defaults=True), output.token_ids, output.logprobs,
-                           output.finish_reason)
-    top = output.top_logprobs or []
+    fields = generated_fields(params.to_dict(skip_defaults=True), output)
+    hashes = stream_hashes(prompt, fields["params"], output.token_ids, output.logprobs, output.finish_reason)
     return RecordedTurn(
         turn=turn, prompt_hash=hashes.prompt_hash, token_ids=list(output.token_ids), logprobs=list(output.logprobs),
-        top_token_ids=[[i for i, _ in row] for row in top], top_logprobs=[[lp for _, lp in row] for row in top],
+        top_token_ids=fields["top_token_ids"], top_logprobs=fields["top_logprobs"],
         finish_reason=output.finish_reason, text=output.text, message=parse_completion(output.text or ""),
         token_hash=hashes.token_hash, logit_hash=hashes.logit_hash,
     )
