@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import operator
 import os
 import re
@@ -132,8 +133,33 @@ def _expected_hashes(row: dict) -> StreamHashes:
 _HASH_SUBJECTS = (("prompt_hash", "prompt/params"), ("token_hash", "tokens"), ("logit_hash", "tokens/logprobs"))
 
 
+_NESTED = tuple(name for name, dtype in STREAM_SCHEMA.items() if isinstance(getattr(dtype, "inner", None), pl.List))
+
+
+def _rows_frame(rows: list[dict]) -> pl.DataFrame:
+    """Rows as a frame of STREAM_SCHEMA. Polars builds list-of-list columns from Python objects one
+    Series per inner list (about 1 ms per row); those columns go through JSON instead, which is exact
+    for finite numbers (an fp32 value prints as a round-trip float64 decimal). Rows holding a
+    non-finite number there take the slow exact path."""
+    flat_schema = {name: dtype for name, dtype in STREAM_SCHEMA.items() if name not in _NESTED}
+    frame = pl.from_dicts([{name: row[name] for name in flat_schema} for row in rows], schema=flat_schema)
+    columns = []
+    for name in _NESTED:
+        values = [row[name] for row in rows]
+        if all(math.isfinite(x) for row in values for inner in row for x in inner):
+            column = pl.Series(name, [json.dumps(v) for v in values]).str.json_decode(STREAM_SCHEMA[name])
+        else:
+            column = pl.Series(name, values, dtype=STREAM_SCHEMA[name])
+        columns.append(column)
+    return frame.with_columns(columns).select(list(STREAM_SCHEMA))
+
+
 def _row_problems(frame: pl.DataFrame, where: Path) -> list[str]:
     """One message per row whose hashes do not match its data, and per request id given to two indices."""
+    return _hash_problems(frame, where) + _shared_id_problems(frame, where)
+
+
+def _hash_problems(frame: pl.DataFrame, where: Path) -> list[str]:
     problems = []
     for row in frame.iter_rows(named=True):
         request = f"request {row['request_id']!r}"
@@ -145,11 +171,13 @@ def _row_problems(frame: pl.DataFrame, where: Path) -> list[str]:
         for column, subject in _HASH_SUBJECTS:
             if getattr(expected, column) != row[column]:
                 problems.append(f"{where}: {request} {column} does not match its {subject}")
+    return problems
+
+
+def _shared_id_problems(frame: pl.DataFrame, where: Path) -> list[str]:
     shared = (frame.group_by("request_id", maintain_order=True).agg(pl.col("index").n_unique())
               .filter(pl.col("index") > 1)["request_id"])
-    problems.extend(f"{where}: request id {request_id!r} is used by more than one index"
-                    for request_id in shared.to_list())
-    return problems
+    return [f"{where}: request id {request_id!r} is used by more than one index" for request_id in shared.to_list()]
 
 
 def _raise_first(problems: list[str]) -> None:
@@ -240,6 +268,7 @@ class RunStore:
         self.manifest = manifest
         self._done = done
         self._next_part = next_part
+        self._checked: set[str] = set()  # part files this writer validated before writing them
         self._complete = False
 
     @classmethod
@@ -300,12 +329,13 @@ class RunStore:
             if not isinstance(row, dict) or set(row) != set(STREAM_SCHEMA):
                 raise AuditError(f"{file}: row {number} does not have exactly the stream columns")
         try:
-            frame = pl.from_dicts(rows, schema=STREAM_SCHEMA)
+            frame = _rows_frame(rows)
         except (Exception, pl.exceptions.PanicException) as exc:
             raise AuditError(f"{file}: rows do not fit the stream schema ({_first_line(exc)})") from None
         frame = _check_frame(frame, file)
         _raise_first(_row_problems(frame, file))
         atomic_write(file, _parquet_bytes(frame))
+        self._checked.add(file.name)
         self._next_part += 1
         self._done.update(frame["index"].to_list())
 
@@ -313,10 +343,14 @@ class RunStore:
         """Merge the parts into streams.parquet, then write root.json (last) and return it."""
         self._check_open()
         parts = self.path / PARTS
-        frames = [_check_frame(_read_parquet(file), file) for _, file in _part_files(parts)]
+        files = [file for _, file in _part_files(parts)]
+        frames = [_check_frame(_read_parquet(file), file) for file in files]
+        for file, frame in zip(files, frames):
+            if file.name not in self._checked:  # parts of an earlier session: re-check their hashes
+                _raise_first(_hash_problems(frame, file))
         merged = pl.concat(frames) if frames else pl.DataFrame(schema=STREAM_SCHEMA)
         merged = _collapse_duplicates(merged.sort("index", maintain_order=True), parts)
-        _raise_first(_row_problems(merged, parts))
+        _raise_first(_shared_id_problems(merged, parts))
         root = run_root(merged)
         atomic_write(self.path / STREAMS, _parquet_bytes(merged))
         atomic_write(self.path / ROOT, json_bytes(root))
