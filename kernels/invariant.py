@@ -29,7 +29,7 @@ kernels of `kernels/triton_ops.py` replace the reductions.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -129,13 +129,17 @@ def mix_streams(comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _pad_keys(keys: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad the key axis to whole KV_BLOCKs, so every block's matmuls and reductions have one shape."""
-    pad = -keys.shape[1] % KV_BLOCK
-    if pad:
-        keys = torch.cat([keys, keys.new_zeros(keys.shape[0], pad, keys.shape[2])], dim=1)
-        valid = torch.cat([valid, valid.new_zeros(valid.shape[0], pad)], dim=1)
-    return keys, valid
+def _key_blocks(keys: torch.Tensor, valid: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """The key axis in whole KV_BLOCKs (start, keys [T, KV_BLOCK, D], valid [T, KV_BLOCK]), so every
+    block's matmuls and reductions have one shape; only the last block is padded (with invalid zeros)."""
+    width = keys.shape[1]
+    for start in range(0, width, KV_BLOCK):
+        block, block_valid = keys[:, start:start + KV_BLOCK], valid[:, start:start + KV_BLOCK]
+        pad = KV_BLOCK - block.shape[1]
+        if pad:
+            block = torch.cat([block, block.new_zeros(block.shape[0], pad, block.shape[2])], dim=1)
+            block_valid = torch.cat([block_valid, block_valid.new_zeros(block_valid.shape[0], pad)], dim=1)
+        yield start, block, block_valid
 
 
 def sink_attention(
@@ -147,16 +151,14 @@ def sink_attention(
     Softmax statistics and the accumulator are fp32.
     """
     tokens, heads, dim = q.shape
-    kv, valid = _pad_keys(kv, valid)
     qf = q.float()
     top = sinks.float().view(1, heads).expand(tokens, heads).clone()  # running max, starts at the sink
     total = torch.ones(tokens, heads, device=q.device)  # the sink's exp(sink - top) = 1
     acc = torch.zeros(tokens, heads, dim, device=q.device)
-    for start in range(0, kv.shape[1], KV_BLOCK):
-        block_valid = valid[:, start:start + KV_BLOCK]
+    for _, block, block_valid in _key_blocks(kv, valid):
         if not bool(block_valid.any()):
             continue  # all padding (or all before position 0): an exact no-op, skipped
-        keys = kv[:, start:start + KV_BLOCK].float()
+        keys = block.float()
         scores = torch.bmm(qf, keys.transpose(1, 2).contiguous()) * scale  # [T, H, B]
         scores = scores.masked_fill(~block_valid.unsqueeze(1), float("-inf"))
         new_top = torch.maximum(top, scores.max(dim=-1).values)
@@ -173,17 +175,16 @@ def indexer_scores(
 ) -> torch.Tensor:
     """Lightning-indexer scores sum_h w[t,h] * relu(q[t,h] . k[t,s]) * scale, heads summed in order."""
     width = keys.shape[1]
-    keys, padded_valid = _pad_keys(keys, valid)
     qf = q.float()
-    out = torch.full(padded_valid.shape, float("-inf"), device=q.device)
-    for start in range(0, keys.shape[1], KV_BLOCK):
-        block = keys[:, start:start + KV_BLOCK].float().transpose(1, 2).contiguous()
+    out = torch.full((keys.shape[0], width), float("-inf"), device=q.device)
+    for start, block, _ in _key_blocks(keys, valid):
+        block = block.float().transpose(1, 2).contiguous()
         weighted = torch.relu(torch.bmm(qf, block)) * scale * head_weights.unsqueeze(-1)  # [T, H, B]
         summed = weighted[:, 0]
         for h in range(1, weighted.shape[1]):
             summed = summed + weighted[:, h]
-        out[:, start:start + KV_BLOCK] = summed
-    return out[:, :width].masked_fill(~valid, float("-inf"))
+        out[:, start:start + KV_BLOCK] = summed[:, :width - start]
+    return out.masked_fill(~valid, float("-inf"))
 
 
 def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
