@@ -22,8 +22,8 @@ from kernels import fast, invariant
 
 NUMERICS = ("batch_invariant", "fast")
 OPS = (
-    "clamped_swiglu", "cos_sin", "grouped_linear", "indexer_scores", "linear", "log_softmax", "mix_streams",
-    "moe_experts", "ordered_sum", "rms_norm", "rotary", "sigmoid", "sink_attention", "sinkhorn", "softmax", "softplus",
+    "clamped_swiglu", "cos_sin", "grouped_linear", "indexer_scores", "linear", "log_softmax", "matmul_layout",
+    "mix_streams", "moe_experts", "ordered_sum", "rms_norm", "rotary", "sigmoid", "sink_attention", "sinkhorn", "softmax", "softplus",
     "topk_indices", "unweighted_rms_norm", "window_pool",
 )
 

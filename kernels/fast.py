@@ -19,6 +19,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x.to(weight.dtype), weight)
 
 
+def matmul_layout(weight: torch.Tensor) -> torch.Tensor:
+    """The weight in the layout `linear` wants: as stored."""
+    return weight
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
     """Block-diagonal projection: x [T, G, Din], weight [G * Dout, Din] -> [T, G, Dout]."""
     w = weight.view(groups, -1, weight.shape[-1]).transpose(1, 2)

@@ -3,39 +3,45 @@
 A row's result depends only on that row's data, never on how many rows share the call, what
 they hold, or how much padding the batch needed:
 
-- matmuls run on fixed tiles of `TILE` rows (padded with zeros), each its own library call, so
-  the library sees one shape whatever the batch; 8 rows stay on the same kernel for every
-  thread count we measured (larger tiles let the library split the reduction across threads);
-- attention and indexer scores work on full blocks of `KV_BLOCK` keys: per token one batched
-  matmul of a fixed shape ([H, D] x [D, KV_BLOCK], then [H, KV_BLOCK] x [KV_BLOCK, D]), which
-  the library computes entry by entry with the same kernel whatever the number of tokens
-  (checked for every thread count and head shape we use), and an online softmax in block
-  order; a block that is all padding is an exact no-op, so the batch's longest key list does
-  not change a shorter one's result;
-- top-k breaks ties to the lowest index; stream mixing sums its n terms in a fixed order;
+- matmuls run on tiles of at most `ROW_TILE` rows, never one row alone (a lone row takes the
+  library's matrix-vector path, which sums differently: it is padded with a zero row). fp32
+  matmuls also reduce K in blocks of `K_BLOCK`, one library call each, summed in order, against a
+  column-major weight (`matmul_layout`): then no call leaves the library a K-blocking or
+  K-splitting decision, and every tile runs on its outer-product kernels, where each output is
+  one fused multiply-add chain over the block whatever the tile's row count, the other rows or
+  the thread count. bf16 tiles are single oneDNN calls (fp32 accumulation), which are invariant
+  in that range of row counts. Both were checked for every row count and thread count we
+  measured (tests/test_invariant_kernels.py); larger calls switch kernels at some shapes;
+- attention and indexer scores take all of a token's keys in one batched matmul
+  ([H, D] x [D, K] per token): the library computes each score as its own dot product, whatever
+  K (from MIN_KEYS up) or the number of tokens. Attention then sums and applies probabilities in
+  blocks of KV_BLOCK keys in block order; keys beyond a token's own list (which the batch's
+  longest list decides) have probability 0 and add exact zeros at the end of each sum;
+- top-k breaks ties to the lowest index;
 - transcendental pointwise functions (exp, sigmoid, silu, softplus, cos, sin) go through
   `pointwise`: PyTorch's CPU loops run full SIMD vectors and finish a buffer's tail with the
   scalar function, whose last bit can differ, so where an element lands in the buffer (which
   depends on the batch) would otherwise decide its bits. Padded pieces make every element take
-  the vector path.
-
+  the vector path;
 - sums the model spells out (hyper-connection collapse, MoE weight normalisation, window
   pooling) go through `ordered_sum`, a fixed tree of elementwise adds.
 
 Ops whose CPU kernels already reduce each row on its own, in order (norms, softmax over a row,
-rotary, Sinkhorn's sums over hc_mult elements) are shared with `kernels.fast`; on CUDA the Triton
-kernels of `kernels/triton_ops.py` replace the reductions.
+rotary, Sinkhorn's sums over hc_mult elements, stream mixing: one small matmul per token with
+K = hc_mult) are shared with `kernels.fast`; on CUDA the Triton kernels of `kernels/triton_ops.py`
+replace the reductions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from kernels.fast import (  # noqa: F401  (re-exported: already row-invariant)
     log_softmax,
+    mix_streams,
     rms_norm,
     rotary,
     sinkhorn,
@@ -43,8 +49,10 @@ from kernels.fast import (  # noqa: F401  (re-exported: already row-invariant)
     unweighted_rms_norm,
 )
 
-TILE = 8
+K_BLOCK = 512
+ROW_TILE = 256
 KV_BLOCK = 64
+MIN_KEYS = 8
 POINTWISE_ALIGN = 64  # a multiple of two SIMD vectors on every x86 ISA PyTorch targets
 POINTWISE_PIECE = 16384  # below PyTorch's parallel grain, so one thread runs each piece from its start
 
@@ -58,11 +66,14 @@ def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> to
         return fn(x)
     flat = x.reshape(-1)
     n = flat.numel()
-    padded = flat.new_zeros((n + POINTWISE_ALIGN - 1) // POINTWISE_ALIGN * POINTWISE_ALIGN)
-    padded[:n] = flat
-    pieces = [fn(padded[i:i + POINTWISE_PIECE].clone()) for i in range(0, padded.numel(), POINTWISE_PIECE)]
-    out = torch.cat(pieces) if pieces else padded
-    return out[:n].view(x.shape)
+    pad = -n % POINTWISE_ALIGN
+    if pad:
+        flat = F.pad(flat, (0, pad))
+    if flat.numel() <= POINTWISE_PIECE:
+        out = fn(flat)
+    else:
+        out = torch.cat([fn(flat[i:i + POINTWISE_PIECE]) for i in range(0, flat.numel(), POINTWISE_PIECE)])
+    return (out[:n] if pad else out).view(x.shape)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
@@ -81,15 +92,47 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
     return pointwise(F.silu, gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
+def matmul_layout(weight: torch.Tensor) -> torch.Tensor:
+    """The weight ([..., N, K]) stored the way `linear` wants it: fp32 CPU weights column-major."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or _column_major(weight):
+        return weight
+    return weight.mT.contiguous().mT
+
+
+def _column_major(weight: torch.Tensor) -> bool:
+    return weight.stride(-2) == 1 and weight.stride(-1) >= weight.shape[-2]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`x @ weight.T`, computed TILE rows per library call."""
-    rows = x.reshape(-1, x.shape[-1]).to(weight.dtype)
+    """`x @ weight.T`; a row's bits depend only on that row (see the module docstring).
+
+    A weight that is not in `matmul_layout` is converted on every call: load weights through it.
+    (Decode calls are small, so this avoids every torch op it can: each costs microseconds.)
+    """
+    weight = matmul_layout(weight)
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if rows.dtype != weight.dtype:
+        rows = rows.to(weight.dtype)
     n = rows.shape[0]
-    padded = rows.new_zeros((n + TILE - 1) // TILE * TILE, rows.shape[1])
-    padded[:n] = rows
-    tiles = [F.linear(padded[i:i + TILE], weight) for i in range(0, padded.shape[0], TILE)]
-    out = torch.cat(tiles) if tiles else rows.new_zeros(0, weight.shape[0])
-    return out[:n].view(*x.shape[:-1], weight.shape[0])
+    lone = n % ROW_TILE == 1  # no call may see a lone row
+    if lone:
+        rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+    if rows.shape[0] <= ROW_TILE:
+        out = _tile_linear(rows, weight)
+    else:
+        out = torch.cat([_tile_linear(rows[i:i + ROW_TILE], weight) for i in range(0, rows.shape[0], ROW_TILE)])
+    if lone:
+        out = out[:n]
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _tile_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if weight.dtype != torch.float32 or rows.shape[1] <= K_BLOCK:
+        return F.linear(rows, weight)
+    out = F.linear(rows[:, :K_BLOCK], weight[:, :K_BLOCK])
+    for start in range(K_BLOCK, rows.shape[1], K_BLOCK):
+        out += F.linear(rows[:, start:start + K_BLOCK], weight[:, start:start + K_BLOCK])
+    return out
 
 
 def ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -120,53 +163,46 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.
     return torch.stack([linear(x[:, g], per_group[g]) for g in range(groups)], dim=1)
 
 
-def mix_streams(comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-    """comb^T @ streams per token, summed over the n input streams in order."""
-    comb = comb.to(streams.dtype)
-    out = comb[:, 0, :, None] * streams[:, 0, None, :]
-    for j in range(1, comb.shape[1]):
-        out = out + comb[:, j, :, None] * streams[:, j, None, :]
-    return out
-
-
-def _key_blocks(keys: torch.Tensor, valid: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """The key axis in whole KV_BLOCKs (start, keys [T, KV_BLOCK, D], valid [T, KV_BLOCK]), so every
-    block's matmuls and reductions have one shape; only the last block is padded (with invalid zeros)."""
-    width = keys.shape[1]
-    for start in range(0, width, KV_BLOCK):
-        block, block_valid = keys[:, start:start + KV_BLOCK], valid[:, start:start + KV_BLOCK]
-        pad = KV_BLOCK - block.shape[1]
-        if pad:
-            block = torch.cat([block, block.new_zeros(block.shape[0], pad, block.shape[2])], dim=1)
-            block_valid = torch.cat([block_valid, block_valid.new_zeros(block_valid.shape[0], pad)], dim=1)
-        yield start, block, block_valid
+def _at_least(keys: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key lists padded (with invalid zero keys) to MIN_KEYS: narrower score matmuls take the
+    library's matrix-vector paths, which sum differently."""
+    pad = MIN_KEYS - keys.shape[1]
+    if pad <= 0:
+        return keys, valid
+    return F.pad(keys, (0, 0, 0, pad)), F.pad(valid, (0, pad), value=False)
 
 
 def sink_attention(
     q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Shared-KV attention with a per-head sink, keys reduced in KV_BLOCK blocks in order.
+    """Shared-KV attention with a per-head sink; probabilities summed and applied in KV_BLOCK blocks.
 
-    q [T, H, D], kv [T, K, D], valid [T, K], sinks [H] fp32 -> [T, H, D] in q's dtype.
-    Softmax statistics and the accumulator are fp32.
+    q [T, H, D], kv [T, K, D], valid [T, K], sinks [H] fp32 -> [T, H, D] in q's dtype, with fp32
+    statistics and accumulator. Scores come from one matmul over all K keys (a key's score does
+    not depend on K); the max is exact in any order; exp runs on whole padded blocks; each block's
+    sum and its value matmul (K <= KV_BLOCK, trailing keys of probability 0 add exact zeros) are
+    added in block order after the sink's term. Keys past a token's own list (the batch's longer
+    lists) have probability 0, so they add nothing.
     """
-    tokens, heads, dim = q.shape
-    qf = q.float()
-    top = sinks.float().view(1, heads).expand(tokens, heads).clone()  # running max, starts at the sink
-    total = torch.ones(tokens, heads, device=q.device)  # the sink's exp(sink - top) = 1
-    acc = torch.zeros(tokens, heads, dim, device=q.device)
-    for _, block, block_valid in _key_blocks(kv, valid):
-        if not bool(block_valid.any()):
-            continue  # all padding (or all before position 0): an exact no-op, skipped
-        keys = block.float()
-        scores = torch.bmm(qf, keys.transpose(1, 2).contiguous()) * scale  # [T, H, B]
-        scores = scores.masked_fill(~block_valid.unsqueeze(1), float("-inf"))
-        new_top = torch.maximum(top, scores.max(dim=-1).values)
-        correction = pointwise(torch.exp, top - new_top)
-        probs = pointwise(torch.exp, scores - new_top.unsqueeze(-1))
-        total = total * correction + probs.sum(-1)
-        acc = acc * correction.unsqueeze(-1) + torch.bmm(probs, keys)
-        top = new_top
+    tokens, heads, _ = q.shape
+    keys, valid = _at_least(kv.float(), valid)
+    width = keys.shape[1]
+    blocks = -(-width // KV_BLOCK)
+    scores = torch.bmm(q.float(), keys.transpose(1, 2)) * scale
+    scores = scores.masked_fill_(~valid.unsqueeze(1), float("-inf"))
+    if blocks * KV_BLOCK != width:
+        scores = F.pad(scores, (0, blocks * KV_BLOCK - width), value=float("-inf"))
+    sinks = sinks.float()
+    top = torch.maximum(scores.amax(dim=-1), sinks)
+    probs = pointwise(torch.exp, scores - top.unsqueeze(-1))
+    block_sums = probs.view(tokens, heads, blocks, KV_BLOCK).sum(dim=-1)
+    total = pointwise(torch.exp, sinks - top)
+    acc = None
+    for block in range(blocks):
+        start, stop = block * KV_BLOCK, min((block + 1) * KV_BLOCK, width)
+        total = total + block_sums[..., block]
+        part = torch.bmm(probs[..., start:stop], keys[:, start:stop])
+        acc = part if acc is None else acc + part
     return (acc / total.unsqueeze(-1)).to(q.dtype)
 
 
@@ -175,16 +211,12 @@ def indexer_scores(
 ) -> torch.Tensor:
     """Lightning-indexer scores sum_h w[t,h] * relu(q[t,h] . k[t,s]) * scale, heads summed in order."""
     width = keys.shape[1]
-    qf = q.float()
-    out = torch.full((keys.shape[0], width), float("-inf"), device=q.device)
-    for start, block, _ in _key_blocks(keys, valid):
-        block = block.float().transpose(1, 2).contiguous()
-        weighted = torch.relu(torch.bmm(qf, block)) * scale * head_weights.unsqueeze(-1)  # [T, H, B]
-        summed = weighted[:, 0]
-        for h in range(1, weighted.shape[1]):
-            summed = summed + weighted[:, h]
-        out[:, start:start + KV_BLOCK] = summed[:, :width - start]
-    return out.masked_fill(~valid, float("-inf"))
+    keys, _ = _at_least(keys.float(), valid)
+    weighted = torch.relu(torch.bmm(q.float(), keys.transpose(1, 2))) * scale * head_weights.unsqueeze(-1)
+    summed = weighted[:, 0]
+    for h in range(1, weighted.shape[1]):
+        summed = summed + weighted[:, h]
+    return summed[:, :width].masked_fill(~valid, float("-inf"))
 
 
 def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:

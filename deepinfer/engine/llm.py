@@ -93,7 +93,7 @@ class LLM:
                 f"{config.max_position_embeddings}"
             )
         self.model = DeepseekV4(config, self.dtype, device="meta")
-        self.model.load_tensors(tensors, self.device)
+        self.model.load_tensors(tensors, self.device, kernels.table(numerics, self.device.type)["matmul_layout"])
         self.has_mtp = any(name.startswith("mtp.") for name in tensors)
         del tensors
         self.max_num_batched_tokens = max_num_batched_tokens

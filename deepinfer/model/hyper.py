@@ -47,6 +47,8 @@ def expand(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, stre
 class HyperHead(nn.Module):
     """Final collapse of the streams into one hidden vector per token."""
 
+    MATMUL_WEIGHTS = ("hc_fn",)
+
     def __init__(self, config: ModelConfig, device) -> None:
         super().__init__()
         n, h = config.hc_mult, config.hidden_size

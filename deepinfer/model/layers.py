@@ -15,6 +15,8 @@ def empty(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Par
 class Linear(nn.Module):
     """A bias-free projection; the arithmetic goes through `kernels.linear`."""
 
+    MATMUL_WEIGHTS = ("weight",)
+
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device) -> None:
         super().__init__()
         self.weight = empty(out_features, in_features, dtype=dtype, device=device)

@@ -19,6 +19,8 @@ SCORE_FUNCS = {
 class Gate(nn.Module):
     """Router. Top-k layers pick experts by score + `bias`; hash layers look them up in `tid2eid`."""
 
+    MATMUL_WEIGHTS = ("weight",)
+
     def __init__(self, config: ModelConfig, hashed: bool, dtype, device) -> None:
         super().__init__()
         self.hashed = hashed
@@ -44,6 +46,8 @@ class Gate(nn.Module):
 
 class Experts(nn.Module):
     """The routed experts, stacked: w13 = [w1; w3] per expert, w2 the down projection."""
+
+    MATMUL_WEIGHTS = ("w13", "w2")
 
     def __init__(self, config: ModelConfig, dtype, device) -> None:
         super().__init__()

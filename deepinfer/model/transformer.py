@@ -6,8 +6,12 @@ writes), so loading is a name-for-name copy except for the routed experts, which
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
+
+import kernels
 
 from deepinfer.config import SLIDING, ModelConfig
 from deepinfer.model.attention import Attention
@@ -19,6 +23,8 @@ from deepinfer.model.rope import RotaryTable
 
 
 class Block(nn.Module):
+    MATMUL_WEIGHTS = ("hc_attn_fn", "hc_ffn_fn")
+
     def __init__(self, config: ModelConfig, layer_idx: int, dtype, device) -> None:
         super().__init__()
         n, h = config.hc_mult, config.hidden_size
@@ -87,9 +93,13 @@ class DeepseekV4(nn.Module):
         hidden = self.model.norm(self.model.hc_head(streams))
         return self.head(hidden).float()
 
-    def load_tensors(self, tensors: dict[str, torch.Tensor], device: torch.device | str) -> None:
+    def load_tensors(
+        self, tensors: dict[str, torch.Tensor], device: torch.device | str,
+        matmul_layout: Callable[[torch.Tensor], torch.Tensor] = kernels.fast.matmul_layout,
+    ) -> None:
         """Take checkpoint tensors by name (stacking `ffn.experts.{e}.w{1,2,3}` per layer) as the
-        model's parameters on `device`.
+        model's parameters on `device`. The weights that modules list in `MATMUL_WEIGHTS` pass
+        through `matmul_layout` (the numerics mode's preferred storage order; values unchanged).
 
         The model may be built on the meta device: parameters are replaced, not copied into.
         Tensors are popped from `tensors` as they are consumed, so a caller that hands over its
@@ -111,6 +121,8 @@ class DeepseekV4(nn.Module):
                 value = tensors.pop(name)
             value = value.to(device=device, dtype=current.dtype)
             module = self.get_submodule(prefix) if prefix else self
+            if attr in getattr(module, "MATMUL_WEIGHTS", ()):
+                value = matmul_layout(value)
             if is_param:
                 module._parameters[attr] = nn.Parameter(value, requires_grad=False)
             else:
