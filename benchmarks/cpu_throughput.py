@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--presets", nargs="+", default=["tiny", "small"])
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per mode; the median counts")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions per mode; the median counts")
     parser.add_argument("--out", help="also write the results as JSON here")
     args = parser.parse_args()
     results = {"command": "python " + " ".join(sys.argv), "torch": torch.__version__, "threads": torch.get_num_threads(),

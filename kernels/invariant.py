@@ -4,7 +4,7 @@ A row's result depends only on that row's data, never on how many rows share the
 they hold, or how much padding the batch needed:
 
 - matmuls run on tiles of at most `ROW_TILE` rows, never one row alone (a lone row takes the
-  library's matrix-vector path, which sums differently: it is padded with a zero row). fp32
+  library's matrix-vector path, which sums differently: it is duplicated). fp32
   matmuls also reduce K in blocks of `K_BLOCK`, one library call each, summed in order, against a
   column-major weight (`matmul_layout`): then no call leaves the library a K-blocking or
   K-splitting decision, and every tile runs on its outer-product kernels, where each output is
@@ -114,9 +114,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if rows.dtype != weight.dtype:
         rows = rows.to(weight.dtype)
     n = rows.shape[0]
-    lone = n % ROW_TILE == 1  # no call may see a lone row
+    lone = n % ROW_TILE == 1  # no call may see a lone row: it gets a copy of itself as a neighbour
     if lone:
-        rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+        rows = rows.expand(2, -1) if n == 1 else torch.cat([rows, rows[-1:]])
     if rows.shape[0] <= ROW_TILE:
         out = _tile_linear(rows, weight)
     else:

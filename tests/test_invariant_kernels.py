@@ -19,6 +19,9 @@ LINEAR_SHAPES = [(8192, 512), (512, 512), (1024, 256), (512, 256), (24, 2048), (
                  (1024, 128)]
 
 
+THREAD_COUNTS = sorted({1, 2, torch.get_num_threads()})
+
+
 @contextlib.contextmanager
 def threads(n: int):
     before = torch.get_num_threads()
@@ -41,7 +44,7 @@ def test_linear_rows_do_not_depend_on_the_batch_or_thread_count(shape, dtype):
     x = torch.randn(600, shape[1], generator=torch.Generator().manual_seed(1)).to(dtype)
     with threads(1):
         alone = torch.cat([invariant.linear(x[i:i + 1], weight) for i in range(0, 600, 23)])
-    for n_threads in (1, 2):
+    for n_threads in THREAD_COUNTS:
         with threads(n_threads):
             full = invariant.linear(x, weight)
             assert torch.equal(full[::23], alone)
@@ -52,7 +55,7 @@ def test_linear_rows_do_not_depend_on_the_batch_or_thread_count(shape, dtype):
 
 
 @settings(max_examples=25, deadline=None)
-@given(rows=st.integers(1, 700), row=st.data(), n_threads=st.sampled_from([1, 2]),
+@given(rows=st.integers(1, 700), row=st.data(), n_threads=st.sampled_from(THREAD_COUNTS),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_linear_row_alone_equals_row_in_any_batch(rows, row, n_threads, dtype):
     weight = _weight((512, 512), dtype, column_major=True)
@@ -106,7 +109,7 @@ def test_attention_and_indexer_rows_do_not_depend_on_the_batch(heads, dim, dtype
         scores = invariant.indexer_scores(q, keys, head_weights, valid, 0.1)
     expected = fast.sink_attention(q.float(), keys.float(), valid, sinks, 0.1)
     assert torch.allclose(attn.float(), expected, rtol=0, atol=1e-5 if dtype == torch.float32 else 2e-2)
-    for n_threads in (1, 2):
+    for n_threads in THREAD_COUNTS:
         for extra in (0, 3, 64, 130):
             for tokens in (slice(0, 1), slice(5, 6), slice(2, 9), slice(0, None)):
                 own = lengths[tokens]
@@ -149,7 +152,7 @@ def test_mix_streams_and_window_pool_rows_do_not_depend_on_the_batch():
     kv, gate, bias = torch.randn(300, 4, 512, generator=gen), torch.randn(300, 4, 512, generator=gen), torch.randn(4, 512)
     gate[torch.rand(300, 4, 512, generator=gen) < 0.2] = float("-inf")
     gate[:, 0] = 0.0  # a window always has a slot (all -inf would be NaN, never equal to itself)
-    for n_threads in (1, 2):
+    for n_threads in THREAD_COUNTS:
         with threads(n_threads):
             mixed = invariant.mix_streams(comb, streams)
             pooled = invariant.window_pool(kv, gate, bias)
