@@ -12,7 +12,9 @@ class RequestOutput:
     `SamplingParams.logprobs` most likely (token id, logprob) pairs there, ties to the lower id.
     With `SamplingParams.prompt_logprobs`, `prompt_logprobs[i]` is the logprob of
     `prompt_token_ids[i + 1]` given the tokens before it and `prompt_top_logprobs[i]` the
-    max(`logprobs`, 1) most likely pairs there (so its first entry is the greedy choice)."""
+    max(`logprobs`, 1) most likely pairs there (so its first entry is the greedy choice).
+    `first_token_time` is `time.perf_counter()` when the first output token was sampled: timing,
+    not output, so `==` ignores it."""
 
     request_id: int
     prompt_token_ids: list[int]
@@ -26,3 +28,4 @@ class RequestOutput:
     message: dict | None = None
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    first_token_time: float | None = field(default=None, compare=False)

@@ -145,9 +145,10 @@ class DeepInferLM(TemplateLM):
         finish = self._now()
         served = [r.row_fields(out) for r, out in zip(requests, outputs)]
         rows = []
-        for request, fields in zip(requests, served):
+        for request, fields, output in zip(requests, served, outputs):
             rows.append(make_row(index=self._next_index, request_id=request.request_id, **fields, error=None,
-                                 arrival_s=arrival, first_token_s=None, finish_s=finish))
+                                 arrival_s=arrival, first_token_s=output.first_token_time - self._started,
+                                 finish_s=finish))
             self._next_index += 1
         if self.store is not None:
             self.store.append(rows)

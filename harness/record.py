@@ -72,7 +72,8 @@ def record_run(
         item = suite.requests[index]
         rows.append(make_row(
             index=index, request_id=item.request_id, **item.row_fields(llm, jobs[finished.index][1], finished.output),
-            error=None, arrival_s=finished.arrival_s, first_token_s=None, finish_s=finished.finish_s,
+            error=None, arrival_s=finished.arrival_s, first_token_s=finished.first_token_s,
+            finish_s=finished.finish_s,
         ))
         bar.update(1)
         if len(rows) >= FLUSH_ROWS or time.monotonic() - last_flush > FLUSH_SECONDS:

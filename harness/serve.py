@@ -19,11 +19,13 @@ SHUFFLE_SEED = 1
 
 @dataclass
 class Finished:
-    """A served request: `index` is its position in the job list; times are seconds since `serve` began."""
+    """A served request: `index` is its position in the job list; times are seconds since `serve` began
+    (`first_token_s`: when its first output token was sampled)."""
 
     index: int
     output: RequestOutput
     arrival_s: float
+    first_token_s: float
     finish_s: float
 
 
@@ -57,5 +59,5 @@ def serve(llm: LLM, jobs: list[tuple[list[int], SamplingParams]], variant: Varia
             submit(pending.pop(0))
         for output in llm.step():
             index = index_of[output.request_id]
-            yield Finished(index, output, arrival[index], time.perf_counter() - start)
+            yield Finished(index, output, arrival[index], output.first_token_time - start, time.perf_counter() - start)
         steps += 1

@@ -223,7 +223,8 @@ def build_document(data: AuditData) -> Document:
                     "Roots are the first 12 hex digits of each run's Merkle roots; counts compare each run with "
                     "the reference run request by request; a divergence is a near-tie when the smaller top-2 "
                     f"logprob margin there is below {cert['near_tie_threshold']:g}; "
-                    "tok/s = generated tokens / latest finish time."
+                    "tok/s = generated tokens / latest finish time; first token = median time from a "
+                    "request's arrival to its first sampled token."
                 ),
             ],
         ),

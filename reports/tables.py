@@ -67,12 +67,14 @@ def environment_differences(data: AuditData) -> list[str]:
     return lines
 
 
-def run_stats(configuration: Configuration) -> tuple[int, float | None]:
-    """(generated tokens, tokens per second); throughput is None when the run has no duration."""
+def run_stats(configuration: Configuration) -> tuple[int, float | None, float | None]:
+    """(generated tokens, tokens per second, median seconds from arrival to first token); None where
+    the run has no duration or no first-token times."""
     streams = configuration.run.streams
     tokens = int(streams["token_ids"].list.len().sum() or 0)
     finish = streams["finish_s"].max()
-    return tokens, (tokens / finish if finish else None)
+    first_token = (streams["first_token_s"] - streams["arrival_s"]).median()
+    return tokens, (tokens / finish if finish else None), first_token
 
 
 def _knobs(data: AuditData) -> tuple[list[str], dict]:
@@ -99,11 +101,12 @@ def shared_settings(data: AuditData) -> str:
 
 
 def configurations_table(data: AuditData) -> pl.DataFrame:
-    """One row per configuration: role, the knobs that differ, short roots, comparison counts, throughput."""
+    """One row per configuration: role, the knobs that differ, short roots, comparison counts, throughput
+    and first-token latency."""
     knobs = _knobs(data)[0]
     rows = []
     for c in data.configurations:
-        tokens, throughput = run_stats(c)
+        tokens, throughput, first_token = run_stats(c)
         n = data.summary(c.name)
         rows.append(
             {
@@ -119,6 +122,7 @@ def configurations_table(data: AuditData) -> pl.DataFrame:
                 "missing/error": str(n["missing"] + n["error"]),
                 "tokens": str(tokens),
                 "tok/s": "–" if throughput is None else f"{throughput:.1f}",
+                "first token (s)": "–" if first_token is None else f"{first_token:.3f}",
             }
         )
     return pl.DataFrame(rows, schema={key: pl.String for key in rows[0]})

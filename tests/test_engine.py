@@ -6,10 +6,12 @@ Everything runs on the tiny checkpoint (fp32, CPU) with short prompts and few to
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import re
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -208,6 +210,17 @@ def test_outputs_in_prompt_order_with_length_finish(llm):
     # each request's greedy continuation is the same as when it runs alone
     for prompt, param, out in zip(prompts, params, outs):
         assert llm.generate([prompt], param)[0].token_ids == out.token_ids
+
+
+def test_first_token_time_is_recorded_and_not_part_of_equality(llm):
+    prompts = random_prompts(2, [30, 3], seed=2)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, seed=5)
+    before = time.perf_counter()
+    first = llm.generate(prompts, params)
+    after = time.perf_counter()
+    assert all(before < o.first_token_time < after for o in first)
+    again = [dataclasses.replace(o, request_id=f.request_id) for o, f in zip(llm.generate(prompts, params), first)]
+    assert again == first and again[0].first_token_time != first[0].first_token_time
 
 
 @pytest.fixture(scope="module")

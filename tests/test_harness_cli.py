@@ -166,6 +166,7 @@ def test_certified_streams_cover_every_kind_of_request(certified):
     assert params["text-unseeded"]["seed"] == request_seed(0, "text-unseeded")
     assert all(p["logprobs"] == 2 for p in params.values())
     assert all(len(top) == 2 for row in rows.values() for top in row["top_token_ids"])
+    assert all(0 <= row["arrival_s"] < row["first_token_s"] <= row["finish_s"] for row in rows.values())
 
 
 # --- verify --------------------------------------------------------------------------------------------

@@ -166,9 +166,10 @@ def test_tables_show_counts_throughput_and_divergences(rendered):
     lines = md.splitlines()
     chunked = next(line for line in lines if line.startswith("| chunked-prefill ") and "variant" in line)
     cells = [c.strip() for c in chunked.strip("|").split("|")]
-    # knobs batch_size, numerics, chunk; two roots; equal, drift, diverged, near-tie, missing/error, tokens, tok/s
+    # knobs batch_size, numerics, chunk; two roots; equal, drift, diverged, near-tie, missing/error, tokens, tok/s,
+    # first token (median of 0.1, 0.2, 0.3, 0.4 s after arrival)
     assert cells[:5] == ["chunked-prefill", "variant", "8", "invariant", "2"]
-    assert cells[7:] == ["2", "1", "1", "0", "0", "16", "8.0"]
+    assert cells[7:] == ["2", "1", "1", "0", "0", "16", "8.0", "0.250"]
     divergence_rows = [line for line in lines if line.startswith("| chunked-prefill ") and "hard" in line]
     assert len(divergence_rows) == 1
     cells = [c.strip() for c in divergence_rows[0].strip("|").split("|")]

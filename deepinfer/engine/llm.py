@@ -6,6 +6,7 @@ Data flows one way: request -> scheduler -> runner -> model -> sampler -> output
 from __future__ import annotations
 
 import hashlib
+import time
 from pathlib import Path
 
 import torch
@@ -177,7 +178,9 @@ class LLM:
         """One engine step; returns the requests that finished in it."""
         chunks = self.scheduler.schedule()
         finished = []
-        for out in self.runner.step(chunks):
+        outputs = self.runner.step(chunks)
+        now = time.perf_counter()
+        for out in outputs:
             seq = out.chunk.seq
             seq.prompt_logprobs.extend(out.prompt_logprobs)
             seq.prompt_top_logprobs.extend(out.prompt_top_logprobs)
@@ -185,6 +188,8 @@ class LLM:
                 continue
             seq.token_ids.append(out.token)
             seq.logprobs.append(out.logprob)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
             if out.top is not None:
                 seq.top_logprobs.append(out.top)
             if self._check_finished(seq, out.token):
@@ -230,6 +235,7 @@ class LLM:
             top_logprobs=[list(t) for t in seq.top_logprobs] if seq.params.logprobs else None,
             prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs else None,
             prompt_top_logprobs=[list(t) for t in seq.prompt_top_logprobs] if seq.params.prompt_logprobs else None,
+            first_token_time=seq.first_token_time,
         )
 
     # batch APIs ---------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ class Sequence:
     finish_reason: str | None = None
     text: str | None = None
     num_preemptions: int = 0
+    first_token_time: float | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
