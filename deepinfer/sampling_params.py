@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass, field
 
 from deepinfer.errors import DeepInferError
+
+ENGINE_SEEDS = "deepinfer-seed"  # the engine's: keyed by request number
+SUITE_SEEDS = "deepinfer-request-seed"  # the harness's: keyed by a suite's request id
+
+
+def derive_seed(run_seed: int, key: int | str, namespace: str = ENGINE_SEEDS) -> int:
+    """The seed of a request that brought none: a 63-bit hash of (namespace, run seed, key).
+    Recorded seeds must keep reproducing, so the namespaces and this formula never change."""
+    digest = hashlib.sha256(f"{namespace}:{run_seed}:{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 class SamplingParamsError(DeepInferError, ValueError):

@@ -17,6 +17,7 @@ from pathlib import Path
 from deepinfer import LLM, RequestOutput, SamplingParams
 from deepinfer.errors import DeepInferError
 from deepinfer.prompts_file import PromptRequest, read_prompts_file
+from deepinfer.sampling_params import SUITE_SEEDS, derive_seed
 
 SHIPPED = Path(__file__).parent / "suites"
 TOP_LOGPROBS = 2  # every stored stream keeps the top-2 logprobs, for margins at divergences
@@ -78,8 +79,9 @@ class Suite:
 
 
 def request_seed(run_seed: int, request_id: str) -> int:
-    digest = hashlib.sha256(f"deepinfer-request-seed:{run_seed}:{request_id}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
+    """The seed of a suite request without one: derived from its id, so it does not depend on the
+    order the engine numbers requests in (which the variant's arrival order decides)."""
+    return derive_seed(run_seed, request_id, SUITE_SEEDS)
 
 
 def file_hash(path: Path) -> str:

@@ -25,7 +25,7 @@ from deepinfer.engine.llm import RequestError
 from deepinfer.engine.sampler import filtered_logits, first_argmax, sample, uniform_noise
 from deepinfer.errors import DeepInferError
 from deepinfer.recipe.chat import ChatFormatError, encode_chat, parse_completion
-from deepinfer.sampling_params import SamplingParamsError
+from deepinfer.sampling_params import SUITE_SEEDS, SamplingParamsError, derive_seed
 
 VOCAB = 1024  # the tiny preset's vocabulary
 EOS_ID = 1
@@ -364,6 +364,13 @@ def test_seeded_sampling_does_not_depend_on_the_batch(llm, tiny_checkpoint):
 
     chunked = LLM(tiny_checkpoint, max_num_batched_tokens=16)
     assert_same_draws(chunked.generate(prompts, params)[3], alone)
+
+
+def test_derived_seeds_never_change():
+    """Certificates record runs whose unseeded requests got these seeds; a rerun must get them again."""
+    assert derive_seed(0, 0) == 3818668012074767233
+    assert derive_seed(7, 12) == 6773036239967155948
+    assert derive_seed(0, "text-unseeded", SUITE_SEEDS) == 8312749772898587288
 
 
 def test_unseeded_requests_report_a_seed_that_reproduces_them(llm):

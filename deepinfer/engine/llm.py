@@ -5,7 +5,6 @@ Data flows one way: request -> scheduler -> runner -> model -> sampler -> output
 
 from __future__ import annotations
 
-import hashlib
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from deepinfer.model import DeepseekV4
 from deepinfer.outputs import RequestOutput
 from deepinfer.recipe.chat import ChatFormatError, encode_chat, parse_completion
 from deepinfer.recipe.tokenizer import TextTokenizer, build_tokenizer
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling_params import SamplingParams, derive_seed
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -40,11 +39,6 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in DTYPES:
         raise DeepInferError(f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
     return DTYPES[dtype]
-
-
-def derive_seed(run_seed: int, request_id: int) -> int:
-    digest = hashlib.sha256(f"deepinfer-seed:{run_seed}:{request_id}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
 
 
 class LLM:
