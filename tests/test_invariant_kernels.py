@@ -159,3 +159,22 @@ def test_mix_streams_and_window_pool_rows_do_not_depend_on_the_batch():
             for i in (0, 17, 299):
                 assert torch.equal(invariant.mix_streams(comb[i:i + 1], streams[i:i + 1])[0], mixed[i])
                 assert torch.equal(invariant.window_pool(kv[i:i + 1], gate[i:i + 1], bias)[0], pooled[i])
+
+
+def test_the_model_loads_every_matmul_weight_in_matmul_layout(tiny_checkpoint, monkeypatch):
+    """A weight missing from a module's MATMUL_WEIGHTS would still be right, but copied on every call."""
+    from deepinfer import LLM, SamplingParams
+
+    llm = LLM(tiny_checkpoint)
+    converted = []
+    layout = invariant.matmul_layout
+
+    def spy(weight):
+        stored = layout(weight)
+        if stored is not weight:
+            converted.append(tuple(weight.shape))
+        return stored
+
+    monkeypatch.setattr(invariant, "matmul_layout", spy)
+    llm.generate([list(range(2, 120))], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert converted == []
