@@ -65,6 +65,12 @@ def _cuda() -> dict | None:
     }
 
 
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def environment_fingerprint() -> dict:
     """Hardware and software of this process: Python, OS, CPU, key package versions, CUDA and GPUs."""
     return {
@@ -75,6 +81,7 @@ def environment_fingerprint() -> dict:
         "machine": _probe(platform.machine),
         "cpu": _probe(_cpu_model),
         "cpu_count": _probe(os.cpu_count),
+        "torch_threads": _probe(_torch_threads),
         "packages": {name: _package_version(name) for name in FINGERPRINTED_PACKAGES},
         "cuda": _probe(_cuda),
     }

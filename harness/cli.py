@@ -107,6 +107,7 @@ def _variant_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--numerics", default="batch_invariant", choices=("batch_invariant", "fast"))
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=None, help="PyTorch CPU threads for the run")
     _progress_flag(parser)
 
 
@@ -128,7 +129,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         args.name, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=not args.no_chunked_prefill, num_cache_blocks=args.num_cache_blocks,
         max_model_len=args.max_model_len, shuffle=args.shuffle, stagger=args.stagger, numerics=args.numerics,
-        dtype=args.dtype, device=args.device,
+        dtype=args.dtype, device=args.device, threads=args.threads,
     ), "flags")
     root = record_run(args.model, load_suite(args.suite), variant, Path(args.out), run_seed=args.run_seed,
                       resume=args.resume, progress=args.progress)

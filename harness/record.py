@@ -21,7 +21,7 @@ from deepinfer import LLM
 from deepinfer.errors import DeepInferError
 from harness.serve import serve
 from harness.suites import Suite
-from harness.sweep import Variant
+from harness.sweep import Variant, cpu_threads
 
 FLUSH_ROWS = 16
 FLUSH_SECONDS = 2.0
@@ -33,7 +33,12 @@ def record_run(
     resume: bool = False, progress: bool = True,
 ) -> dict:
     """Serve `suite` under `variant` into `run_dir`; returns the run's root (root.json contents)."""
-    run_dir = Path(run_dir)
+    with cpu_threads(variant.threads):
+        return _record_run(model, suite, variant, Path(run_dir), run_seed, resume, progress)
+
+
+def _record_run(model: str | Path | None, suite: Suite, variant: Variant, run_dir: Path, run_seed: int,
+                resume: bool, progress: bool) -> dict:
     started = time.perf_counter()
     llm = LLM(model, seed=run_seed, **variant.engine_kwargs(variant.max_model_len))
     manifest = build_manifest(

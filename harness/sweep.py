@@ -8,9 +8,13 @@ reference's values, so a variant names only what it changes.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+
+import torch
 
 import kernels
 from deepinfer.engine.llm import resolve_dtype
@@ -22,7 +26,8 @@ ROLES = ("reference", "variant", "control")
 @dataclass(frozen=True)
 class Variant:
     """One engine configuration. `stagger=k` starts with k requests and admits one more every k
-    steps, so requests join while others decode; `shuffle` submits in a seeded random order."""
+    steps, so requests join while others decode; `shuffle` submits in a seeded random order;
+    `threads` sets PyTorch's CPU thread count for the run (None: the process's)."""
 
     name: str
     max_num_seqs: int = 64
@@ -35,6 +40,7 @@ class Variant:
     numerics: str = "batch_invariant"
     dtype: str = "float32"
     device: str = "cpu"
+    threads: int | None = None
 
     def engine_kwargs(self, longest_prompt: int) -> dict:
         """Keyword arguments for `LLM(...)`; with chunked prefill off the step budget grows to fit
@@ -48,6 +54,18 @@ class Variant:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@contextlib.contextmanager
+def cpu_threads(count: int | None) -> Iterator[None]:
+    """Run the enclosed code with PyTorch's CPU thread count set to `count` (None: unchanged)."""
+    before = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @dataclass(frozen=True)
@@ -68,20 +86,19 @@ class Sweep:
 
 def default_sweep(dtype: str = "float32", device: str = "cpu") -> Sweep:
     """The sweep `make certify` runs: batch sizes 1/8/32, shuffled, staggered, chunk 32, forced
-    preemption, and a `fast` numerics control."""
+    preemption, on CPU one thread, and a `fast` numerics control."""
     reference = Variant("batch-32", max_num_seqs=32, dtype=dtype, device=device)
-    return Sweep(
-        reference,
-        (
-            replace(reference, name="batch-1", max_num_seqs=1),
-            replace(reference, name="batch-8", max_num_seqs=8),
-            replace(reference, name="shuffled", shuffle=True),
-            replace(reference, name="staggered", stagger=2),
-            replace(reference, name="chunk-32", max_num_batched_tokens=32),
-            replace(reference, name="preemption", max_num_batched_tokens=64, num_cache_blocks=24),
-        ),
-        (replace(reference, name="fast", numerics="fast"),),
+    variants = (
+        replace(reference, name="batch-1", max_num_seqs=1),
+        replace(reference, name="batch-8", max_num_seqs=8),
+        replace(reference, name="shuffled", shuffle=True),
+        replace(reference, name="staggered", stagger=2),
+        replace(reference, name="chunk-32", max_num_batched_tokens=32),
+        replace(reference, name="preemption", max_num_batched_tokens=64, num_cache_blocks=24),
     )
+    if device == "cpu":
+        variants += (replace(reference, name="threads-1", threads=1),)
+    return Sweep(reference, variants, (replace(reference, name="fast", numerics="fast"),))
 
 
 def load_sweep(path: str | Path) -> Sweep:
@@ -147,6 +164,8 @@ def check_variant(variant: Variant, where: str) -> Variant:
                              "stagger >= 0")
     if variant.num_cache_blocks is not None and variant.num_cache_blocks < 1:
         raise DeepInferError(f"{where}: num_cache_blocks must be >= 1")
+    if variant.threads is not None and variant.threads < 1:
+        raise DeepInferError(f"{where}: threads must be >= 1")
     return variant
 
 

@@ -549,6 +549,7 @@ REF = {"name": "ref"}
     (json.dumps({"reference": REF, "variants": []}),
      "needs at least one entry in 'variants' to compare with the reference"),
     (json.dumps({"reference": REF, "variants": [{"max_num_seqs": 1}]}), "variants[0]: 'name' is required"),
+    (json.dumps({"reference": REF, "variants": [{"name": "b", "threads": 0}]}), "variants[0]: threads must be >= 1"),
     (json.dumps({"reference": REF, "variants": [{"name": "../b"}]}),
      "variants[0]: 'name' must be a non-empty string of letters, digits, '-', '_', '.' (not starting with '.'), "
      "got '../b'"),

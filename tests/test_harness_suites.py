@@ -6,9 +6,12 @@ import json
 from dataclasses import replace
 
 import pytest
+import torch
 
+from audit.store import read_run
 from deepinfer import LLM
 from deepinfer.errors import DeepInferError
+from harness.record import record_run
 from harness.suites import TOP_LOGPROBS, load_suite, request_seed
 from harness.sweep import Variant, check_variant, default_sweep, load_sweep
 
@@ -83,8 +86,18 @@ def test_default_sweep_covers_the_contract() -> None:
     assert {variants["batch-1"].max_num_seqs, variants["batch-8"].max_num_seqs} == {1, 8}
     assert variants["shuffled"].shuffle and variants["staggered"].stagger
     assert variants["chunk-32"].max_num_batched_tokens == 32 and variants["preemption"].num_cache_blocks
+    assert variants["threads-1"].threads == 1 and sweep.reference.threads is None
     assert [c.numerics for c in sweep.controls] == ["fast"]
     assert all(v.numerics == "batch_invariant" for v in (sweep.reference, *sweep.variants))
+    assert "threads-1" not in {v.name for v in default_sweep(device="cuda").variants}  # GPU kernels: no CPU threads
+
+
+def test_a_run_uses_its_variants_thread_count_and_restores_the_process_one(tiny_checkpoint, tmp_path) -> None:
+    suite = load_suite(write_lines(tmp_path / "s.jsonl", [{"id": "a", "prompt_token_ids": [3, 4, 5], "sampling": {"max_tokens": 2}}]))
+    before = torch.get_num_threads()
+    record_run(tiny_checkpoint, suite, Variant("one", threads=1), tmp_path / "run", progress=False)
+    assert torch.get_num_threads() == before
+    assert read_run(tmp_path / "run").manifest["environment"]["torch_threads"] == 1
 
 
 def test_sweep_file_inherits_from_the_reference(tmp_path) -> None:

@@ -4,13 +4,12 @@ same through the whole engine; this pins down which op breaks if it ever does.)"
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harness.sweep import cpu_threads
 from kernels import fast, invariant
 
 # (out_features, in_features) of the tiny and small presets' matmuls, incl. the hyper-connection
@@ -20,16 +19,6 @@ LINEAR_SHAPES = [(8192, 512), (512, 512), (1024, 256), (512, 256), (24, 2048), (
 
 
 THREAD_COUNTS = sorted({1, 2, torch.get_num_threads()})
-
-
-@contextlib.contextmanager
-def threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _weight(shape, dtype, column_major):
@@ -42,10 +31,10 @@ def _weight(shape, dtype, column_major):
 def test_linear_rows_do_not_depend_on_the_batch_or_thread_count(shape, dtype):
     weight = _weight(shape, dtype, column_major=True)
     x = torch.randn(600, shape[1], generator=torch.Generator().manual_seed(1)).to(dtype)
-    with threads(1):
+    with cpu_threads(1):
         alone = torch.cat([invariant.linear(x[i:i + 1], weight) for i in range(0, 600, 23)])
     for n_threads in THREAD_COUNTS:
-        with threads(n_threads):
+        with cpu_threads(n_threads):
             full = invariant.linear(x, weight)
             assert torch.equal(full[::23], alone)
             for rows in (2, 3, 17, 255, 256, 257, 513):
@@ -61,9 +50,9 @@ def test_linear_row_alone_equals_row_in_any_batch(rows, row, n_threads, dtype):
     weight = _weight((512, 512), dtype, column_major=True)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(dtype)
     i = row.draw(st.integers(0, rows - 1))
-    with threads(n_threads):
+    with cpu_threads(n_threads):
         batched = invariant.linear(x, weight)
-    with threads(1):
+    with cpu_threads(1):
         assert torch.equal(batched[i], invariant.linear(x[i], weight))
 
 
@@ -104,7 +93,7 @@ def test_attention_and_indexer_rows_do_not_depend_on_the_batch(heads, dim, dtype
     q, keys, valid, lengths = _attention_case(heads, dim, dtype)
     sinks = torch.randn(heads, generator=torch.Generator().manual_seed(2))
     head_weights = torch.rand(q.shape[0], heads, generator=torch.Generator().manual_seed(3))
-    with threads(1):
+    with cpu_threads(1):
         attn = invariant.sink_attention(q, keys, valid, sinks, 0.1)
         scores = invariant.indexer_scores(q, keys, head_weights, valid, 0.1)
     expected = fast.sink_attention(q.float(), keys.float(), valid, sinks, 0.1)
@@ -115,7 +104,7 @@ def test_attention_and_indexer_rows_do_not_depend_on_the_batch(heads, dim, dtype
                 own = lengths[tokens]
                 sub_keys, sub_valid = _own_keys(keys[tokens][:, :int(own.max())], valid[tokens][:, :int(own.max())],
                                                 own, extra)
-                with threads(n_threads):
+                with cpu_threads(n_threads):
                     assert torch.equal(invariant.sink_attention(q[tokens], sub_keys, sub_valid, sinks, 0.1),
                                        attn[tokens]), (n_threads, extra, tokens)
                     sub_scores = invariant.indexer_scores(q[tokens], sub_keys, head_weights[tokens], sub_valid, 0.1)
@@ -153,7 +142,7 @@ def test_mix_streams_and_window_pool_rows_do_not_depend_on_the_batch():
     gate[torch.rand(300, 4, 512, generator=gen) < 0.2] = float("-inf")
     gate[:, 0] = 0.0  # a window always has a slot (all -inf would be NaN, never equal to itself)
     for n_threads in THREAD_COUNTS:
-        with threads(n_threads):
+        with cpu_threads(n_threads):
             mixed = invariant.mix_streams(comb, streams)
             pooled = invariant.window_pool(kv, gate, bias)
             for i in (0, 17, 299):
