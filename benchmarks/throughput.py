@@ -1,11 +1,13 @@
-"""CPU throughput of the engine: prefill and decode tokens/s at batch 1 and 32, in both numerics
-modes side by side (same run: both engines warmed up, repetitions interleaved, the median counts),
-with the batch-invariant / fast time ratio.
+"""Engine throughput: prefill and decode tokens/s at batch 1 and 32, in both numerics modes side
+by side (same run: both engines warmed up, repetitions interleaved, the median counts), with the
+batch-invariant / fast time ratio.
 
-    .venv/bin/python benchmarks/cpu_throughput.py [--presets tiny small] [--out results.json]
+    .venv/bin/python benchmarks/throughput.py [--presets tiny small] [--out results.json]
+    python benchmarks/throughput.py --device cuda --dtype bfloat16 --presets small flash-4l --out results.json
 
-Each preset's checkpoint is created once under $DEEPINFER_HOME/bench. A step whose chunks are all
-one-token decodes counts as decode time; every other step counts as prefill time.
+On CPU each preset's checkpoint is created once under $DEEPINFER_HOME/bench; on CUDA the preset's
+seeded random weights are built on the GPU (nothing on disk). A step whose chunks are all one-token
+decodes counts as decode time; every other step counts as prefill time.
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ from deepinfer.checkpoint.writer import deepinfer_home
 
 
 NUMERICS = ("batch_invariant", "fast")
+BATCHES = (1, 32)
 
 
-def checkpoint_for(preset: str):
+def checkpoint_for(preset: str, device: str = "cpu"):
+    if device != "cpu":
+        return f"preset:{preset}"
     folder = deepinfer_home() / "bench" / f"{preset}-seed0"
     if not (folder / "config.json").is_file():
         create_checkpoint(preset, folder, seed=0)
@@ -66,17 +71,21 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions per mode; the median counts")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
     parser.add_argument("--out", help="also write the results as JSON here")
     args = parser.parse_args()
     results = {"command": "python " + " ".join(sys.argv), "torch": torch.__version__, "threads": torch.get_num_threads(),
-               "machine": platform.machine(), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-               "repeats": args.repeats, "runs": []}
+               "machine": platform.machine(), "device": args.device, "dtype": args.dtype,
+               "accelerator": torch.cuda.get_device_name() if args.device == "cuda" else None,
+               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats, "runs": []}
     for preset in args.presets:
-        for batch in (1, 32):
-            engines = {numerics: LLM(checkpoint_for(preset), max_num_seqs=batch, max_num_batched_tokens=2048,
-                                     numerics=numerics) for numerics in NUMERICS}
-            for llm in engines.values():  # warm-up: first-call allocations and library initialisation
-                measure(llm, 1, 16, 2)
+        engines = {numerics: LLM(checkpoint_for(preset, args.device), max_num_seqs=max(BATCHES),
+                                 max_num_batched_tokens=2048, numerics=numerics, device=args.device,
+                                 dtype=args.dtype) for numerics in NUMERICS}
+        for llm in engines.values():  # warm-up: first-call allocations and library initialisation
+            measure(llm, 1, 16, 2)
+        for batch in BATCHES:
             samples = {numerics: [] for numerics in NUMERICS}
             for rep in range(args.repeats):  # interleaved, alternating which mode goes first
                 for numerics in (NUMERICS if rep % 2 == 0 else NUMERICS[::-1]):
@@ -90,6 +99,9 @@ def main() -> None:
                       f"decode {run['decode']['tokens_per_s']:>8} tok/s", flush=True)
             print(f"{preset:6} batch {batch:3} slowdown (fast / invariant throughput): prefill {ratio['prefill']}x  "
                   f"decode {ratio['decode']}x", flush=True)
+        del engines, llm  # one preset's two models at a time
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
