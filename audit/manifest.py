@@ -65,10 +65,13 @@ def _cuda() -> dict | None:
     }
 
 
-def _torch_threads() -> int:
+def _torch_cpu() -> dict:
+    """What decides the CPU kernels' code paths: PyTorch's vector ISA, its thread count, and MKL's
+    conditional-numerical-reproducibility setting (MKL_CBWR) if any."""
     import torch
 
-    return torch.get_num_threads()
+    return {"capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+            "mkl_cbwr": os.environ.get("MKL_CBWR")}
 
 
 def environment_fingerprint() -> dict:
@@ -81,7 +84,7 @@ def environment_fingerprint() -> dict:
         "machine": _probe(platform.machine),
         "cpu": _probe(_cpu_model),
         "cpu_count": _probe(os.cpu_count),
-        "torch_threads": _probe(_torch_threads),
+        "torch_cpu": _probe(_torch_cpu),
         "packages": {name: _package_version(name) for name in FINGERPRINTED_PACKAGES},
         "cuda": _probe(_cuda),
     }

@@ -26,6 +26,13 @@ they hold, or how much padding the batch needed:
 - sums the model spells out (hyper-connection collapse, MoE weight normalisation, window
   pooling) go through `ordered_sum`, a fixed tree of elementwise adds.
 
+The library behaviour these rely on was measured on AVX-512 CPUs (MKL 2024.2 and oneDNN 3 in
+PyTorch's CPU wheels; this machine and an H200 host, 1 to 16 threads). MKL's AVX2 code path
+(MKL_ENABLE_INSTRUCTIONS=AVX2 forces it) picks sgemm kernels by row count, so on AVX2-only CPUs run
+with MKL_CBWR=AVX2,STRICT (set before the process's first MKL call): MKL's strict reproducibility
+mode, under which tests/test_invariant_kernels.py and tests/test_invariance.py pass on both code
+paths and AVX2 and AVX-512 machines compute the same fp32 bits (at about 3/4 of the AVX-512 speed).
+
 Ops whose CPU kernels already reduce each row on its own, in order (norms, softmax over a row,
 rotary, Sinkhorn's sums over hc_mult elements, stream mixing: one small matmul per token with
 K = hc_mult) are shared with `kernels.fast`; on CUDA the Triton kernels of `kernels/triton_ops.py`

@@ -97,7 +97,7 @@ def test_a_run_uses_its_variants_thread_count_and_restores_the_process_one(tiny_
     before = torch.get_num_threads()
     record_run(tiny_checkpoint, suite, Variant("one", threads=1), tmp_path / "run", progress=False)
     assert torch.get_num_threads() == before
-    assert read_run(tmp_path / "run").manifest["environment"]["torch_threads"] == 1
+    assert read_run(tmp_path / "run").manifest["environment"]["torch_cpu"]["threads"] == 1
 
 
 def test_sweep_file_inherits_from_the_reference(tmp_path) -> None:
