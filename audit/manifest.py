@@ -66,12 +66,12 @@ def _cuda() -> dict | None:
 
 
 def _torch_cpu() -> dict:
-    """What decides the CPU kernels' code paths: PyTorch's vector ISA, its thread count, and MKL's
-    conditional-numerical-reproducibility setting (MKL_CBWR) if any."""
+    """What decides the CPU kernels' code paths: PyTorch's vector ISA, its thread count, MKL's
+    conditional-numerical-reproducibility setting (MKL_CBWR) and oneDNN's ISA cap, if any."""
     import torch
 
     return {"capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
-            "mkl_cbwr": os.environ.get("MKL_CBWR")}
+            "mkl_cbwr": os.environ.get("MKL_CBWR"), "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA")}
 
 
 def environment_fingerprint() -> dict:

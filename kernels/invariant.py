@@ -32,6 +32,10 @@ PyTorch's CPU wheels; this machine and an H200 host, 1 to 16 threads). MKL's AVX
 with MKL_CBWR=AVX2,STRICT (set before the process's first MKL call): MKL's strict reproducibility
 mode, under which tests/test_invariant_kernels.py and tests/test_invariance.py pass on both code
 paths and AVX2 and AVX-512 machines compute the same fp32 bits (at about 3/4 of the AVX-512 speed).
+oneDNN's AMX bf16 kernels (CPUs with amx_bf16) make a row's bits depend on the batch, so importing
+this module caps oneDNN at AVX-512 BF16 (`ONEDNN_MAX_CPU_ISA`, unless already set; oneDNN reads it at
+its first bf16 primitive, so it must be set before any bf16 matmul runs in the process). The cap is
+process-wide (fast mode runs without AMX too) and manifests record it.
 
 Ops whose CPU kernels already reduce each row on its own, in order (norms, softmax over a row,
 rotary, Sinkhorn's sums over hc_mult elements, stream mixing: one small matmul per token with
@@ -41,6 +45,7 @@ replace the reductions.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -55,6 +60,8 @@ from kernels.fast import (  # noqa: F401  (re-exported: already row-invariant)
     softmax,
     unweighted_rms_norm,
 )
+
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")  # no AMX: see the module docstring
 
 K_BLOCK = 512
 ROW_TILE = 256
