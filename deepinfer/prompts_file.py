@@ -54,7 +54,7 @@ class PromptRequest:
                 return llm.encode(encode_chat(llm.tokenizer, self.value, tools=self.tools))
             return llm.encode(self.value)
         except DeepInferError as err:
-            raise DeepInferError(f"{self.where}: {err}") from None
+            raise err.at(self.where) from None
 
 
 def read_prompts_file(path: str) -> list[PromptRequest]:
@@ -90,9 +90,9 @@ def json_object(line: str, where: str) -> dict:
     try:
         value = json.loads(line)
     except json.JSONDecodeError as err:
-        raise DeepInferError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
+        raise DeepInferError(f"invalid JSON ({err.msg} at column {err.colno})", where=where, kind="malformed") from None
     if not isinstance(value, dict):
-        raise DeepInferError(f"{where}: expected a JSON object, got {type(value).__name__}")
+        raise DeepInferError(f"expected a JSON object, got {type(value).__name__}", where=where, kind="malformed")
     return value
 
 
