@@ -12,7 +12,9 @@ from collections.abc import Callable, Sequence
 import kernels
 from deepinfer.checkpoint import PRESETS, create_checkpoint, inspect_checkpoint, parameter_counts
 from deepinfer.config import CSA, HCA
+from deepinfer.engine.llm import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from deepinfer.errors import DeepInferError
+from deepinfer.sampling_params import UNSEEDED_SEEDS
 
 EXIT_USER_ERROR = 2
 
@@ -151,18 +153,27 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 keeps all")
     gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
     gen.add_argument("--seed", type=int, default=None,
-                     help="sampling seed for every request (default: derived per request from --run-seed)")
+                     help="sampling seed for every request (default: derived per request from --run-seed, "
+                          "see --unseeded-seeds; each output line reports its seed)")
     gen.add_argument("--run-seed", type=int, default=0, help="seed from which unseeded requests derive theirs")
+    gen.add_argument("--unseeded-seeds", default="request_order", choices=UNSEEDED_SEEDS,
+                     help="what an unseeded request's seed derives from besides --run-seed: request_order "
+                          "(default: its position among the requests served) or content (its prompt and "
+                          "sampling params, so the same request samples the same wherever it appears)")
     gen.add_argument("--logprobs", type=int, default=None, help="also return the top-k logprobs per token")
     gen.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     gen.add_argument("--dtype", default="float32", help="float32 or bfloat16 (default: float32)")
     gen.add_argument("--numerics", default="batch_invariant", choices=kernels.NUMERICS,
                      help="batch_invariant (default): outputs do not depend on batching; fast: plain "
                           "library kernels, no such promise")
-    gen.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together (default: 32)")
-    gen.add_argument("--max-num-batched-tokens", type=int, default=512,
-                     help="token budget per engine step; longer prompts are prefilled in chunks (default: 512)")
-    gen.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: 4096)")
+    gen.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
+                     help=f"sequences decoded together (default: {DEFAULT_MAX_NUM_SEQS})")
+    gen.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                     help="token budget per engine step; longer prompts are prefilled in chunks "
+                          f"(default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
+    gen.add_argument("--max-model-len", type=int, default=None,
+                     help="longest prompt + output (default: the model's max_position_embeddings, capped so "
+                          "the cache fits in memory)")
     gen.set_defaults(run=_cmd_generate)
 
 
@@ -181,7 +192,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     params = [request.params(base) for request in requests]
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-              numerics=args.numerics, seed=args.run_seed)
+              numerics=args.numerics, seed=args.run_seed, unseeded_seeds=args.unseeded_seeds)
     prompts = [request.prompt_ids(llm) for request in requests]
     outputs = llm.generate(prompts, params)
     try:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import asdict, dataclass, field
 
 from deepinfer.errors import DeepInferError
 
-ENGINE_SEEDS = "deepinfer-seed"  # the engine's: keyed by request number
+ENGINE_SEEDS = "deepinfer-seed"  # the engine's by default: keyed by request number
+CONTENT_SEEDS = "deepinfer-content-seed"  # the engine's with unseeded_seeds="content": keyed by request content
 SUITE_SEEDS = "deepinfer-request-seed"  # the harness's: keyed by a suite's request id
+UNSEEDED_SEEDS = ("request_order", "content")  # how `LLM` derives the seed of an unseeded request
 
 
 def derive_seed(run_seed: int, key: int | str, namespace: str = ENGINE_SEEDS) -> int:
@@ -18,6 +21,14 @@ def derive_seed(run_seed: int, key: int | str, namespace: str = ENGINE_SEEDS) ->
     return int.from_bytes(digest[:8], "little") >> 1
 
 
+def request_content_hash(prompt_token_ids: list[int], params: SamplingParams) -> str:
+    """SHA-256 (hex) of a request's content: its prompt token ids and the sampling params that differ
+    from their defaults (as stream hashes record them, so a field added later keeps the hashes).
+    Recorded seeds derive from it, so this formula never changes either."""
+    content = {"prompt_token_ids": list(prompt_token_ids), "params": params.to_dict(skip_defaults=True)}
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 class SamplingParamsError(DeepInferError, ValueError):
     pass
 
@@ -25,7 +36,8 @@ class SamplingParamsError(DeepInferError, ValueError):
 @dataclass
 class SamplingParams:
     """temperature 0 means greedy. `seed` keys the counter-based sampling noise; requests without
-    one get a seed derived from the engine's run seed and the request id (reported back).
+    one get a seed derived from the engine's seed and the request's number or content (see `LLM`'s
+    `unseeded_seeds`), reported back in the output.
     `logprobs=k` returns, per generated token, the chosen token's logprob and the k most likely.
     `prompt_logprobs=True` also scores the prompt: the logprob of every prompt token after the first
     given the tokens before it, with the max(k, 1) most likely tokens there (what evaluations need)."""

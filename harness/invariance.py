@@ -70,7 +70,7 @@ def run_variant(
     """Serve `requests` under `variant` (with this dtype, numerics and device); outputs come back in
     request order."""
     variant = replace(variant, dtype=dtype, numerics=numerics, device=device, max_model_len=512)
-    llm = LLM(model, **variant.engine_kwargs(max(len(r.prompt) for r in requests)))
+    llm = LLM(model, **variant.engine_kwargs())
     outputs = {done.index: done.output for done in serve(llm, [(r.prompt, r.params) for r in requests], variant)}
     if variant.num_cache_blocks is not None and llm.scheduler.num_preemptions == 0:
         raise AssertionError(f"variant {variant.name} was meant to force preemption but none happened")

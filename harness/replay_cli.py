@@ -9,6 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from deepinfer.engine.llm import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from harness.replay import MODES
 
 EXIT_DIFFERENT = 1  # as `deepinfer audit diff`: the replay is not what was expected
@@ -34,9 +35,12 @@ def add_replay_commands(audit_commands: argparse._SubParsersAction) -> None:
                              "model's turns feed forward, tools answer from the trace (default: teacher-forced)")
     record.add_argument("--model", help="checkpoint folder (default: the embedded tiny checkpoint)")
     record.add_argument("--run-seed", type=int, default=0, help="seed from which unseeded turns derive theirs")
-    record.add_argument("--max-model-len", type=int, default=4096)
-    record.add_argument("--max-num-seqs", type=int, default=32)
-    record.add_argument("--max-num-batched-tokens", type=int, default=512)
+    record.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt + output (default: the model's, capped to fit memory; see LLM)")
+    record.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
+                        help=f"sequences decoded together (default: {DEFAULT_MAX_NUM_SEQS})")
+    record.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                        help=f"token budget per engine step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
     record.add_argument("--numerics", default="batch_invariant", choices=("batch_invariant", "fast"))
     record.add_argument("--dtype", default="float32")
     record.add_argument("--device", default="cpu")
@@ -56,6 +60,8 @@ def add_replay_commands(audit_commands: argparse._SubParsersAction) -> None:
 
 
 def _cmd_record(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from deepinfer import LLM
     from harness.cassette import record_cassette
     from harness.sweep import Variant, check_variant
@@ -64,7 +70,8 @@ def _cmd_record(args: argparse.Namespace) -> int:
         "replay", max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, numerics=args.numerics, dtype=args.dtype, device=args.device,
     ), "flags")
-    llm = LLM(args.model, seed=args.run_seed, **variant.engine_kwargs(variant.max_model_len))
+    llm = LLM(args.model, seed=args.run_seed, **variant.engine_kwargs())
+    variant = replace(variant, max_model_len=llm.max_model_len)  # the cassette records the resolved length
     checkpoint_path = str(Path(args.model).resolve()) if args.model else None
     report = record_cassette(llm, Path(args.traces), Path(args.out), mode=args.mode, variant=variant,
                              run_seed=args.run_seed, checkpoint_path=checkpoint_path)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import kernels
-from deepinfer.engine.llm import resolve_dtype
+from deepinfer.engine.llm import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, resolve_dtype
 from deepinfer.errors import DeepInferError
 
 ROLES = ("reference", "variant", "control")
@@ -25,16 +25,18 @@ ROLES = ("reference", "variant", "control")
 
 @dataclass(frozen=True)
 class Variant:
-    """One engine configuration. `stagger=k` starts with k requests and admits one more every k
-    steps, so requests join while others decode; `shuffle` submits in a seeded random order;
-    `threads` sets PyTorch's CPU thread count for the run (None: the process's)."""
+    """One engine configuration; engine fields default to `LLM`'s (`max_model_len=None`: the engine
+    derives it from the model, and runs record the resolved value). `stagger=k` starts with k
+    requests and admits one more every k steps, so requests join while others decode; `shuffle`
+    submits in a seeded random order; `threads` sets PyTorch's CPU thread count for the run (None:
+    the process's)."""
 
     name: str
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     enable_chunked_prefill: bool = True
     num_cache_blocks: int | None = None
-    max_model_len: int = 1024
+    max_model_len: int | None = None
     shuffle: bool = False
     stagger: int = 0
     numerics: str = "batch_invariant"
@@ -42,15 +44,12 @@ class Variant:
     device: str = "cpu"
     threads: int | None = None
 
-    def engine_kwargs(self, longest_prompt: int) -> dict:
-        """Keyword arguments for `LLM(...)`; with chunked prefill off the step budget grows to fit
-        the longest prompt (the engine cannot split it)."""
-        budget = self.max_num_batched_tokens
-        if not self.enable_chunked_prefill:
-            budget = max(budget, longest_prompt)
+    def engine_kwargs(self) -> dict:
+        """Keyword arguments for `LLM(...)`."""
         return dict(device=self.device, dtype=self.dtype, numerics=self.numerics, max_num_seqs=self.max_num_seqs,
-                    max_num_batched_tokens=budget, enable_chunked_prefill=self.enable_chunked_prefill,
-                    num_cache_blocks=self.num_cache_blocks, max_model_len=self.max_model_len)
+                    max_num_batched_tokens=self.max_num_batched_tokens,
+                    enable_chunked_prefill=self.enable_chunked_prefill, num_cache_blocks=self.num_cache_blocks,
+                    max_model_len=self.max_model_len)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -86,7 +85,10 @@ class Sweep:
 
 def default_sweep(dtype: str = "float32", device: str = "cpu") -> Sweep:
     """The sweep `make certify` runs: batch sizes 1/8/32, shuffled, staggered, chunk 32, forced
-    preemption, on CPU one thread, and a `fast` numerics control."""
+    preemption, on CPU one thread, and a `fast` numerics control. The preemption variant's 12 blocks
+    per cache pool (raised to one sequence's worth where that is more, see `CacheManager`) hold under
+    two sequences' sliding-window rows at a 64-token step whatever max_model_len resolves to, so the
+    requests must take turns."""
     reference = Variant("batch-32", max_num_seqs=32, dtype=dtype, device=device)
     variants = (
         replace(reference, name="batch-1", max_num_seqs=1),
@@ -94,7 +96,7 @@ def default_sweep(dtype: str = "float32", device: str = "cpu") -> Sweep:
         replace(reference, name="shuffled", shuffle=True),
         replace(reference, name="staggered", stagger=2),
         replace(reference, name="chunk-32", max_num_batched_tokens=32),
-        replace(reference, name="preemption", max_num_batched_tokens=64, num_cache_blocks=24),
+        replace(reference, name="preemption", max_num_batched_tokens=64, num_cache_blocks=12),
     )
     if device == "cpu":
         variants += (replace(reference, name="threads-1", threads=1),)
@@ -159,7 +161,8 @@ def check_variant(variant: Variant, where: str) -> Variant:
         resolve_dtype(variant.dtype)
     except DeepInferError as err:
         raise DeepInferError(f"{where}: {err}") from None
-    if min(variant.max_num_seqs, variant.max_num_batched_tokens, variant.max_model_len) < 1 or variant.stagger < 0:
+    sizes = [n for n in (variant.max_num_seqs, variant.max_num_batched_tokens, variant.max_model_len) if n is not None]
+    if min(sizes) < 1 or variant.stagger < 0:
         raise DeepInferError(f"{where}: max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1, "
                              "stagger >= 0")
     if variant.num_cache_blocks is not None and variant.num_cache_blocks < 1:

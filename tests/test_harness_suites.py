@@ -117,7 +117,8 @@ def test_configuration_names_must_be_safe_folder_names(name) -> None:
         check_variant(Variant(name), "flags")
 
 
-def test_variant_engine_kwargs_grow_the_budget_only_without_chunking() -> None:
-    assert Variant("a", max_num_batched_tokens=32).engine_kwargs(300)["max_num_batched_tokens"] == 32
-    off = Variant("b", max_num_batched_tokens=32, enable_chunked_prefill=False)
-    assert off.engine_kwargs(300)["max_num_batched_tokens"] == 300
+def test_variant_engine_kwargs_leave_the_budget_and_length_to_the_engine() -> None:
+    # the engine itself raises the budget to max_model_len without chunking (tests/test_defaults.py)
+    off = Variant("b", max_num_batched_tokens=32, enable_chunked_prefill=False).engine_kwargs()
+    assert off["max_num_batched_tokens"] == 32 and not off["enable_chunked_prefill"]
+    assert off["max_model_len"] is None

@@ -10,11 +10,16 @@ Five kinds of rows are cached, each in its own pool of fixed-size blocks:
 
 A block table maps a sequence's logical block i (rows [i*B, (i+1)*B) of that kind) to a physical
 block; freed blocks are marked -1. All pools share the block size.
+
+The compressed-entry pools grow with max_model_len (one row per compression window, kept for the
+life of the sequence), so a model's full context can need far more memory than its weights:
+`default_max_model_len` is the one rule that caps the engine's default context to what fits.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +29,7 @@ from deepinfer.errors import DeepInferError
 
 FREED = -1
 POOL_PREFIX = {CSA: "csa", HCA: "hca"}
+CACHE_MEMORY_FRACTION = 0.5  # of the memory left once the weights are loaded (see `cache_memory`)
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,61 @@ def pool_specs(config: ModelConfig, widths: list[dict[str, int]]) -> list[PoolSp
     return specs
 
 
+def step_budget(max_num_batched_tokens: int, max_model_len: int, chunked_prefill: bool) -> int:
+    """Tokens one engine step may process. Without chunked prefill a prompt cannot be split, so the
+    budget grows to max_model_len: every prompt the engine accepts fits one step."""
+    return max_num_batched_tokens if chunked_prefill else max(max_num_batched_tokens, max_model_len)
+
+
+def cache_bytes(specs: list[PoolSpec], *, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
+                chunked_prefill: bool, block_size: int, itemsize: int) -> int:
+    """Bytes of the default cache: every pool sized for `max_num_seqs` sequences of `max_model_len`."""
+    step = step_budget(max_num_batched_tokens, max_model_len, chunked_prefill)
+    rows = sum(spec.max_blocks_per_seq(max_model_len, step, block_size) * max_num_seqs * block_size
+               * len(spec.layers) * spec.width for spec in specs)
+    return rows * itemsize
+
+
+def cache_memory(device: torch.device, weight_bytes: int) -> int:
+    """Bytes the default cache may take: CACHE_MEMORY_FRACTION of the memory left once the weights are
+    loaded. On CUDA that is the device's free memory plus what PyTorch's allocator holds unused (the
+    weights' build leaves freed blocks cached); on CPU, physical RAM minus the weights (not the
+    momentarily free RAM, so one machine resolves the same default on every run)."""
+    if device.type == "cuda":
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        left = torch.cuda.mem_get_info(device)[0] + cached
+    else:
+        left = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") - weight_bytes
+    return int(max(left, 0) * CACHE_MEMORY_FRACTION)
+
+
+def default_max_model_len(specs: list[PoolSpec], max_position_embeddings: int, memory: int, *, max_num_seqs: int,
+                          max_num_batched_tokens: int, chunked_prefill: bool, block_size: int,
+                          itemsize: int) -> int:
+    """The engine's max_model_len when none is given: the model's max_position_embeddings if its
+    default cache (see `cache_bytes`) fits in `memory` bytes, else the largest multiple of block_size
+    whose default cache does."""
+    def fits(max_model_len: int) -> bool:
+        return cache_bytes(specs, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                           max_num_batched_tokens=max_num_batched_tokens, chunked_prefill=chunked_prefill,
+                           block_size=block_size, itemsize=itemsize) <= memory
+
+    if fits(max_position_embeddings):
+        return max_position_embeddings
+    # blocks: low's fit (0 trivially), high's do not (past max_position_embeddings, which does not fit)
+    low, high = 0, max_position_embeddings // block_size + 1
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid * block_size) else (low, mid)
+    if low == 0:
+        raise DeepInferError(
+            f"the cache for max_num_seqs={max_num_seqs} sequences of even {block_size} tokens does not fit in "
+            f"the {memory} bytes set aside for it ({CACHE_MEMORY_FRACTION:g} of the memory left after the "
+            "weights): lower max_num_seqs or pass max_model_len"
+        )
+    return low * block_size
+
+
 @dataclass
 class BlockTables:
     """One sequence's block tables, one per pool."""
@@ -82,7 +143,13 @@ class BlockTables:
 
 
 class CacheManager:
-    """Owns the pool storage and hands out blocks; the scheduler decides who gets them."""
+    """Owns the pool storage and hands out blocks; the scheduler decides who gets them.
+
+    Each pool gets room for `max_num_seqs` sequences of `max_model_len`, or, when `num_blocks` is
+    given, `num_blocks` blocks raised to what one sequence of `max_model_len` needs in that pool (a
+    pool that cannot hold one sequence could never finish it). Pools differ in rows per token, so one
+    small `num_blocks` squeezes every pool whose one-sequence need is below it (forcing preemption)
+    and leaves the others one sequence's worth. `self.num_blocks` records what each pool got."""
 
     def __init__(
         self,
@@ -104,12 +171,7 @@ class CacheManager:
         self.num_blocks: dict[str, int] = {}
         for spec in self.specs.values():
             one_seq = spec.max_blocks_per_seq(max_model_len, max_step_tokens, block_size)
-            count = num_blocks if num_blocks is not None else one_seq * max_num_seqs
-            if count < one_seq:
-                raise DeepInferError(
-                    f"num_cache_blocks={count} is too small: one sequence of max_model_len={max_model_len} "
-                    f"needs {one_seq} blocks in the {spec.name} pool"
-                )
+            count = max(num_blocks, one_seq) if num_blocks is not None else one_seq * max_num_seqs
             self.num_blocks[spec.name] = count
             self.storage[spec.name] = torch.zeros(
                 len(spec.layers), count * block_size, spec.width, dtype=dtype, device=device

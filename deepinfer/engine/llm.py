@@ -5,6 +5,7 @@ Data flows one way: request -> scheduler -> runner -> model -> sampler -> output
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import torch
 import kernels
 from deepinfer.checkpoint import default_checkpoint, load_checkpoint, preset_config, random_tensors
 from deepinfer.config import ModelConfig
-from deepinfer.engine.cache import CacheManager
+from deepinfer.engine.cache import CacheManager, cache_memory, default_max_model_len, pool_specs, step_budget
 from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.sequence import Sequence, Status
@@ -22,15 +23,30 @@ from deepinfer.model import DeepseekV4
 from deepinfer.outputs import RequestOutput
 from deepinfer.recipe.chat import ChatFormatError, encode_chat, parse_completion
 from deepinfer.recipe.tokenizer import TextTokenizer, build_tokenizer
-from deepinfer.sampling_params import SamplingParams, derive_seed
+from deepinfer.sampling_params import (
+    CONTENT_SEEDS,
+    UNSEEDED_SEEDS,
+    SamplingParams,
+    derive_seed,
+    request_content_hash,
+)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 PRESET_PREFIX = "preset:"
+# The engine defaults that the CLIs and the harness's `Variant` share (max_model_len: see `LLM`).
+DEFAULT_MAX_NUM_SEQS = 32
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 
 
 class RequestError(DeepInferError, ValueError):
     """A prompt the engine cannot serve."""
+
+
+class PromptTooLongError(RequestError):
+    """A prompt longer than the engine's limits allow."""
+
+    kind = "prompt_too_long"
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -48,6 +64,21 @@ class LLM:
     seeded random weights of a preset built directly on `device` (nothing written to disk).
     `numerics="batch_invariant"` (default) makes each request's tokens and logprob bits independent
     of batching and scheduling; `"fast"` uses plain library kernels and does not promise that.
+
+    `max_model_len=None` (default) takes the context from the model (one rule,
+    `deepinfer.engine.cache.default_max_model_len`): its max_position_embeddings, or, when the default
+    cache for `max_num_seqs` sequences of that length does not fit in half the memory left after the
+    weights (CUDA: free device memory; CPU: physical RAM minus the weights), the largest multiple of
+    `block_size` that fits. `self.max_model_len` is the resolved value (runs record it).
+    With `enable_chunked_prefill=False` a prompt cannot be split, so the step budget
+    (`self.max_num_batched_tokens`) is raised to at least max_model_len.
+
+    A request without `SamplingParams.seed` gets one derived from the engine `seed` and:
+    `unseeded_seeds="request_order"` (default, what vLLM-style engines do) the engine's request
+    counter, so it depends on how many requests the engine served before; `"content"` a SHA-256 of
+    the request (prompt token ids and sampling params), so the same unseeded request draws the same
+    tokens whatever came before it or beside it. Either way the seed is in the output
+    (`RequestOutput.seed`), so any output can be reproduced by passing it back.
     """
 
     def __init__(
@@ -56,14 +87,15 @@ class LLM:
         *,
         device: str = "cpu",
         dtype: str | torch.dtype = "float32",
-        max_num_seqs: int = 32,
-        max_num_batched_tokens: int = 512,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         max_model_len: int | None = None,
         num_cache_blocks: int | None = None,
         block_size: int = 16,
         enable_chunked_prefill: bool = True,
         numerics: str = "batch_invariant",
         seed: int = 0,
+        unseeded_seeds: str = "request_order",
     ) -> None:
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("block_size", block_size)):
@@ -73,7 +105,12 @@ class LLM:
             raise DeepInferError(f"max_model_len must be a positive integer, got {max_model_len!r}")
         if numerics not in kernels.NUMERICS:
             raise DeepInferError(f"unknown numerics {numerics!r} (expected one of {', '.join(kernels.NUMERICS)})")
+        if unseeded_seeds not in UNSEEDED_SEEDS:
+            raise DeepInferError(
+                f"unknown unseeded_seeds {unseeded_seeds!r} (expected one of {', '.join(UNSEEDED_SEEDS)})"
+            )
         self.numerics = numerics
+        self.unseeded_seeds = unseeded_seeds
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise DeepInferError("device='cuda' requested but CUDA is not available")
@@ -81,29 +118,42 @@ class LLM:
         self.seed = seed
         config, tensors, self.tokenizer, self.model_id = self._load(model)
         self.config: ModelConfig = config
-        self.max_model_len = max_model_len or min(config.max_position_embeddings, 4096)
-        if self.max_model_len > config.max_position_embeddings:
+        if max_model_len is not None and max_model_len > config.max_position_embeddings:
             raise DeepInferError(
-                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                 f"{config.max_position_embeddings}"
             )
         self.model = DeepseekV4(config, self.dtype, device="meta")
         self.model.load_tensors(tensors, self.device, kernels.table(numerics, self.device.type)["matmul_layout"])
         self.has_mtp = any(name.startswith("mtp.") for name in tensors)
         del tensors
-        self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = enable_chunked_prefill
+        if max_model_len is None:
+            max_model_len = self._default_max_model_len(max_num_seqs, max_num_batched_tokens, block_size)
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = step_budget(max_num_batched_tokens, self.max_model_len, enable_chunked_prefill)
         self.cache = CacheManager(
             config, self.model.cache_widths(), max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
-            max_step_tokens=max_num_batched_tokens, num_blocks=num_cache_blocks, block_size=block_size,
+            max_step_tokens=self.max_num_batched_tokens, num_blocks=num_cache_blocks, block_size=block_size,
             dtype=self.dtype, device=self.device,
         )
         self.scheduler = Scheduler(
-            self.cache, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            self.cache, max_num_seqs=max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             chunked_prefill=enable_chunked_prefill,
         )
         self.runner = ModelRunner(self.model, self.cache, self.device, numerics)
         self._next_id = 0
+
+    def _default_max_model_len(self, max_num_seqs: int, max_num_batched_tokens: int, block_size: int) -> int:
+        """See the class docstring; called once the weights are loaded (they count against memory)."""
+        weights = itertools.chain(self.model.parameters(), self.model.buffers())
+        weight_bytes = sum(t.numel() * t.element_size() for t in weights)
+        return default_max_model_len(
+            pool_specs(self.config, self.model.cache_widths()), self.config.max_position_embeddings,
+            cache_memory(self.device, weight_bytes), max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, chunked_prefill=self.chunked_prefill,
+            block_size=block_size, itemsize=self.dtype.itemsize,
+        )
 
     def _load(self, model: str | Path | None):
         if isinstance(model, str) and model.startswith(PRESET_PREFIX):
@@ -133,13 +183,8 @@ class LLM:
         if not ids:
             raise RequestError("prompt is empty")
         if len(ids) >= self.max_model_len:
-            raise RequestError(
+            raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} (room is needed to generate)"
-            )
-        if not self.chunked_prefill and len(ids) > self.max_num_batched_tokens:
-            raise RequestError(
-                f"prompt has {len(ids)} tokens, more than max_num_batched_tokens={self.max_num_batched_tokens} "
-                "with chunked prefill off"
             )
         return ids
 
@@ -159,9 +204,15 @@ class LLM:
     def _enqueue(self, ids: list[int], params: SamplingParams) -> int:
         request_id = self._next_id
         self._next_id += 1
-        seed = params.seed if params.seed is not None else derive_seed(self.seed, request_id)
+        seed = params.seed if params.seed is not None else self._unseeded_seed(request_id, ids, params)
         self.scheduler.add(Sequence(request_id, ids, params, seed))
         return request_id
+
+    def _unseeded_seed(self, request_id: int, ids: list[int], params: SamplingParams) -> int:
+        """The seed of a request that brought none (see `unseeded_seeds` in the class docstring)."""
+        if self.unseeded_seeds == "request_order":
+            return derive_seed(self.seed, request_id)
+        return derive_seed(self.seed, request_content_hash(ids, params), CONTENT_SEEDS)
 
     # the loop ----------------------------------------------------------------------------------
 
