@@ -5,21 +5,33 @@ One episode per line, in the OpenAI Chat Completions shape:
     {"id": "weather-1", "messages": [...], "tools": [...], "sampling": {...}, "metadata": {...},
      "recorded": {"turns": [...], "outcome": {...}}}
 
-- `messages`: system / user / assistant (with `tool_calls`) / tool (with `tool_call_id`) messages, as
-  deepinfer.recipe.chat accepts them. Each assistant message is one *turn*; turns count from 1.
-- `tools` (optional): Chat Completions function tools. `sampling` (optional): SamplingParams fields;
-  a turn without a `seed` gets one derived from the run seed and its request id `<id>/turn-<k>`.
+- `messages`: system / developer / user / assistant (with `tool_calls`) / tool (with `tool_call_id`)
+  messages, as deepinfer.recipe.chat accepts them (its docstring lists what it renders and what it
+  keeps unrendered). Each assistant message is one *turn*; turns count from 1. Legacy shapes are
+  converted on reading: an assistant `function_call` becomes one tool call with id `call_<message
+  index>` (a message with both `function_call` and `tool_calls` is an error); a `function` message
+  becomes a tool message (keeping its `name`) answering the unanswered call of that name in the
+  assistant message before it; a tool message's null content becomes "".
+- `tools` (optional): Chat Completions tools, or the legacy `functions` list (not both). `sampling`
+  (optional): SamplingParams fields; a turn without a `seed` gets one derived from the run seed and
+  its request id `<id>/turn-<k>`.
 - `id` (optional, default `line-N`) must be unique in the file; `metadata` is any object, carried along.
 - `recorded` (optional; what a cassette adds): the engine's outputs per turn with their stream hashes,
   and the episode's outcome as replay reported it.
 - `"format": "anthropic"` or `"format": "responses"` lines hold an Anthropic Messages conversation
-  (`system`, `messages` with text / tool_use / tool_result / thinking blocks, `tools` with
-  `input_schema`) or an OpenAI Responses one (`instructions`, `input` and optional `output` items:
-  messages, function_call, function_call_output, reasoning); harness.trace_import converts them to
-  the shape above, which is how a cassette stores them.
+  (`system`, `messages`, `tools`) or an OpenAI Responses one (`instructions`, `input` and optional
+  `output` items, `tools`); harness.trace_import converts them, without losing anything, to the
+  shape above, which is how a cassette stores them (harness.trace_export writes them back).
+- `response_id` (optional, unique in the file): the id of the response the line holds (a responses
+  line's `output`), which a later responses line's `previous_response_id` continues: its episode is
+  that line's messages, then its own (the canonical line holds them all, and keeps `response_id`).
 
-Every error is one line that names `file:line` and the field. A malformed line does not stop the
-file: `load_traces` returns the good episodes and one error per bad line.
+Images, audio and files are kept in the messages: such an episode loads, and its turns before the
+part are served; a turn whose prompt holds one fails with kind `unsupported_content`.
+
+Every error is one line that names the field; its location `file:line` is kept apart (`where`), so
+that what audit rows store (kind and detail) does not depend on the file's path. A malformed line
+does not stop the file: `load_traces` returns the good episodes and one error per bad line.
 """
 
 from __future__ import annotations
@@ -27,23 +39,24 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, fields
+from itertools import takewhile
 from pathlib import Path
 from typing import Any
 
 from deepinfer import LLM
 from deepinfer.errors import DeepInferError
 from deepinfer.prompts_file import PromptRequest, json_object, read_jsonl_lines
-from deepinfer.recipe.chat import ChatFormatError, encode_messages
+from deepinfer.recipe.chat import ChatFormatError, UnsupportedContentError, check_messages, content_text
 from deepinfer.sampling_params import SamplingParams
 from harness.suites import Suite, SuiteRequest, file_hash
 from harness.trace_import import TraceFormatError, canonical_arguments, from_anthropic, from_responses
 
 FORMATS = ("chat", "anthropic", "responses")
-_COMMON_FIELDS = {"id", "format", "tools", "sampling", "metadata"}
+_COMMON_FIELDS = {"id", "format", "tools", "sampling", "metadata", "response_id"}
 _FORMAT_FIELDS = {
-    "chat": {"messages", "recorded"},
+    "chat": {"messages", "functions", "recorded"},
     "anthropic": {"system", "messages"},
-    "responses": {"instructions", "input", "output"},
+    "responses": {"instructions", "input", "output", "previous_response_id"},
 }
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -54,7 +67,7 @@ class ToolResult:
 
     turn: int
     name: str
-    arguments: str  # canonical JSON
+    arguments: str  # as `canonical_arguments` writes them
     content: str
 
 
@@ -92,6 +105,7 @@ class Episode:
     metadata: dict | None = None
     recording: Recording | None = None
     tool_results: tuple[ToolResult, ...] = ()
+    response_id: str | None = None  # what later responses lines' previous_response_id continues
 
     @property
     def where(self) -> str:
@@ -127,6 +141,8 @@ class Episode:
             line["sampling"] = self.sampling
         if self.metadata is not None:
             line["metadata"] = self.metadata
+        if self.response_id is not None:
+            line["response_id"] = self.response_id
         if self.recording is not None:
             line["recorded"] = {"turns": [asdict(t) for t in self.recording.turns], "outcome": self.recording.outcome}
         return line
@@ -134,10 +150,12 @@ class Episode:
 
 @dataclass(frozen=True)
 class TraceError:
-    """A line that could not be read as an episode; `message` names the file, line and field."""
+    """A line that could not be read as an episode; `message` names the file, line and field,
+    `detail` only the field (what an audit row stores)."""
 
     line: int
     message: str
+    detail: str
 
 
 def turn_request_id(episode_id: str, turn: int) -> str:
@@ -162,40 +180,55 @@ def load_traces(path: str | Path) -> tuple[list[Episode], list[TraceError]]:
 
 
 def parse_trace_lines(path: str, lines: Iterable[tuple[int, str]]) -> tuple[list[Episode], list[TraceError]]:
-    """Episodes and errors from numbered lines of `path`; ids must be unique (the first one wins)."""
+    """Episodes and errors from numbered lines of `path`, read in order (a line can continue an
+    earlier line's response); ids and response ids must be unique (the first one wins)."""
     episodes: list[Episode] = []
     errors: list[TraceError] = []
-    seen: dict[str, int] = {}
+    seen: dict[str, Episode] = {}
+    responses: dict[str, Episode] = {}
     for number, line in lines:
         if not line.strip():
             continue
         try:
-            episode = parse_trace_line(line, path, number)
-            if episode.episode_id in seen:
-                raise TraceFormatError(f"{path}:{number}: id: duplicate {episode.episode_id!r} "
-                                       f"(first at line {seen[episode.episode_id]})")
+            episode = parse_trace_line(line, path, number, responses)
+            _check_unique(episode, seen, responses)
         except TraceFormatError as err:
-            errors.append(TraceError(number, str(err)))
+            errors.append(TraceError(number, str(err), err.detail))
             continue
-        seen[episode.episode_id] = number
+        seen[episode.episode_id] = episode
+        if episode.response_id is not None:
+            responses[episode.response_id] = episode
         episodes.append(episode)
     return episodes, errors
 
 
-def parse_trace_line(text: str, path: str, line: int) -> Episode:
-    """One validated episode; TraceFormatError naming `path:line` and the field otherwise."""
+def _check_unique(episode: Episode, seen: dict[str, Episode], responses: dict[str, Episode]) -> None:
+    if episode.episode_id in seen:
+        first = seen[episode.episode_id].line
+        raise TraceFormatError(f"id: duplicate {episode.episode_id!r} (first at line {first})", where=episode.where)
+    if episode.response_id in responses:
+        first = responses[episode.response_id].line
+        raise TraceFormatError(f"response_id: duplicate {episode.response_id!r} (first at line {first})",
+                               where=episode.where)
+
+
+def parse_trace_line(text: str, path: str, line: int, responses: dict[str, Episode] | None = None) -> Episode:
+    """One validated episode; TraceFormatError located at `path:line`, naming the field, otherwise.
+    `responses` maps the response ids of earlier lines to their episodes, which a responses line's
+    `previous_response_id` continues."""
     where = f"{path}:{line}"
     try:
         obj = json_object(text, where)
     except DeepInferError as err:
-        raise TraceFormatError(str(err)) from None
+        detail = err.detail.removeprefix(f"{where}: ")  # json_object writes `where` into its messages
+        raise TraceFormatError(detail, where=where) from None
     try:
-        return _episode(obj, path, line)
+        return _episode(obj, path, line, responses or {})
     except (TraceFormatError, ChatFormatError) as err:
-        raise TraceFormatError(f"{where}: {err}") from None
+        raise TraceFormatError(err.detail, where=where) from None
 
 
-def _episode(obj: dict, path: str, line: int) -> Episode:
+def _episode(obj: dict, path: str, line: int, responses: dict[str, Episode]) -> Episode:
     kind = obj.get("format", "chat")
     if kind not in FORMATS:
         raise TraceFormatError(f"format: unknown {kind!r} (expected one of {', '.join(FORMATS)})")
@@ -206,7 +239,8 @@ def _episode(obj: dict, path: str, line: int) -> Episode:
     if not isinstance(episode_id, str) or not episode_id:
         raise TraceFormatError("id: must be a non-empty string")
     messages, tools = _IMPORTERS[kind](obj)
-    encode_messages(messages, tools)  # the chat template's own checks name the message and field
+    messages = _continued(obj, messages, responses)
+    check_messages(messages, tools)  # the chat template's own checks name the message and field
     if not any(m["role"] == "assistant" for m in messages):
         raise TraceFormatError("messages: no assistant turn to replay")
     metadata = obj.get("metadata")
@@ -214,15 +248,85 @@ def _episode(obj: dict, path: str, line: int) -> Episode:
         raise TraceFormatError("metadata: must be an object")
     sampling = _sampling(obj.get("sampling", {}))
     recording = _recording(obj["recorded"]) if "recorded" in obj else None
-    return Episode(episode_id, path, line, messages, tools, sampling, metadata, recording, _tool_results(messages))
+    return Episode(episode_id, path, line, messages, tools, sampling, metadata, recording, _tool_results(messages),
+                   _response_id(obj, "response_id"))
+
+
+def _continued(obj: dict, messages: list[dict], responses: dict[str, Episode]) -> list[dict]:
+    """The line's messages, after those of the earlier line its `previous_response_id` names.
+    Its `instructions`, when given, must be the earlier conversation's (a system message cannot
+    change mid-conversation)."""
+    previous = _response_id(obj, "previous_response_id")
+    if previous is None:
+        return messages
+    if previous not in responses:
+        raise TraceFormatError(f"previous_response_id: {previous!r} is not the response_id of an earlier valid "
+                               "line in this file")
+    earlier = responses[previous].messages
+    if "instructions" in obj:
+        if earlier[0] != messages[0]:
+            raise TraceFormatError("instructions: differ from those of the conversation previous_response_id "
+                                   "continues (a system message cannot change mid-conversation)")
+        messages = messages[1:]
+    return earlier + messages
+
+
+def _response_id(obj: dict, key: str) -> str | None:
+    if key in obj and (not isinstance(obj[key], str) or not obj[key]):
+        raise TraceFormatError(f"{key}: must be a non-empty string")
+    return obj.get(key)
 
 
 def _chat(obj: dict) -> tuple[list[dict], list[dict] | None]:
+    """The messages and tools of a chat line, with legacy shapes converted (see the module docstring)."""
     if "messages" not in obj:
         raise TraceFormatError("messages: missing")
     if not isinstance(obj["messages"], list) or not obj["messages"]:
         raise TraceFormatError("messages: must be a non-empty list of message objects")
-    return obj["messages"], obj.get("tools")
+    messages: list[Any] = []
+    for i, message in enumerate(obj["messages"]):
+        messages.append(_chat_message(message, i, messages) if isinstance(message, dict) else message)
+    return messages, _chat_tools(obj)
+
+
+def _chat_message(message: dict, i: int, before: list[Any]) -> dict:
+    """Message `i` with its legacy shape converted; `before` holds the messages before it, converted."""
+    if "function_call" in message:
+        if "tool_calls" in message:
+            raise TraceFormatError(f"message {i}: has both function_call and tool_calls (use one)")
+        call = {"id": f"call_{i}", "type": "function", "function": message["function_call"]}
+        message = {**{k: v for k, v in message.items() if k != "function_call"}, "tool_calls": [call]}
+    if message.get("role") == "function":
+        name = message.get("name")
+        message = {**message, "role": "tool", "tool_call_id": _answered_call(name, before, i)}
+    if message.get("role") == "tool" and message.get("content", "") is None:
+        message = {**message, "content": ""}
+    return message
+
+
+def _answered_call(name: Any, before: list[Any], i: int) -> str:
+    """The id of the first call named `name`, not yet answered, of the assistant message that the
+    tool messages before message `i` follow."""
+    tools = list(takewhile(lambda m: isinstance(m, dict) and m.get("role") == "tool", reversed(before)))
+    answered = {m.get("tool_call_id") for m in tools}
+    previous = before[len(before) - len(tools) - 1] if len(before) > len(tools) else {}
+    calls = previous.get("tool_calls") if isinstance(previous, dict) and previous.get("role") == "assistant" else None
+    for call in calls if isinstance(calls, list) else []:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and function.get("name") == name and call.get("id") not in answered:
+            return call["id"]
+    raise TraceFormatError(f"message {i}: function message {name!r} answers no unanswered call of that name "
+                           "in the assistant message before it")
+
+
+def _chat_tools(obj: dict) -> list[dict] | None:
+    if "functions" not in obj:
+        return obj.get("tools")
+    if "tools" in obj:
+        raise TraceFormatError("functions: given together with tools (use one)")
+    if not isinstance(obj["functions"], list):
+        raise TraceFormatError("functions: must be a list")
+    return [{"type": "function", "function": function} for function in obj["functions"]]
 
 
 _IMPORTERS: dict[str, Callable[[dict], tuple[list[dict], list[dict] | None]]] = {
@@ -245,7 +349,8 @@ def _sampling(sampling: Any) -> dict:
 
 def _tool_results(messages: list[dict]) -> tuple[ToolResult, ...]:
     """Pair each tool message with a call of the assistant message before it: by `tool_call_id`,
-    or with the first unanswered call when it has none."""
+    or with the first unanswered call when it has none. A result the model cannot read (an image)
+    is paired but not offered: a free-running stub could not feed it to a text-only model."""
     results = []
     pending: list[dict] = []
     turn = 0
@@ -260,17 +365,22 @@ def _tool_results(messages: list[dict]) -> tuple[ToolResult, ...]:
                 what = f"tool_call_id {call_id!r} matches no" if call_id is not None else "there is no"
                 raise TraceFormatError(f"message {i}: {what} unanswered tool call of the assistant message before it")
             pending.remove(match)
-            function = match["function"]
-            results.append(ToolResult(turn, function["name"], canonical_arguments(function["arguments"]),
-                                      _text(message["content"])))
+            try:
+                results.append(ToolResult(turn, *_call_key(match), content_text(message["content"])))
+            except UnsupportedContentError:
+                continue
         else:
             pending = []
     return tuple(results)
 
 
-def _text(content: str | list) -> str:
-    """Message content as the chat template renders it (text parts joined by newlines)."""
-    return content if isinstance(content, str) else "\n".join(part["text"] for part in content)
+def _call_key(call: dict) -> tuple[str, str]:
+    """A call's name and arguments (a custom call's input) as a free-running stub matches them."""
+    if call.get("type") == "custom":
+        name, arguments = call["custom"]["name"], call["custom"]["input"]
+    else:
+        name, arguments = call["function"]["name"], call["function"]["arguments"]
+    return name, canonical_arguments(arguments)
 
 
 # recorded outputs -----------------------------------------------------------------------------------
@@ -346,12 +456,13 @@ def _recorded_turn(value: Any, where: str) -> RecordedTurn:
 @dataclass
 class MalformedTraceLine(SuiteRequest):
     """A trace line that failed validation. Its prompt never resolves, so the harness records it as an
-    error row at the line's place in the suite, and every other line is still served."""
+    error row (kind `malformed`, the detail without the file's path) at the line's place in the suite,
+    and every other line is still served."""
 
-    message: str
+    detail: str
 
     def prompt_ids(self, llm: LLM) -> list[int]:
-        raise TraceFormatError(self.message)
+        raise TraceFormatError(self.detail, where=self.request.where)
 
 
 def load_traces_suite(path: Path) -> Suite:
@@ -364,6 +475,6 @@ def load_traces_suite(path: Path) -> Suite:
     for error in errors:
         request_id = f"line-{error.line}"
         items.append((error.line, [MalformedTraceLine(request_id, PromptRequest(f"{path}:{error.line}", request_id,
-                                                                                  "messages", []), error.message)]))
+                                                                                  "messages", []), error.detail)]))
     requests = [request for _, group in sorted(items, key=lambda item: item[0]) for request in group]
     return Suite("traces", Path(path), file_hash(Path(path)), requests)

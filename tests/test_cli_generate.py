@@ -145,7 +145,7 @@ def test_bad_prompts_file_lines(capsys, tmp_path, tiny_checkpoint, lines, messag
     ("lines", "message"),
     [
         ([{"prompt": "a"}, {"messages": [{"role": "bot", "content": "hi"}]}],
-         "{path}:2: message 0: unknown role 'bot' (expected one of system, user, assistant, tool)"),
+         "{path}:2: message 0: unknown role 'bot' (expected one of system, developer, user, assistant, tool)"),
         ([{"prompt_token_ids": [0, 5000]}], "{path}:1: prompt token 5000 is not an id in [0, 1024)"),
         ([{"prompt": "a"}, {"prompt_token_ids": []}], "{path}:2: prompt is empty"),
     ],

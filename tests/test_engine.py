@@ -82,11 +82,17 @@ def test_bad_engine_arguments(tiny_checkpoint):
         LLM(tiny_checkpoint, max_model_len=5000)
 
 
-def test_too_few_cache_blocks(tiny_checkpoint):
-    # the window pool needs ceil((window 32 - 1 + step tokens 512) / block 16) + 1 = 35 blocks
-    with raises(DeepInferError, "num_cache_blocks=1 is too small: one sequence of max_model_len=4096 "
-                                "needs 35 blocks in the window pool"):
-        LLM(tiny_checkpoint, num_cache_blocks=1)
+def test_num_cache_blocks_is_raised_to_one_sequence_in_each_pool(tiny_checkpoint):
+    # one sequence of max_model_len=4096 needs, per pool: window ceil((32 - 1 + 512 step tokens) / 16) + 1
+    # = 35, CSA state ceil((2 * 4 + 512) / 16) + 1 = 34, HCA state ceil((16 + 512) / 16) + 1 = 34,
+    # CSA entries 4096 / 4 / 16 + 1 = 65, HCA entries 4096 / 16 / 16 + 1 = 17
+    one_seq = {"window": 35, "csa_state": 34, "hca_state": 34, "csa_entries": 65, "hca_entries": 17}
+    tight = LLM(tiny_checkpoint, num_cache_blocks=1)
+    assert tight.max_model_len == 4096 and tight.cache.num_blocks == one_seq
+    [out] = tight.generate([list(range(2, 40))], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert len(out.token_ids) == 8
+    roomier = LLM(tiny_checkpoint, num_cache_blocks=40)
+    assert roomier.cache.num_blocks == {name: max(40, n) for name, n in one_seq.items()}
 
 
 # ------------------------------------------------------------------------------------ bad prompts
@@ -190,7 +196,7 @@ def test_chat_with_unknown_role_names_conversation_and_message(llm):
     good = [{"role": "user", "content": "hi"}]
     bad = [{"role": "system", "content": "be brief"}, {"role": "bot", "content": "hello"}]
     with raises(ChatFormatError, "conversation 1: message 1: unknown role 'bot' "
-                                 "(expected one of system, user, assistant, tool)"):
+                                 "(expected one of system, developer, user, assistant, tool)"):
         llm.chat([good, bad])
     assert not llm.has_unfinished()
 
@@ -542,11 +548,13 @@ def test_preemption_finishes_everything_and_leaks_no_blocks(llm, tiny_checkpoint
         assert got.logprobs == want.logprobs
 
 
-def test_preempted_sequence_longer_than_the_budget_resumes_without_chunked_prefill(llm, tiny_checkpoint):
-    # without chunked prefill a prompt must fit the 64-token budget, but a preempted sequence of
-    # prompt + output can be longer; it is recomputed in chunks (it used to be stuck, then crash)
+def test_preempted_sequences_resume_without_chunked_prefill(llm, tiny_checkpoint):
+    # without chunked prefill the step budget is raised to max_model_len (a prompt cannot be split);
+    # 7 blocks squeeze the CSA entries pool (5 blocks per sequence of 256 tokens), so one of the two
+    # sequences is preempted and recomputed (a preempted sequence used to be stuck, then crash)
     engine = LLM(tiny_checkpoint, max_num_seqs=2, max_model_len=256, max_num_batched_tokens=64,
                  enable_chunked_prefill=False, num_cache_blocks=7)
+    assert engine.max_num_batched_tokens == 256
     prompts = random_prompts(2, 40, seed=3)
     params = SamplingParams(temperature=0, max_tokens=216, ignore_eos=True)
     outs = engine.generate(prompts, params)

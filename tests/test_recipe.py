@@ -33,6 +33,7 @@ from deepinfer.recipe import (
     parse_completion,
     parse_completion_ids,
 )
+from deepinfer.recipe.chat import UnsupportedContentError, canonical_arguments, check_messages
 from deepinfer.recipe.tokenizer import (
     ASSISTANT,
     BOS,
@@ -356,14 +357,25 @@ ERROR_CASES = [
     (
         [USER_MSG, USER_MSG, {"role": "robot", "content": "x"}],
         None,
-        "message 2: unknown role 'robot' (expected one of system, user, assistant, tool)",
+        "message 2: unknown role 'robot' (expected one of system, developer, user, assistant, tool)",
     ),
     ([{"role": "user"}], None, "message 0: missing 'content'"),
-    ([{"role": "user", "content": None}], None, "message 0: content must be a string or a list of text parts"),
+    ([{"role": "user", "content": None}], None, "message 0: content must be a string or a list of content parts"),
     (
         [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
         None,
-        "message 0: content[0] is not a text part (only 'text' parts are supported)",
+        "message 0: content[0]: an image ('image_url') cannot be read by a text-only model",
+    ),
+    (
+        [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "hologram"}]}],
+        None,
+        "message 0: content[1].type: unknown content part type 'hologram'",
+    ),
+    ([{"role": "user", "content": ["hi"]}], None, "message 0: content[0] must be a content part object"),
+    (
+        [{"role": "user", "content": [{"type": "document", "source": "x"}]}],
+        None,
+        "message 0: content[0].source must be an object",
     ),
     ([{"role": "user", "content": [{"type": "text", "text": 5}]}], None, "message 0: content[0].text must be a string"),
     (
@@ -374,9 +386,25 @@ ERROR_CASES = [
     (
         [USER_MSG, {"role": "system", "content": "late"}],
         None,
-        "message 1: system message after the conversation started (system messages must come first)",
+        "message 1: system message after the conversation started (system and developer messages must come first)",
     ),
-    ([USER_MSG, {"role": "assistant"}], None, "message 1: assistant message needs 'content' or 'tool_calls'"),
+    (
+        [USER_MSG, {"role": "developer", "content": "late"}],
+        None,
+        "message 1: developer message after the conversation started (system and developer messages must come first)",
+    ),
+    (
+        [USER_MSG, {"role": "assistant"}],
+        None,
+        "message 1: assistant message needs 'content', 'refusal' or 'tool_calls'",
+    ),
+    ([USER_MSG, {"role": "assistant", "refusal": 1}], None, "message 1: refusal must be a string"),
+    (
+        [USER_MSG, {"role": "assistant", "content": "", "function_call": {"name": "f", "arguments": "{}"}}],
+        None,
+        "message 1: function_call is the legacy shape of tool_calls (not supported here)",
+    ),
+    ([USER_MSG, {"role": "assistant", "content": "a", "unrendered": {}}], None, "message 1: unrendered must be a list"),
     (
         [USER_MSG, {"role": "assistant", "content": "a", "reasoning_content": 3}],
         None,
@@ -392,7 +420,17 @@ ERROR_CASES = [
     (
         [USER_MSG, {"role": "assistant", "tool_calls": [{"type": "code", "function": {}}]}],
         None,
-        "message 1: tool_calls[0].type must be 'function'",
+        "message 1: tool_calls[0].type must be 'function' or 'custom'",
+    ),
+    (
+        [USER_MSG, {"role": "assistant", "tool_calls": [{"type": "custom", "custom": {"name": "patch"}}]}],
+        None,
+        "message 1: tool_calls[0].custom.input must be a string",
+    ),
+    (
+        [USER_MSG, {"role": "assistant", "tool_calls": [{**_call("f", "{}"), "server": "yes"}]}],
+        None,
+        "message 1: tool_calls[0].server must be true or false",
     ),
     (
         [USER_MSG, {"role": "assistant", "tool_calls": [{"type": "function"}]}],
@@ -414,13 +452,14 @@ ERROR_CASES = [
         None,
         "message 1: tool_calls[0].function missing 'arguments'",
     ),
-    (_with_args('{"a": 1'), None, "message 1: tool_calls[0].function.arguments is not valid JSON"),
-    (_with_args('{"a": NaN}'), None, "message 1: tool_calls[0].function.arguments is not valid JSON"),
     (_with_args({"a": float("inf")}), None, "message 1: tool_calls[0].function.arguments is not valid JSON"),
     (_with_args({"a": {1, 2}}), None, "message 1: tool_calls[0].function.arguments is not valid JSON"),
-    (_with_args("null"), None, "message 1: tool_calls[0].function.arguments must be a JSON object"),
-    (_with_args("[1, 2]"), None, "message 1: tool_calls[0].function.arguments must be a JSON object"),
-    (_with_args(7), None, "message 1: tool_calls[0].function.arguments must be a JSON object"),
+    (_with_args(7), None, "message 1: tool_calls[0].function.arguments must be a string or a JSON object"),
+    (
+        _with_args("{<｜tool▁sep｜>"),
+        None,
+        "message 1: tool_calls[0].function.arguments contains special token '<｜tool▁sep｜>'",
+    ),
     (
         _with_args({"a": "<think>"}),
         None,
@@ -434,9 +473,10 @@ ERROR_CASES = [
     ),
     ([USER_MSG, CALLING, {**TOOL_MSG, "tool_call_id": 0}], None, "message 2: tool_call_id must be a string"),
     ([USER_MSG, CALLING, {"role": "tool"}], None, "message 2: missing 'content'"),
+    ([USER_MSG, CALLING, {**TOOL_MSG, "is_error": "yes"}], None, "message 2: is_error must be true or false"),
     ([USER_MSG], {"type": "function"}, "tools must be a list"),
     ([USER_MSG], ["f"], "tools[0] must be an object"),
-    ([USER_MSG], [CLOCK_TOOL, {"type": "retrieval"}], "tools[1].type must be 'function'"),
+    ([USER_MSG], [CLOCK_TOOL, {"type": 5}], "tools[1].type must be a non-empty string"),
     ([USER_MSG], [{"type": "function"}], "tools[0].function must be an object"),
     (
         [USER_MSG],
@@ -476,6 +516,93 @@ def test_valid_tool_sequences():
     calls = [_call("f", "{}"), _call("g", {})]
     encode_messages([USER_MSG, {"role": "assistant", "tool_calls": calls}, TOOL_MSG, {**TOOL_MSG, "tool_call_id": "x"}])
     encode_messages([{"role": "system", "content": "s"}, {"role": "system", "content": "t"}, USER_MSG])
+
+
+@pytest.mark.parametrize("arguments", ['{"city": "Os', "", '{"a": NaN}', "null", "[1, 2]", " {} trailing"])
+def test_arguments_that_are_not_a_json_object_render_verbatim(arguments):
+    """Models emit empty or cut-off arguments; the template writes them exactly as emitted."""
+    assert canonical_arguments(arguments) == arguments
+    assert f"{TOOL_SEP}{arguments}{TOOL_CALL_END}" in encode_messages(_with_args(arguments))
+
+
+def test_json_object_arguments_render_canonically():
+    expected = '{"a":"é","b":1}'
+    assert canonical_arguments('{ "b": 1, "a": "é" }') == canonical_arguments({"b": 1, "a": "é"}) == expected
+    assert f'{TOOL_SEP}{{"a":"é","b":1}}{TOOL_CALL_END}' in encode_messages(_with_args('{ "b": 1, "a": "é" }'))
+
+
+def test_developer_messages_render_as_system_and_text_part_kinds_as_text():
+    as_system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a\nb"},
+                 {"role": "assistant", "content": "c"}]
+    as_developer = [{"role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
+                    {"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "text", "text": "b"}]},
+                    {"role": "assistant", "content": [{"type": "output_text", "text": "c", "annotations": []}]}]
+    assert encode_messages(as_developer) == encode_messages(as_system)
+
+
+def test_refusal_renders_after_the_content():
+    def prompt(assistant: dict) -> str:
+        return encode_messages([USER_MSG, {"role": "assistant", **assistant}], add_generation_prompt=False)
+
+    refusal = "I can't help with that."
+    assert prompt({"content": None, "refusal": refusal}) == prompt({"content": refusal})
+    assert prompt({"content": "Partly:", "refusal": "no more."}) == prompt({"content": "Partly:\nno more."})
+    assert prompt({"content": [{"type": "refusal", "refusal": "No."}]}) == prompt({"content": "No."})
+
+
+def test_data_without_a_marker_is_kept_but_not_rendered():
+    calling = {"role": "assistant", "content": None, "tool_calls": [_call("web_search", {"q": "x"})]}
+    plain = [USER_MSG, calling, {"role": "tool", "tool_call_id": "x", "content": "r"}]
+    marked = [USER_MSG, {**calling, "tool_calls": [{**_call("web_search", {"q": "x"}), "server": True}],
+                         "unrendered": [{"type": "redacted_thinking", "data": "opaque"}]},
+              {"role": "tool", "tool_call_id": "x", "name": "web_search", "content": "r", "is_error": True,
+               "unrendered": [{"type": "web_search_tool_result", "content": []}]}]
+    assert encode_messages(marked) == encode_messages(plain)
+
+
+def test_custom_calls_and_non_function_tools():
+    patch = "*** Begin Patch\n*** Update File: a.py\n-x = 1\n+x = 2\n*** End Patch"
+    call = {"id": "c", "type": "custom", "custom": {"name": "apply_patch", "input": patch}}
+    messages = [USER_MSG, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    tools = [CLOCK_TOOL, {"type": "custom", "name": "apply_patch", "description": "Edit files"},
+             {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}]
+    text = encode_messages(messages, tools)
+    assert f"{TOOL_CALL_BEGIN}apply_patch{TOOL_SEP}{patch}{TOOL_CALL_END}" in text
+    assert ('{"name":"now","parameters":{"properties":{},"type":"object"}}\n'
+            '{"description":"Edit files","name":"apply_patch","type":"custom"}\n'
+            '{"max_uses":5,"name":"web_search","type":"web_search_20250305"}\n\n') in text
+
+
+def test_text_documents_render_and_other_sources_are_unreadable():
+    document = {"type": "document", "title": "Fare rules", "context": "Basic economy", "citations": {"enabled": True},
+                "source": {"type": "text", "media_type": "text/plain", "data": "No refunds."}}
+    text = encode_messages([{"role": "user", "content": [document, {"type": "text", "text": "Refund?"}]}])
+    assert f"{USER}Fare rules\nBasic economy\nNo refunds.\nRefund?{ASSISTANT}" in text
+    pdf = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0x"}}
+    with pytest.raises(UnsupportedContentError) as e:
+        encode_messages([{"role": "user", "content": [{"type": "text", "text": "See:"}, pdf]}])
+    assert str(e.value) == (
+        "message 0: content[1]: a document ('document' with a 'base64' source) cannot be read by a text-only model"
+    )
+
+
+def test_unreadable_parts_fail_only_the_prompts_that_hold_them():
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/receipt.png"}}
+    audio = {"type": "input_audio", "input_audio": {"data": "UklGR", "format": "wav"}}
+    messages = [USER_MSG, {"role": "assistant", "content": "Send it."},
+                {"role": "user", "content": [{"type": "text", "text": "Here:"}, image, audio]}]
+    assert encode_messages(messages[:2])
+    found = check_messages(messages)
+    assert [(str(e), e.kind) for e in found] == [
+        ("message 2: content[1]: an image ('image_url') cannot be read by a text-only model", "unsupported_content"),
+        ("message 2: content[2]: audio ('input_audio') cannot be read by a text-only model", "unsupported_content"),
+    ]
+    with pytest.raises(UnsupportedContentError) as e:
+        encode_messages(messages)
+    assert str(e.value) == str(found[0]) and e.value.kind == "unsupported_content"
+    with pytest.raises(ChatFormatError) as e:  # everything else is still checked
+        check_messages([*messages, {"role": "system", "content": "late"}])
+    assert e.value.kind == "malformed"
 
 
 # ------------------------------------------------------------------------------ completion parsing

@@ -91,6 +91,7 @@ def test_malformed_lines_are_reported_and_the_rest_loads(tmp_path) -> None:
         (4, f"{path}:4: unknown field(s) ['extra'] for format 'chat'"),
         (5, f"{path}:5: id: duplicate 'a' (first at line 1)"),
     ]
+    assert [e.detail for e in errors] == [e.message.removeprefix(f"{path}:{e.line}: ") for e in errors]
 
 
 def with_messages(update) -> dict:
@@ -106,8 +107,8 @@ def with_messages(update) -> dict:
     ({**episode(), "id": 5}, "t.jsonl:1: id: must be a non-empty string"),
     ({"id": "x"}, "t.jsonl:1: messages: missing"),
     ({"messages": [{"role": "user", "content": "hi"}]}, "t.jsonl:1: messages: no assistant turn to replay"),
-    (with_messages(lambda m: m[1]["tool_calls"][0]["function"].update(arguments="{oops")),
-     "t.jsonl:1: message 1: tool_calls[0].function.arguments is not valid JSON"),
+    (with_messages(lambda m: m[1]["tool_calls"][0]["function"].update(arguments=7)),
+     "t.jsonl:1: message 1: tool_calls[0].function.arguments must be a string or a JSON object"),
     (with_messages(lambda m: m[2].update(tool_call_id="zz")),
      "t.jsonl:1: message 2: tool_call_id 'zz' matches no unanswered tool call of the assistant message before it"),
     (with_messages(lambda m: m.insert(3, {"role": "tool", "content": "extra"})),
@@ -122,28 +123,31 @@ def with_messages(update) -> dict:
     ({**episode(), "recorded": {"turns": [{"turn": 1}], "outcome": {}}},
      "t.jsonl:1: recorded.turns[0]: missing prompt_hash, token_ids, logprobs, top_token_ids, top_logprobs, "
      "finish_reason, text, message, token_hash, logit_hash"),
-    ({"format": "anthropic", "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]},
+    ({"format": "anthropic", "messages": [{"role": "user", "content": [{"type": "search_result", "source": "s"}]},
                                           {"role": "assistant", "content": "no"}]},
-     "t.jsonl:1: messages[0].content[0].type: unsupported block type 'image' (expected text or tool_result)"),
+     "t.jsonl:1: messages[0].content[0].type: unsupported block type 'search_result' "
+     "(expected text, image, document, tool_result)"),
     ({"format": "anthropic", "messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t",
                                                                              "name": "f", "input": "x"}]}]},
      "t.jsonl:1: messages[0].content[0].input: must be an object"),
-    ({"format": "anthropic", "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+    ({"format": "anthropic", "tools": [{"name": "web_search"}],
       "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
-     "t.jsonl:1: tools[0].input_schema: missing (only client tools with a schema are supported)"),
+     "t.jsonl:1: tools[0]: needs input_schema (a client tool) or type (a server tool)"),
     ({"format": "anthropic", "messages": episode()["messages"]},
-     "t.jsonl:1: messages[1].content: must be a string or a list of content blocks"),
-    ({"format": "responses", "input": [{"role": "user", "content": "q"}, {"type": "web_search_call", "id": "w"}]},
-     "t.jsonl:1: input[1].type: unsupported item type 'web_search_call'"),
+     "t.jsonl:1: messages[1]: unknown field(s) ['tool_calls']"),
+    ({"format": "anthropic", "messages": [{"role": "user", "content": None}]},
+     "t.jsonl:1: messages[0].content: must be a string or a list of content blocks"),
+    ({"format": "responses", "input": [{"role": "user", "content": "q"}, {"type": "file_search_call", "id": "w"}]},
+     "t.jsonl:1: input[1].type: unsupported item type 'file_search_call'"),
     ({"format": "responses", "input": [{"role": "user", "content": "q"},
-                                       {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{"}]},
-     "t.jsonl:1: input[1].arguments: not valid JSON"),
+                                       {"type": "function_call", "call_id": "a", "name": "f", "arguments": {}}]},
+     "t.jsonl:1: input[1].arguments: must be a string"),
     ({"format": "responses", "input": [{"role": "user", "content": "q"},
                                        {"type": "function_call", "name": "f", "arguments": "{}"}]},
      "t.jsonl:1: input[1].call_id: missing"),
-    ({"format": "responses", "tools": [{"type": "file_search"}], "input": "q",
+    ({"format": "responses", "tools": [{"name": "file_search"}], "input": "q",
       "output": [{"role": "assistant", "content": "a"}]},
-     "t.jsonl:1: tools[0].type: unsupported tool type 'file_search' (only 'function')"),
+     "t.jsonl:1: tools[0].type: must be a non-empty string"),
     ({"format": "responses", "messages": []}, "t.jsonl:1: unknown field(s) ['messages'] for format 'responses'"),
 ])
 def test_validation_names_the_line_and_the_field(obj, message) -> None:
@@ -180,7 +184,8 @@ def test_anthropic_blocks_map_to_chat_messages() -> None:
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "a\nb"},
         {"role": "assistant", "content": "Looking.", "reasoning_content": "hmm",
-         "tool_calls": [call("t1", "f", '{"a":2,"b":1}')]},
+         "tool_calls": [call("t1", "f", '{"a":2,"b":1}')],
+         "unrendered": [{"type": "thinking", "thinking": "hmm", "signature": "s"}]},
         {"role": "tool", "tool_call_id": "t1", "content": "r1\nr2"},
         {"role": "user", "content": "and?"},
         {"role": "assistant", "content": "done"},
@@ -218,7 +223,7 @@ def as_chat(system, turns) -> dict:
                              "tool_calls": [call(i, name, canonical_arguments(args)) for i, name, args, _ in calls]})
             messages += [{"role": "tool", "tool_call_id": i, "content": result} for i, _, _, result in calls]
         messages.append({"role": "assistant", "content": final})
-    return {"messages": messages, "tools": [WEATHER]}
+    return {"messages": messages, "tools": [{"type": "function", "function": {**WEATHER["function"], "strict": True}}]}
 
 
 def as_anthropic(system, turns) -> dict:
@@ -232,7 +237,7 @@ def as_anthropic(system, turns) -> dict:
             messages.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": i, "content": result}
                                                          for i, _, _, result in calls]})
         messages.append({"role": "assistant", "content": [{"type": "text", "text": final}]})
-    tool = {"name": "get_weather", "input_schema": {"type": "object"}}
+    tool = {"name": "get_weather", "input_schema": {"type": "object"}, "strict": True}
     return {"format": "anthropic", "messages": messages, "tools": [tool],
             **({"system": system} if system is not None else {})}
 
@@ -276,13 +281,15 @@ def test_traces_suite_serves_turns_and_records_malformed_lines_as_error_rows(tmp
     assert suite.kind == "traces"
     assert [r.request_id for r in suite.requests] == ["a/turn-1", "a/turn-2", "a/turn-3", "line-2",
                                                       "b/turn-1", "b/turn-2", "b/turn-3"]
-    message = f"{path}:2: invalid JSON (Expecting ',' delimiter at column 16)"
-    with pytest.raises(TraceFormatError, match=f"^{message}$".replace("(", r"\(").replace(")", r"\)")):
+    detail = "invalid JSON (Expecting ',' delimiter at column 16)"
+    with pytest.raises(TraceFormatError) as info:
         suite.requests[3].prompt_ids(None)
+    assert (str(info.value), info.value.detail, info.value.kind) == (f"{path}:2: {detail}", detail, "malformed")
 
     record_run(tiny_checkpoint, suite, Variant("ref", max_model_len=1024), tmp_path / "run", progress=False)
     rows = {r["request_id"]: r for r in read_run(tmp_path / "run").streams.iter_rows(named=True)}
-    assert rows["line-2"]["error"] == message and rows["line-2"]["finish_reason"] == "error"
+    assert (rows["line-2"]["error_kind"], rows["line-2"]["error"], rows["line-2"]["finish_reason"]) == (
+        "malformed", detail, "error")
     assert all(rows[f"{e}/turn-{k}"]["error"] is None for e in "ab" for k in (1, 2, 3))
 
     # the suite's rows are the streams teacher-forced replay produces: same prompts, params and seeds

@@ -10,23 +10,43 @@ Prompt format (special tokens written out literally, `{...}` is message text):
     generation  <｜Assistant｜><think>      when thinking
                 <｜Assistant｜></think>     otherwise
 
-- {system}: the contents of the leading system messages, then (when tools are given) the tools block,
-  joined by a blank line ("\\n\\n"); empty parts are left out. The tools block lists one function per
-  line as canonical JSON (compact, sorted keys) and says how to call them.
+- {system}: the contents of the leading system and developer messages (a developer message is a
+  system message by OpenAI's newer name), then (when tools are given) the tools block, joined by a
+  blank line ("\\n\\n"); empty parts are left out. The tools block lists one tool per line: a function
+  tool as its `function` object's canonical JSON (compact, sorted keys), any other tool (a custom tool,
+  a provider's server tool such as web search) as its whole definition's canonical JSON.
 - {think}: `<think>{reasoning_content}</think>` when thinking is on and the message has a
   `reasoning_content` (not None); otherwise `</think>`. So a completion generated after the
   generation prompt, parsed by `parse_completion` with the same `thinking`, re-encodes to exactly
   the prompt plus the generated text.
+- {content} of an assistant message: its content, then its `refusal` (when given), joined by "\\n".
 - {calls}: `<｜tool▁calls▁begin｜>` + per call `<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{arguments}
   <｜tool▁call▁end｜>` (no line break) + `<｜tool▁calls▁end｜>`; absent without tool calls. Arguments
-  are canonical JSON: compact, sorted keys, non-ASCII kept.
+  are written as `canonical_arguments` gives them: canonical JSON (compact, sorted keys, non-ASCII
+  kept) when they are a JSON object, otherwise verbatim, as the model emitted them (empty or cut-off
+  arguments happen). A custom tool call (`{"type": "custom", "custom": {"name", "input"}}`) writes its
+  free-text input verbatim. A call marked `"server": true` (run by the provider, e.g. web search) is
+  written like any other.
 - Consecutive tool messages share one `<｜tool▁outputs▁begin｜>...<｜tool▁outputs▁end｜>` group.
-- Content is a string or a list of `{"type": "text", "text": ...}` parts, joined with "\\n".
+- Content is a string or a list of parts, joined with "\\n": text parts (`text`, `input_text`,
+  `output_text`; their other fields, such as annotations, are not rendered), `refusal` parts, and
+  `document` parts with a text source (Anthropic's shape: title, context and text, one per line).
+  Image, audio and file parts (`image_url`, `input_image`, `image`, `input_audio`, `file`,
+  `input_file`, a document with a base64, URL or file source) are well-formed but cannot be read by
+  this text-only model: rendering them raises `UnsupportedContentError` naming the message, the part
+  and its type. `check_messages` runs every other check without rendering them, so a conversation can
+  be validated whole and its turns before such a part still be served.
+
+Kept in the data, never rendered: a tool message's `is_error` and `name` (the template has no marker
+for a failed call), a call's `server` flag, and `unrendered` on any message: source objects with no
+Chat Completions equivalent (e.g. Anthropic thinking signatures, redacted thinking, citations, server
+tool results; see harness.trace_import), kept verbatim so nothing imported is lost.
 
 Rules (each broken one raises a one-line `ChatFormatError` naming the message index and field):
-system messages come first; tool messages follow an assistant message with tool calls (or another
-tool message); `tool_calls` only on assistant messages; an assistant message needs content or tool
-calls; arguments must be a JSON object; `tool_call_id`, when given, is a string; and no text field
+system and developer messages come first; tool messages follow an assistant message with tool calls
+(or another tool message); `tool_calls` only on assistant messages (the legacy `function_call` is
+rejected: harness.traces converts it); an assistant message needs content, a refusal or tool calls;
+arguments are a string or a JSON object; `tool_call_id`, when given, is a string; and no rendered text
 may contain a special token, so that the encoding is unambiguous and can be parsed back.
 """
 
@@ -58,6 +78,12 @@ from deepinfer.recipe.tokenizer import (
 )
 
 ROLES = ("system", "user", "assistant", "tool")
+SYSTEM_ROLES = ("system", "developer")
+TEXT_PARTS = ("text", "input_text", "output_text")
+UNREADABLE_PARTS = {
+    "image_url": "an image", "input_image": "an image", "image": "an image", "input_audio": "audio",
+    "file": "a file", "input_file": "a file",
+}
 _SPECIAL_RE = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
 _INVALID = object()
 
@@ -72,6 +98,17 @@ TOOLS_FOOTER = (
 class ChatFormatError(DeepInferError, ValueError):
     """Messages or tools that do not fit the chat format."""
 
+    kind = "malformed"
+
+
+class UnsupportedContentError(ChatFormatError):
+    """Well-formed content that a text-only model cannot read (an image, audio)."""
+
+    kind = "unsupported_content"
+
+
+_Unreadable = list[UnsupportedContentError] | None  # where unreadable parts are collected; None: raise them
+
 
 def encode_messages(
     messages: list[dict],
@@ -80,6 +117,42 @@ def encode_messages(
     add_generation_prompt: bool = True,
 ) -> str:
     """Prompt text for `messages` (see the module docstring for the format and the rules)."""
+    return _encode(messages, tools, thinking, add_generation_prompt, None)
+
+
+def check_messages(messages: list[dict], tools: list[dict] | None = None) -> list[UnsupportedContentError]:
+    """Every check `encode_messages` makes, except that content a text-only model cannot read is
+    returned (one error per such part, in order) rather than raised: a trace is validated whole when
+    it is loaded, and only the prompts that hold such a part fail when they are rendered."""
+    unreadable: list[UnsupportedContentError] = []
+    _encode(messages, tools, False, False, unreadable)
+    return unreadable
+
+
+def content_text(content: Any, where: str = "content") -> str:
+    """Message content (a string or a list of parts) as the template renders it; `where` names it in
+    errors."""
+    return _content_text(content, where, None)
+
+
+def canonical_arguments(arguments: str | dict) -> str:
+    """Tool-call arguments as the template writes them and as recorded calls are matched: canonical
+    JSON (compact, sorted keys, non-ASCII kept) of a JSON object, given as a dict or as its text; any
+    other text verbatim (models emit empty, cut-off or otherwise invalid arguments)."""
+    value = arguments_object(arguments)
+    return _canonical(value) if value is not None else arguments
+
+
+def arguments_object(arguments: str | dict) -> dict | None:
+    """Tool-call arguments as a JSON object (given as a dict or as strict JSON text); None for text
+    that is not one."""
+    value = arguments if isinstance(arguments, dict) else _loads(arguments)
+    return value if isinstance(value, dict) else None
+
+
+def _encode(messages: Any, tools: Any, thinking: bool, add_generation_prompt: bool,
+            unreadable: _Unreadable) -> str:
+    """The prompt text; unreadable content raises, or (with a list) is collected there and left out."""
     if not isinstance(messages, list) or not messages:
         raise ChatFormatError("messages must be a non-empty list")
     system_parts: list[str] = []
@@ -90,22 +163,24 @@ def encode_messages(
         role = _role(msg, i)
         if msg.get("tool_calls") and role != "assistant":
             raise ChatFormatError(f"message {i}: tool_calls are only allowed on assistant messages")
+        if "function_call" in msg:
+            raise ChatFormatError(f"message {i}: function_call is the legacy shape of tool_calls (not supported here)")
+        _check_unrendered(msg, i)
         if prev_role == "tool" and role != "tool":
             out.append(TOOL_OUTPUTS_END)
-        if role == "system":
-            if prev_role not in (None, "system"):
-                raise ChatFormatError(
-                    f"message {i}: system message after the conversation started (system messages must come first)"
-                )
-            system_parts.append(_content(msg, i))
+        if role in SYSTEM_ROLES:
+            if prev_role not in (None, *SYSTEM_ROLES):
+                raise ChatFormatError(f"message {i}: {role} message after the conversation started "
+                                      "(system and developer messages must come first)")
+            system_parts.append(_content(msg, i, unreadable))
         elif role == "user":
-            out.append(USER + _content(msg, i))
+            out.append(USER + _content(msg, i, unreadable))
         elif role == "assistant":
-            out.append(_assistant(msg, i, thinking))
+            out.append(_assistant(msg, i, thinking, unreadable))
         else:
             if not takes_outputs:
                 raise ChatFormatError(f"message {i}: tool message must follow an assistant message with tool_calls")
-            out.append(_tool_output(msg, i, first=prev_role != "tool"))
+            out.append(_tool_output(msg, i, prev_role != "tool", unreadable))
         takes_outputs = role == "tool" or bool(msg.get("tool_calls"))
         prev_role = role
     if prev_role == "tool":
@@ -213,28 +288,75 @@ def _role(msg: Any, i: int) -> str:
     if "role" not in msg:
         raise ChatFormatError(f"message {i}: missing 'role'")
     role = msg["role"]
-    if role not in ROLES:
-        raise ChatFormatError(f"message {i}: unknown role {role!r} (expected one of {', '.join(ROLES)})")
+    if role not in ROLES and role not in SYSTEM_ROLES:
+        known = ", ".join(dict.fromkeys((*SYSTEM_ROLES, *ROLES)))
+        raise ChatFormatError(f"message {i}: unknown role {role!r} (expected one of {known})")
     return role
 
 
-def _content(msg: dict, i: int) -> str:
+def _check_unrendered(msg: dict, i: int) -> None:
+    if not isinstance(msg.get("unrendered", []), list):
+        raise ChatFormatError(f"message {i}: unrendered must be a list")
+
+
+def _content(msg: dict, i: int, unreadable: _Unreadable) -> str:
     if "content" not in msg:
         raise ChatFormatError(f"message {i}: missing 'content'")
-    content = msg["content"]
+    return _content_text(msg["content"], f"message {i}: content", unreadable)
+
+
+def _content_text(content: Any, where: str, unreadable: _Unreadable) -> str:
     if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text":
-                raise ChatFormatError(f"message {i}: content[{j}] is not a text part (only 'text' parts are supported)")
-            if not isinstance(part.get("text"), str):
-                raise ChatFormatError(f"message {i}: content[{j}].text must be a string")
-            texts.append(part["text"])
-        content = "\n".join(texts)
+        texts = [_part_text(part, f"{where}[{j}]", unreadable) for j, part in enumerate(content)]
+        content = "\n".join(text for text in texts if text is not None)
     elif not isinstance(content, str):
-        raise ChatFormatError(f"message {i}: content must be a string or a list of text parts")
-    return _plain(content, f"message {i}: content")
+        raise ChatFormatError(f"{where} must be a string or a list of content parts")
+    return _plain(content, where)
+
+
+def _part_text(part: Any, where: str, unreadable: _Unreadable) -> str | None:
+    """A part's text; None for a part the model cannot read when `unreadable` collects those."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in TEXT_PARTS or kind == "refusal":
+        return _string_field(part, "text" if kind in TEXT_PARTS else "refusal", where)
+    if kind == "document":
+        text = _document_text(part, where, unreadable)
+        if text is not None:
+            return text
+        what = f"a document ('document' with a {part['source'].get('type')!r} source)"
+    elif kind in UNREADABLE_PARTS:
+        what = f"{UNREADABLE_PARTS[kind]} ({kind!r})"
+    elif isinstance(part, dict):
+        raise ChatFormatError(f"{where}.type: unknown content part type {kind!r}")
+    else:
+        raise ChatFormatError(f"{where} must be a content part object")
+    error = UnsupportedContentError(f"{where}: {what} cannot be read by a text-only model")
+    if unreadable is None:
+        raise error
+    unreadable.append(error)
+    return None
+
+
+def _document_text(part: dict, where: str, unreadable: _Unreadable) -> str | None:
+    """An Anthropic document's title, context and text, one per line; None for a source that is not
+    text (base64 PDF, URL, file)."""
+    source = part.get("source")
+    if not isinstance(source, dict):
+        raise ChatFormatError(f"{where}.source must be an object")
+    if source.get("type") == "text":
+        body = _string_field(source, "data", f"{where}.source")
+    elif source.get("type") == "content":
+        body = _content_text(source.get("content"), f"{where}.source.content", unreadable)
+    else:
+        return None
+    heading = [_string_field(part, key, where) for key in ("title", "context") if part.get(key) is not None]
+    return "\n".join([*heading, body])
+
+
+def _string_field(obj: dict, key: str, where: str) -> str:
+    if not isinstance(obj.get(key), str):
+        raise ChatFormatError(f"{where}.{key} must be a string")
+    return obj[key]
 
 
 def _plain(text: str, where: str) -> str:
@@ -244,11 +366,15 @@ def _plain(text: str, where: str) -> str:
     return text
 
 
-def _assistant(msg: dict, i: int, thinking: bool) -> str:
+def _assistant(msg: dict, i: int, thinking: bool, unreadable: _Unreadable) -> str:
     calls = msg.get("tool_calls")
-    if msg.get("content") is None and not calls:
-        raise ChatFormatError(f"message {i}: assistant message needs 'content' or 'tool_calls'")
-    content = "" if msg.get("content") is None else _content(msg, i)
+    refusal = msg.get("refusal")
+    if refusal is not None and not isinstance(refusal, str):
+        raise ChatFormatError(f"message {i}: refusal must be a string")
+    if msg.get("content") is None and refusal is None and not calls:
+        raise ChatFormatError(f"message {i}: assistant message needs 'content', 'refusal' or 'tool_calls'")
+    content = "" if msg.get("content") is None else _content(msg, i, unreadable)
+    text = "\n".join(t for t in (content, _plain(refusal or "", f"message {i}: refusal")) if t)
     reasoning = msg.get("reasoning_content")
     if reasoning is not None and not isinstance(reasoning, str):
         raise ChatFormatError(f"message {i}: reasoning_content must be a string")
@@ -256,7 +382,7 @@ def _assistant(msg: dict, i: int, thinking: bool) -> str:
         think = THINK_BEGIN + _plain(reasoning, f"message {i}: reasoning_content") + THINK_END
     else:
         think = THINK_END
-    return ASSISTANT + think + content + _tool_calls(calls, i) + EOS
+    return ASSISTANT + think + text + _tool_calls(calls, i) + EOS
 
 
 def _tool_calls(calls: Any, i: int) -> str:
@@ -266,27 +392,34 @@ def _tool_calls(calls: Any, i: int) -> str:
         raise ChatFormatError(f"message {i}: tool_calls must be a list")
     out = [TOOL_CALLS_BEGIN]
     for j, call in enumerate(calls):
-        where = f"message {i}: tool_calls[{j}]"
-        function = _function_entry(call, where)
-        name = _name(function.get("name"), f"{where}.function.name")
-        if "arguments" not in function:
-            raise ChatFormatError(f"{where}.function missing 'arguments'")
-        arguments = _arguments(function["arguments"], f"{where}.function.arguments")
+        name, arguments = _call(call, f"message {i}: tool_calls[{j}]")
         out.append(TOOL_CALL_BEGIN + name + TOOL_SEP + arguments + TOOL_CALL_END)
     out.append(TOOL_CALLS_END)
     return "".join(out)
 
 
-def _function_entry(entry: Any, where: str) -> dict:
-    """The `function` object of a tool call or a tool definition (`{"type": "function", "function": {...}}`)."""
-    if not isinstance(entry, dict):
+def _call(call: Any, where: str) -> tuple[str, str]:
+    """A call's name and its arguments as written: a function call's (see `canonical_arguments`) or a
+    custom call's free-text input."""
+    if not isinstance(call, dict):
         raise ChatFormatError(f"{where} must be an object")
-    if entry.get("type", "function") != "function":
-        raise ChatFormatError(f"{where}.type must be 'function'")
-    function = entry.get("function")
+    if not isinstance(call.get("server", False), bool):
+        raise ChatFormatError(f"{where}.server must be true or false")
+    if call.get("type") == "custom":
+        custom = call.get("custom")
+        if not isinstance(custom, dict):
+            raise ChatFormatError(f"{where}.custom must be an object")
+        name = _name(custom.get("name"), f"{where}.custom.name")
+        return name, _plain(_string_field(custom, "input", f"{where}.custom"), f"{where}.custom.input")
+    if call.get("type", "function") != "function":
+        raise ChatFormatError(f"{where}.type must be 'function' or 'custom'")
+    function = call.get("function")
     if not isinstance(function, dict):
         raise ChatFormatError(f"{where}.function must be an object")
-    return function
+    name = _name(function.get("name"), f"{where}.function.name")
+    if "arguments" not in function:
+        raise ChatFormatError(f"{where}.function missing 'arguments'")
+    return name, _arguments(function["arguments"], f"{where}.function.arguments")
 
 
 def _name(name: Any, where: str) -> str:
@@ -296,24 +429,22 @@ def _name(name: Any, where: str) -> str:
 
 
 def _arguments(arguments: Any, where: str) -> str:
-    """Canonical JSON of a JSON object given as a dict or as a JSON string."""
-    if isinstance(arguments, str):
-        arguments = _loads(arguments)
-        if arguments is _INVALID:
-            raise ChatFormatError(f"{where} is not valid JSON")
-    if not isinstance(arguments, dict):
-        raise ChatFormatError(f"{where} must be a JSON object")
+    if not isinstance(arguments, (str, dict)):
+        raise ChatFormatError(f"{where} must be a string or a JSON object")
     try:
-        text = _canonical(arguments)
+        text = canonical_arguments(arguments)
     except (TypeError, ValueError):
         raise ChatFormatError(f"{where} is not valid JSON") from None
     return _plain(text, where)
 
 
-def _tool_output(msg: dict, i: int, first: bool) -> str:
+def _tool_output(msg: dict, i: int, first: bool, unreadable: _Unreadable) -> str:
     if "tool_call_id" in msg and not isinstance(msg["tool_call_id"], str):
         raise ChatFormatError(f"message {i}: tool_call_id must be a string")
-    return (TOOL_OUTPUTS_BEGIN if first else "") + TOOL_OUTPUT_BEGIN + _content(msg, i) + TOOL_OUTPUT_END
+    if not isinstance(msg.get("is_error", False), bool):
+        raise ChatFormatError(f"message {i}: is_error must be true or false")
+    content = _content(msg, i, unreadable)
+    return (TOOL_OUTPUTS_BEGIN if first else "") + TOOL_OUTPUT_BEGIN + content + TOOL_OUTPUT_END
 
 
 def _tools_block(tools: Any) -> str:
@@ -322,14 +453,25 @@ def _tools_block(tools: Any) -> str:
         raise ChatFormatError("tools must be a list")
     if not tools:
         return ""
-    lines = []
-    for k, tool in enumerate(tools):
-        where = f"tools[{k}]"
-        function = _function_entry(tool, where)
-        _name(function.get("name"), f"{where}.function.name")
-        try:
-            line = _canonical(function)
-        except (TypeError, ValueError):
-            raise ChatFormatError(f"{where}.function is not valid JSON") from None
-        lines.append(_plain(line, f"{where}.function"))
-    return TOOLS_HEADER + "\n".join(lines) + TOOLS_FOOTER
+    return TOOLS_HEADER + "\n".join(_tool_line(tool, f"tools[{k}]") for k, tool in enumerate(tools)) + TOOLS_FOOTER
+
+
+def _tool_line(tool: Any, where: str) -> str:
+    """A function tool's `function` object, or any other tool's whole definition, as canonical JSON."""
+    if not isinstance(tool, dict):
+        raise ChatFormatError(f"{where} must be an object")
+    kind = tool.get("type", "function")
+    if kind == "function":
+        described, where = tool.get("function"), f"{where}.function"
+        if not isinstance(described, dict):
+            raise ChatFormatError(f"{where} must be an object")
+        _name(described.get("name"), f"{where}.name")
+    elif isinstance(kind, str) and kind:
+        described = tool
+    else:
+        raise ChatFormatError(f"{where}.type must be a non-empty string")
+    try:
+        line = _canonical(described)
+    except (TypeError, ValueError):
+        raise ChatFormatError(f"{where} is not valid JSON") from None
+    return _plain(line, where)
