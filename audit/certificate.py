@@ -18,6 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 from typing import NoReturn
 
+import polars as pl
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -28,7 +29,7 @@ from audit.files import atomic_write, json_bytes
 from audit.store import MANIFEST, ROOT, STREAMS, Run, check_run, file_digests, read_run
 from audit.streams import HEX_DIGEST, canonical_json
 
-CERTIFICATE_FORMAT = "deepinfer-certificate/1"
+CERTIFICATE_FORMAT = "deepinfer-certificate/2"
 CERTIFICATE = "certificate.json"
 ROLES = ("reference", "variant", "control")
 BITWISE, TOKEN, DIVERGENT = "BITWISE_REPRODUCIBLE", "TOKEN_REPRODUCIBLE", "DIVERGENT"
@@ -41,7 +42,7 @@ _TOP_KEYS = {
     "format", "created", "suite", "checkpoint", "rerun", "reference", "near_tie_threshold",
     "configurations", "verdict", "verdict_counts", "controls", "content_hash",
 }
-_CONFIG_KEYS = {"name", "role", "config", "run", "count", "token_root", "logit_root", "files", "comparison"}
+_CONFIG_KEYS = {"name", "role", "config", "run", "count", "token_root", "logit_root", "files", "comparison", "errors"}
 _SIGNATURE_KEYS = {"algorithm", "public_key", "value"}
 
 
@@ -63,22 +64,60 @@ def verdict(configurations: list[dict]) -> tuple[str, dict]:
 
     BITWISE_REPRODUCIBLE: every variant's logit_root equals the reference's; TOKEN_REPRODUCIBLE: all
     token_roots equal but some logit_root differs; DIVERGENT otherwise. Controls do not count.
-    `requests_diverged` sums the diverged requests over the variants.
+    `requests_diverged` sums the diverged requests over the variants. Errored requests are part of
+    the roots (an error row hashes its kind and detail), so equal roots mean they errored identically;
+    the counts say how many requests that covers: `requests`, `served` and `errored` (by kind) in the
+    reference run, and `requests_errored_differently`, summed over the variants.
     """
     reference = _reference_of(configurations)
     variants = [c for c in configurations if c["role"] == "variant"]
     if not variants:
         raise AuditError("a verdict needs at least one variant configuration")
     verdicts = [_config_verdict(reference, c) for c in variants]
+    errored = sum(reference["errors"].values())
     counts = {
         "variants": len(variants),
         "bitwise_equal": verdicts.count(BITWISE),
         "token_only": verdicts.count(TOKEN),
         "divergent": verdicts.count(DIVERGENT),
         "requests_diverged": sum(c["comparison"]["diverged"] for c in variants),
+        "requests": reference["count"],
+        "served": reference["count"] - errored,
+        "errored": errored,
+        "errored_by_kind": dict(sorted(reference["errors"].items())),
+        "requests_errored_differently": sum(c["comparison"]["error"] for c in variants),
     }
     overall = DIVERGENT if counts["divergent"] else TOKEN if counts["token_only"] else BITWISE
     return overall, counts
+
+
+def verdict_summary(cert: dict) -> str:
+    """The verdict in one line that never claims more than what ran: how many requests it covers, and
+    every errored request counted by kind."""
+    counts = cert["verdict_counts"]
+    variants = [c for c in cert["configurations"] if c["role"] == "variant"]
+    drift = sum(c["comparison"]["logprob_drift"] for c in variants)
+    parts = [f"{cert['verdict']} over " + (f"{counts['served']} of {counts['requests']} requests" if counts["errored"]
+                                          else f"all {counts['requests']} requests")]
+    if counts["errored"]:
+        where = "in the reference" if counts["requests_errored_differently"] else "identically in every variant"
+        parts.append(f"{counts['errored']} errored {where} ({describe_errors(counts['errored_by_kind'])})")
+    if counts["requests_errored_differently"]:
+        parts.append(f"{counts['requests_errored_differently']} request errors differ from the reference's")
+    parts.append(f"{len(variants)} variants vs reference {cert['reference']}: {counts['requests_diverged']} request "
+                 f"divergences, {drift} logprob-only drifts")
+    return "; ".join(parts)
+
+
+def describe_errors(by_kind: dict[str, int]) -> str:
+    """Error counts as text, e.g. "2 malformed, 26 prompt too long"."""
+    return ", ".join(f"{n} {kind.replace('_', ' ')}" for kind, n in by_kind.items())
+
+
+def error_counts(streams: pl.DataFrame) -> dict[str, int]:
+    """Errored requests of a run by error kind (sorted by kind)."""
+    kinds = streams.filter(pl.col("finish_reason") == "error")["error_kind"].to_list()
+    return {kind: kinds.count(kind) for kind in sorted(set(kinds))}
 
 
 def control_verdicts(configurations: list[dict]) -> list[dict]:
@@ -142,6 +181,7 @@ def build_certificate(
             "logit_root": run.root["logit_root"],
             "files": file_digests(run.path),
             "comparison": {key: summary[key] for key in COMPARISON_KEYS},
+            "errors": error_counts(run.streams),
         })
     overall, counts = verdict(entries)
     cert = {
@@ -313,6 +353,9 @@ def _check_structure(cert: object, path: Path) -> None:
             _is_count(v) for v in comparison.values()
         ):
             fail(f"{where}: comparison must map {', '.join(COMPARISON_KEYS)} to counts")
+        errors = c["errors"]
+        if not isinstance(errors, dict) or not all(isinstance(k, str) and _is_count(v) for k, v in errors.items()):
+            fail(f"{where}: errors must map error kinds to counts")
         try:
             _run_dir(path.parent, c["run"], where)
         except AuditError as exc:
@@ -438,6 +481,9 @@ def verify_certificate(cert_path: str | os.PathLike, public_key_pem: bytes | Non
         if recomputed != c["comparison"]:
             problems.append(f"{name}: comparison of {c['name']!r} {c['comparison']} does not match its run "
                             f"(recomputed {recomputed})")
+        errors = error_counts(intact[c["name"]].streams)
+        if errors != c["errors"]:
+            problems.append(f"{name}: errors of {c['name']!r} {c['errors']} do not match its run (recomputed {errors})")
     return problems
 
 

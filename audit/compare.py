@@ -37,6 +37,7 @@ _INPUT_COLUMNS = (
     "top_token_ids",
     "top_logprobs",
     "finish_reason",
+    "error_kind",
     "error",
 )
 _EQUAL, _DRIFT, _DIVERGED, _MISSING, _ERROR = range(len(STATUSES))
@@ -69,7 +70,8 @@ def compare_streams(ref: pl.DataFrame, other: pl.DataFrame, near_tie_threshold: 
     present = joined["present_o"].to_numpy()
     err_r = (joined["finish_reason"] == "error").to_numpy()
     err_o = (joined["finish_reason_o"] == "error").fill_null(False).to_numpy()
-    same_error = err_r & err_o & joined["error"].eq_missing(joined["error_o"]).to_numpy()
+    same_error = (err_r & err_o & joined["error_kind"].eq_missing(joined["error_kind_o"]).to_numpy()
+                  & joined["error"].eq_missing(joined["error_o"]).to_numpy())
 
     status = np.full(n, _EQUAL, dtype=np.int8)
     first = np.full(n, -1, dtype=np.int64)

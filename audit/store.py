@@ -46,7 +46,7 @@ STREAMS = "streams.parquet"
 ROOT = "root.json"
 PARTS = "parts"
 TIMING_COLUMNS = ("arrival_s", "first_token_s", "finish_s")
-NULLABLE_COLUMNS = frozenset({"text", "error", "first_token_s"})
+NULLABLE_COLUMNS = frozenset({"text", "error_kind", "error", "first_token_s"})
 _PART_NAME = re.compile(r"part-(\d{6,})\.parquet")
 
 
@@ -118,13 +118,15 @@ def _expected_hashes(row: dict) -> StreamHashes:
             raise AuditError(f"position {position}: {len(top_ids)} top_token_ids but {len(top_values)} top_logprobs")
         for value in top_values:
             fp32_bits(value, f"top logprob at position {position}")
-    error, reason = row["error"], row["finish_reason"]
+    error, kind, reason = row["error"], row["error_kind"], row["finish_reason"]
+    if (error is None) != (kind is None):
+        raise AuditError("error and error_kind must be set together")
     if error is not None:
         if reason != "error":
             raise AuditError(f"has an error but finish_reason {reason!r} (expected 'error')")
         if count:
             raise AuditError(f"an error row must have no generated tokens, it has {count}")
-        return error_hashes(row["prompt_token_ids"], params, error)
+        return error_hashes(row["prompt_token_ids"], params, kind, error)
     if reason == "error":
         raise AuditError("finish_reason 'error' without an error message")
     return stream_hashes(row["prompt_token_ids"], params, row["token_ids"], row["logprobs"], reason)
@@ -226,8 +228,9 @@ def _ints(values: Sequence[int], what: str) -> list[int]:
 def make_row(index: int, request_id: str, prompt_token_ids: Sequence[int], params: dict,
              token_ids: Sequence[int], logprobs: Sequence[float], top_token_ids: Sequence[Sequence[int]],
              top_logprobs: Sequence[Sequence[float]], text: str | None, finish_reason: str, error: str | None,
-             arrival_s: float, first_token_s: float | None, finish_s: float) -> dict:
-    """One streams.parquet row with its hashes; AuditError (naming the request) on inconsistent data."""
+             arrival_s: float, first_token_s: float | None, finish_s: float, error_kind: str | None = None) -> dict:
+    """One streams.parquet row with its hashes; AuditError (naming the request) on inconsistent data.
+    An error row gives both `error_kind` and `error` (the detail, without file paths)."""
     if not isinstance(request_id, str):
         raise AuditError(f"request id must be a string, got {request_id!r}")
     try:
@@ -246,6 +249,7 @@ def make_row(index: int, request_id: str, prompt_token_ids: Sequence[int], param
             "top_logprobs": [[float(value) for value in values] for values in top_logprobs],
             "text": text,
             "finish_reason": finish_reason,
+            "error_kind": error_kind,
             "error": error,
             "token_hash": "",
             "logit_hash": "",

@@ -36,6 +36,7 @@ STREAM_SCHEMA: dict[str, pl.DataType] = {
     "top_logprobs": pl.List(pl.List(pl.Float32())),
     "text": pl.String(),
     "finish_reason": pl.String(),
+    "error_kind": pl.String(),
     "error": pl.String(),
     "token_hash": pl.String(),
     "logit_hash": pl.String(),
@@ -45,6 +46,7 @@ STREAM_SCHEMA: dict[str, pl.DataType] = {
 }
 
 HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
+ERROR_KIND = re.compile(r"[a-z][a-z0-9_]*")
 
 
 @dataclass(frozen=True)
@@ -139,11 +141,17 @@ def stream_hashes(prompt_token_ids: Sequence[int], params: dict, token_ids: Sequ
     return _chains(stream_header(prompt_token_ids, params), tokens, values, finish_reason.encode("utf-8"))
 
 
-def error_hashes(prompt_token_ids: Sequence[int], params: dict, message: str) -> StreamHashes:
-    """Hashes of a request that could not be served: no tokens, the reason is "error:" + message."""
-    if not isinstance(message, str):
-        raise AuditError(f"error message must be a string, got {message!r}")
-    return _chains(stream_header(prompt_token_ids, params), [], [], b"error:" + message.encode("utf-8"))
+def error_hashes(prompt_token_ids: Sequence[int], params: dict, kind: str, detail: str) -> StreamHashes:
+    """Hashes of a request that could not be served: no tokens, the reason is "error:KIND: DETAIL".
+
+    `kind` classifies the error (lower-case letters, digits and '_'); `detail` says what was wrong
+    without naming where the input came from, so the same failure hashes the same from any folder."""
+    if not isinstance(kind, str) or not ERROR_KIND.fullmatch(kind):
+        raise AuditError(f"error kind must be lower-case letters, digits and '_', got {kind!r}")
+    if not isinstance(detail, str):
+        raise AuditError(f"error detail must be a string, got {detail!r}")
+    reason = b"error:" + kind.encode("ascii") + b": " + detail.encode("utf-8")
+    return _chains(stream_header(prompt_token_ids, params), [], [], reason)
 
 
 def merkle_root(request_ids: Sequence[str], digests: Sequence[str]) -> str:

@@ -96,8 +96,8 @@ def record_cassette(llm: LLM, traces: str | Path, out: str | Path, *, mode: str,
         "errors": [{"line": e.line, "message": e.message} for e in errors],
         "prefill": {"prompt_tokens": cost.prompt_tokens, "unique_tokens": cost.unique_tokens},
         "manifest": build_manifest(
-            engine={"max_num_seqs": variant.max_num_seqs, "max_num_batched_tokens": variant.max_num_batched_tokens,
-                    "max_model_len": variant.max_model_len, "numerics": variant.numerics, "dtype": variant.dtype,
+            engine={"max_num_seqs": variant.max_num_seqs, "max_num_batched_tokens": llm.max_num_batched_tokens,
+                    "max_model_len": llm.max_model_len, "numerics": variant.numerics, "dtype": variant.dtype,
                     "device": variant.device},
             checkpoint={"path": checkpoint_path, "content_hash": llm.model_id},
             suite={"kind": "traces", "path": str(traces), "content_hash": traces_hash,
@@ -143,17 +143,18 @@ def verify_cassette(llm: LLM, cassette: Cassette) -> ReplayReport:
 
 
 def cassette_engine(cassette: Cassette, model: str | None = None, **overrides: str | None) -> LLM:
-    """The engine a cassette was recorded with (its checkpoint path unless `model` is given), with
+    """The engine a cassette was recorded with (its checkpoint path unless `model` is given; the
+    max_model_len the recording engine ran with, not a default this machine would resolve), with
     `device`, `dtype` or `numerics` overridden where given, e.g. to check a cassette on other hardware."""
     manifest = cassette.header["manifest"]
     try:
-        variant = Variant(**manifest["variant"])
-    except TypeError:
-        raise DeepInferError(f"{cassette.path}: the header's manifest has no valid variant") from None
+        variant = replace(Variant(**manifest["variant"]), max_model_len=manifest["engine"]["max_model_len"])
+    except (KeyError, TypeError):
+        raise DeepInferError(f"{cassette.path}: the header's manifest has no valid variant and engine") from None
     variant = check_variant(replace(variant, **{k: v for k, v in overrides.items() if v is not None}),
                             f"{cassette.path}: variant")
     model = model if model is not None else manifest["checkpoint"]["path"]
-    return LLM(model, seed=cassette.header["run_seed"], **variant.engine_kwargs(variant.max_model_len))
+    return LLM(model, seed=cassette.header["run_seed"], **variant.engine_kwargs())
 
 
 def _verify_episode(run: EpisodeRun, llm: LLM) -> EpisodeResult:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from audit.certificate import build_certificate, load_certificate, seal, sign, write_certificate
+from audit.certificate import build_certificate, load_certificate, reference_run, seal, sign, write_certificate
 from audit.files import atomic_write, json_bytes
 from audit.store import read_run
 from deepinfer.errors import DeepInferError
@@ -72,8 +72,10 @@ def rerun_reference(certificate_path: Path, model: str | Path | None = None, pro
     if suite.content_hash != expected_suite:
         return [f"suite {suite.path} has content hash {suite.content_hash[:12]}…, the certificate says "
                 f"{expected_suite[:12]}…"]
-    reference = Variant(**rerun["reference"])
     certified = next(c for c in certificate["configurations"] if c["name"] == certificate["reference"])
+    # the max_model_len the reference ran with, not a default this machine might resolve differently
+    recorded = reference_run(certificate_path).manifest["engine"]["max_model_len"]
+    reference = replace(Variant(**rerun["reference"]), max_model_len=recorded)
     with tempfile.TemporaryDirectory(prefix="deepinfer-rerun-") as scratch:
         run_dir = Path(scratch) / "run"
         root = record_run(model if model is not None else rerun["model"], suite, reference, run_dir,

@@ -40,12 +40,13 @@ def record_run(
 def _record_run(model: str | Path | None, suite: Suite, variant: Variant, run_dir: Path, run_seed: int,
                 resume: bool, progress: bool) -> dict:
     started = time.perf_counter()
-    llm = LLM(model, seed=run_seed, **variant.engine_kwargs(variant.max_model_len))
+    llm = LLM(model, seed=run_seed, **variant.engine_kwargs())
     manifest = build_manifest(
-        engine={"max_num_seqs": variant.max_num_seqs, "max_num_batched_tokens": variant.max_num_batched_tokens,
+        engine={"max_num_seqs": variant.max_num_seqs, "max_num_batched_tokens": llm.max_num_batched_tokens,
                 "enable_chunked_prefill": variant.enable_chunked_prefill,
-                "num_cache_blocks": variant.num_cache_blocks, "max_model_len": variant.max_model_len,
-                "numerics": variant.numerics, "dtype": variant.dtype, "device": variant.device},
+                "num_cache_blocks": variant.num_cache_blocks, "cache_blocks": llm.cache.num_blocks,
+                "max_model_len": llm.max_model_len, "numerics": variant.numerics, "dtype": variant.dtype,
+                "device": variant.device},
         checkpoint={"path": str(model) if model is not None else None, "content_hash": llm.model_id},
         suite=suite.describe(), seeds={"run_seed": run_seed}, variant=variant.to_dict(),
     )
@@ -64,7 +65,7 @@ def _record_run(model: str | Path | None, suite: Suite, variant: Variant, run_di
         try:
             prompt = item.prompt_ids(llm)
         except DeepInferError as err:
-            rows.append(_error_row(index, item.request_id, item.row_params(params), str(err)))
+            rows.append(_error_row(index, item.request_id, item.row_params(params), err))
             continue
         jobs.append((prompt, params))
         job_index.append(index)
@@ -114,11 +115,13 @@ def _comparable(section: object) -> object:
     return section
 
 
-def _error_row(index: int, request_id: str, params: dict, message: str) -> dict:
+def _error_row(index: int, request_id: str, params: dict, error: DeepInferError) -> dict:
+    """The row of a request the engine refused: its error kind and detail (never where the input was read
+    from, so the same refusal hashes the same from any folder)."""
     return make_row(
         index=index, request_id=request_id, prompt_token_ids=[], params=params, token_ids=[], logprobs=[],
-        top_token_ids=[], top_logprobs=[], text=None, finish_reason="error", error=message, arrival_s=0.0,
-        first_token_s=None, finish_s=0.0,
+        top_token_ids=[], top_logprobs=[], text=None, finish_reason="error", error_kind=error.kind,
+        error=error.detail, arrival_s=0.0, first_token_s=None, finish_s=0.0,
     )
 
 

@@ -37,7 +37,7 @@ from harness.traces import Episode, RecordedTurn, Recording, ToolResult, canonic
 MODES = ("teacher-forced", "free-running")
 STATUSES = ("identical", "completed", "diverged", "unrecorded_call", "error", "malformed")
 _COMPARED_COLUMNS = ("index", "request_id", "prompt_token_ids", "token_ids", "logprobs", "top_token_ids",
-                     "top_logprobs", "finish_reason", "error")
+                     "top_logprobs", "finish_reason", "error_kind", "error")
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ def teacher_forced(llm: LLM, episodes: list[Episode], run_seed: int = 0) -> list
             try:
                 prompt = request.prompt_ids(llm)
             except DeepInferError as err:
-                run.ending = EpisodeResult(episode.episode_id, "error", turn, detail=str(err))
+                run.ending = _refused(episode, turn, err)
                 break
             position = episode.turn_positions[turn - 1]
             full = encode_chat(llm.tokenizer, episode.messages[: position + 1], episode.tools,
@@ -179,7 +179,7 @@ def free_running(llm: LLM, episodes: list[Episode], run_seed: int = 0) -> list[E
         try:
             state.prompt = state.run.episode.request(1).prompt_ids(llm)
         except DeepInferError as err:
-            state.run.ending = EpisodeResult(state.run.episode.episode_id, "error", 1, detail=str(err))
+            state.run.ending = _refused(state.run.episode, 1, err)
     while active := [s for s in states if s.run.ending is None]:
         jobs = []
         for state in active:
@@ -221,7 +221,13 @@ def _feed_forward(llm: LLM, state: _Running, turn: int, token_ids: list[int], me
     try:
         state.prompt = llm.encode(prompt)
     except DeepInferError as err:
-        state.run.ending = EpisodeResult(episode.episode_id, "error", turn + 1, detail=f"{episode.where}: {err}")
+        state.run.ending = _refused(episode, turn + 1, err)
+
+
+def _refused(episode: Episode, turn: int, error: DeepInferError) -> EpisodeResult:
+    """The episode ends at `turn` because the engine refused its prompt. The detail is the error's kind
+    and detail, never the trace file's path: a cassette verified from another folder must agree."""
+    return EpisodeResult(episode.episode_id, "error", turn, detail=f"{error.kind}: {error.detail}")
 
 
 def _continuation(calls: list[dict], replies: list[dict]) -> str:
@@ -320,6 +326,9 @@ def against_recording(run: EpisodeRun, recording: Recording, llm: LLM) -> Episod
     if replayed.outcome() != recording.outcome:
         return EpisodeResult(episode_id, "diverged", replayed.turn,
                              detail=f"outcome differs: replay {replayed.outcome()}, recorded {recording.outcome}")
+    if replayed.status == "error":
+        return EpisodeResult(episode_id, "identical", detail=f"{len(run.turns)} turn(s) reproduced bit for bit, then "
+                                                             f"refused again at turn {replayed.turn}: {replayed.detail}")
     return EpisodeResult(episode_id, "identical", detail=f"{len(run.turns)} turn(s) reproduced bit for bit")
 
 
@@ -347,7 +356,7 @@ def _stream_divergence(episode_id: str, turn: int, mine: TurnRun, theirs: Record
 def _stream_row(request_id: str, prompt: list[int], record: RecordedTurn) -> dict:
     return {"index": 0, "request_id": request_id, "prompt_token_ids": prompt, "token_ids": record.token_ids,
             "logprobs": record.logprobs, "top_token_ids": record.top_token_ids, "top_logprobs": record.top_logprobs,
-            "finish_reason": record.finish_reason, "error": None}
+            "finish_reason": record.finish_reason, "error_kind": None, "error": None}
 
 
 def _margin(record: RecordedTurn, position: int) -> float | None:

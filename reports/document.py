@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
+from audit.certificate import verdict_summary
 from reports import figures, tables
 from reports.groups import group_outcomes, request_grouping
 from reports.load import AuditData
@@ -112,6 +113,7 @@ def _headline(data: AuditData, counts: dict[str, dict]) -> Section:
     control_verdicts = {c.get("name"): c.get("verdict", "–") for c in cert.get("controls") or []}
     blocks: list[Block] = [
         Verdict("Verdict", cert["verdict"], verdict_level(cert["verdict"]), primary=True),
+        Paragraph(verdict_summary(cert) + "."),
         Paragraph(
             f"{len(variants)} variant configuration(s) compared with the reference {data.reference.name!r} "
             f"on {counts[data.reference.name]['requests']} requests; the verdict covers variants only."
@@ -211,6 +213,7 @@ def build_document(data: AuditData) -> Document:
     others = data.comparisons.filter(pl.col("configuration") != reference.name)
     zero_drift = others.filter(pl.col("max_logprob_drift") == 0).height
     divergences = tables.divergence_table(data)
+    errored = tables.errored_table(data)
     cert = data.certificate
     sections = [
         _headline(data, counts),
@@ -251,7 +254,14 @@ def build_document(data: AuditData) -> Document:
         *_groups_section(data),
         Section(
             "Diverged requests",
-            [Note("No diverged, missing or errored requests.") if divergences.is_empty() else Table(divergences)],
+            [Note("No request diverged, went missing or errored differently from the reference.")
+             if divergences.is_empty() else Table(divergences)],
+        ),
+        Section(
+            "Errored requests",
+            [Paragraph("Requests the engine refused (an error row: its kind and detail are hashed, so an "
+                       "error repeated identically is reproducible, but the request produced no output)."),
+             Note("No request errored in any configuration.") if errored.is_empty() else Table(errored)],
         ),
         Section(
             f"Environment of the reference run ({reference.name})",

@@ -120,6 +120,7 @@ def configurations_table(data: AuditData) -> pl.DataFrame:
                 "diverged": str(n["diverged"]),
                 "near-tie": str(n["near_tie"]),
                 "missing/error": str(n["missing"] + n["error"]),
+                "errored": str(errored_rows(c).height),
                 "tokens": str(tokens),
                 "tok/s": "–" if throughput is None else f"{throughput:.1f}",
                 "first token (s)": "–" if first_token is None else f"{first_token:.3f}",
@@ -165,6 +166,34 @@ def divergence_table(data: AuditData) -> pl.DataFrame:
     columns = ["configuration", "request", "position", "token ref → other", "logprob ref", "logprob other",
                "margin ref", "margin other", "kind"]
     return pl.DataFrame(rows, schema={key: pl.String for key in columns})
+
+
+def errored_rows(configuration: Configuration) -> pl.DataFrame:
+    """The rows of a configuration's run that are errors (index, request id, kind, detail)."""
+    return (configuration.run.streams.filter(pl.col("finish_reason") == "error")
+            .select("index", "request_id", "error_kind", "error"))
+
+
+def errored_table(data: AuditData) -> pl.DataFrame:
+    """One row per request that errored in any configuration, in suite order: its error kind and detail
+    (from the first configuration where it errored) and where it errored."""
+    names = [c.name for c in data.configurations]
+    errored = pl.concat([errored_rows(c).with_columns(configuration=pl.lit(c.name)) for c in data.configurations])
+    rows = []
+    for (index, request_id), group in errored.group_by("index", "request_id", maintain_order=True):
+        where = group["configuration"].to_list()
+        kinds = sorted(set(zip(group["error_kind"].to_list(), group["error"].to_list())))
+        rows.append({
+            "index": index,
+            "request": request_id,
+            "kind": group["error_kind"][0],
+            "detail": cell(group["error"][0]),
+            "errored in": f"all {len(names)}" if len(where) == len(names) else ", ".join(where),
+            "same error everywhere": "yes" if len(kinds) == 1 else "no",
+        })
+    columns = ["request", "kind", "detail", "errored in", "same error everywhere"]
+    rows.sort(key=lambda row: row["index"])
+    return pl.DataFrame([{key: row[key] for key in columns} for row in rows], schema={key: pl.String for key in columns})
 
 
 def group_table(outcomes: pl.DataFrame, grouping: Grouping) -> pl.DataFrame:

@@ -98,7 +98,8 @@ def test_build_write_verify_round_trip(out):
     assert load_certificate(out / "certificate.json") == cert
     assert cert["verdict"] == TOKEN
     assert cert["verdict_counts"] == {"variants": 2, "bitwise_equal": 1, "token_only": 1, "divergent": 0,
-                                      "requests_diverged": 0}
+                                      "requests_diverged": 0, "requests": 3, "served": 3, "errored": 0,
+                                      "errored_by_kind": {}, "requests_errored_differently": 0}
     assert cert["controls"] == [{"name": "div", "verdict": DIVERGENT, "comparison": {
         "equal": 2, "logprob_drift": 0, "diverged": 1, "near_tie": 0, "missing": 0, "error": 0}}]
     by_name = {c["name"]: c for c in cert["configurations"]}
@@ -119,8 +120,8 @@ def test_seal_is_idempotent_and_drops_a_signature(runs, keys):
 
 
 def entry(name: str, role: str, token: str, logit: str, diverged: int = 0) -> dict:
-    return {"name": name, "role": role, "token_root": token * 64, "logit_root": logit * 64,
-            "comparison": {"diverged": diverged, "near_tie": 0}}
+    return {"name": name, "role": role, "token_root": token * 64, "logit_root": logit * 64, "count": 10,
+            "errors": {}, "comparison": {"diverged": diverged, "near_tie": 0, "error": 0}}
 
 
 @pytest.mark.parametrize(
@@ -141,7 +142,7 @@ def test_verdict_rules(variants, expected, counts):
     assert (got["bitwise_equal"], got["token_only"], got["divergent"], got["requests_diverged"]) == counts
     assert got["variants"] == len(variants)
     assert control_verdicts(configs) == [
-        {"name": "ctl", "verdict": DIVERGENT, "comparison": {"diverged": 9, "near_tie": 0}}
+        {"name": "ctl", "verdict": DIVERGENT, "comparison": {"diverged": 9, "near_tie": 0, "error": 0}}
     ]
 
 
@@ -151,6 +152,49 @@ def test_verdict_needs_one_reference_and_a_variant():
     with pytest.raises(AuditError, match="exactly one reference"):
         verdict([entry("r1", "reference", "a", "a"), entry("r2", "reference", "a", "a"),
                  entry("v", "variant", "a", "a")])
+
+
+def make_error_run(path: Path, errors: list[tuple[str, str] | None]) -> None:
+    """A finished run of len(errors) requests: None serves [1, 2], (kind, detail) is an error row."""
+    store = RunStore.create(path, {"variant": {"kernel": path.name}, "suite": SUITE, "checkpoint": CHECKPOINT})
+    rows = []
+    for i, error in enumerate(errors):
+        if error is None:
+            rows.append(make_row(i, f"q{i}", [9], {"seed": 1}, [1, 2], [-0.5, -0.5], [[1, 2], [2, 3]],
+                                 [[-0.5, -2.0], [-0.5, -2.0]], None, "length", None, 0.0, 0.1, 0.2))
+        else:
+            rows.append(make_row(i, f"q{i}", [], {"seed": 1}, [], [], [], [], None, "error", error[1], 0.0, None,
+                                 0.0, error_kind=error[0]))
+    store.append(rows)
+    store.finalize()
+
+
+def test_errored_requests_are_counted_by_kind_and_compared_by_kind_and_detail(tmp_path):
+    long, bad = ("prompt_too_long", "prompt has 9000 tokens"), ("malformed", "messages[2].role: unknown")
+    reference = [None, long, long, bad]
+    make_error_run(tmp_path / "runs" / "ref", reference)
+    make_error_run(tmp_path / "runs" / "same", reference)
+    make_error_run(tmp_path / "runs" / "other", [None, long, ("malformed", "prompt has 9000 tokens"), bad])
+    cert = certify(tmp_path, [("ref", "reference"), ("same", "variant")])
+    assert cert["verdict"] == BITWISE
+    counts = cert["verdict_counts"]
+    assert (counts["requests"], counts["served"], counts["errored"]) == (4, 1, 3)
+    assert counts["errored_by_kind"] == {"malformed": 1, "prompt_too_long": 2}
+    assert counts["requests_errored_differently"] == 0
+    assert {c["name"]: c["errors"] for c in cert["configurations"]} == {
+        "ref": {"malformed": 1, "prompt_too_long": 2}, "same": {"malformed": 1, "prompt_too_long": 2}}
+    assert verify_certificate(tmp_path) == []
+
+    (tmp_path / "certificate.json").unlink()
+    cert = certify(tmp_path, [("ref", "reference"), ("other", "variant")])
+    assert cert["verdict"] == DIVERGENT  # same detail, other kind: not the same error
+    assert cert["verdict_counts"]["requests_errored_differently"] == 1
+
+    forged = seal({**cert, "configurations": [{**c, "errors": {}} for c in cert["configurations"]],
+                   "verdict_counts": {**cert["verdict_counts"], "errored": 0, "served": 4, "errored_by_kind": {}}})
+    write_certificate(tmp_path / "certificate.json", forged)
+    problems = verify_certificate(tmp_path)
+    assert any("errors of 'ref' {} do not match its run" in p for p in problems)
 
 
 def test_a_divergent_control_keeps_the_verdict_bitwise(out):
@@ -294,10 +338,10 @@ def test_unreadable_or_invalid_certificates(out):
         load_certificate(path)
     assert verify_certificate(path)[0].startswith(f"{path}: not valid JSON")
     for number in ("NaN", "1e999"):
-        path.write_text(f'{{"format": "deepinfer-certificate/1", "near_tie_threshold": {number}}}')
+        path.write_text(f'{{"format": "deepinfer-certificate/2", "near_tie_threshold": {number}}}')
         with pytest.raises(AuditError, match="not valid JSON"):
             load_certificate(path)
-    path.write_text('{"format": "deepinfer-certificate/1", "reference": "ref"}')
+    path.write_text('{"format": "deepinfer-certificate/2", "reference": "ref"}')
     with pytest.raises(AuditError, match="missing field"):
         load_certificate(path)
     cert = certify(out, [("ref", "reference"), ("same", "variant")])

@@ -18,13 +18,14 @@ from audit.streams import STREAM_SCHEMA
 SECOND = 1.0  # top-2 logprob sits this far below the chosen one unless a test says otherwise
 
 
-def stream(tokens, logprobs=None, *, tops=None, finish="length", error=None, prompt=(1, 2)) -> dict:
+def stream(tokens, logprobs=None, *, tops=None, finish="length", error=None, error_kind="invalid_request",
+           prompt=(1, 2)) -> dict:
     """One request's content; `tops` is a list of (top1, top2) logprob pairs per position."""
     logprobs = [-0.5] * len(tokens) if logprobs is None else logprobs
     tops = [(lp, lp - SECOND) for lp in logprobs] if tops is None else tops
     return {"tokens": list(tokens), "logprobs": [f32(lp) for lp in logprobs],
             "tops": [[f32(lp) for lp in pair] for pair in tops], "finish": finish,
-            "error": error, "prompt": list(prompt)}
+            "error": error, "error_kind": error_kind, "prompt": list(prompt)}
 
 
 def f32(x: float) -> float:
@@ -40,6 +41,7 @@ def frame(streams: list[dict], *, indices=None, ids=None) -> pl.DataFrame:
             index, request_id, s["prompt"], {"seed": 0}, s["tokens"], s["logprobs"],
             [[t, t + 1] for t in s["tokens"]], [list(pair) for pair in s["tops"]], None,
             "error" if s["error"] else s["finish"], s["error"], 0.0, None, 1.0,
+            error_kind=s["error_kind"] if s["error"] else None,
         ))
     return pl.from_dicts(rows, schema=STREAM_SCHEMA)
 
@@ -150,11 +152,13 @@ def test_extra_requests_in_the_other_run_are_not_rows():
 
 
 def test_error_rows():
-    ref = frame([stream([], error="oom"), stream([1, 2]), stream([], error="oom"), stream([], error="oom")])
-    other = frame([stream([1, 2]), stream([], error="oom"), stream([], error="timeout"), stream([], error="oom")])
+    ref = frame([stream([], error="oom"), stream([1, 2]), stream([], error="oom"), stream([], error="oom"),
+                 stream([], error="too long", error_kind="prompt_too_long")])
+    other = frame([stream([1, 2]), stream([], error="oom"), stream([], error="timeout"), stream([], error="oom"),
+                   stream([], error="too long", error_kind="malformed")])
     cmp = compare_streams(ref, other)
-    assert cmp["status"].to_list() == ["error", "error", "error", "equal"]
-    assert cmp["max_logprob_drift"].to_list() == [None, None, None, 0.0]
+    assert cmp["status"].to_list() == ["error", "error", "error", "equal", "error"]  # kind and detail must match
+    assert cmp["max_logprob_drift"].to_list() == [None, None, None, 0.0, None]
 
 
 def test_a_different_request_id_at_an_index_is_a_suite_mismatch():

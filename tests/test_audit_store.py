@@ -31,7 +31,7 @@ from audit.streams import STREAM_SCHEMA, merkle_root
 
 REPO = Path(__file__).resolve().parent.parent
 HASHED = ["index", "request_id", "prompt_token_ids", "params", "prompt_hash", "token_ids", "logprobs",
-          "finish_reason", "error", "token_hash", "logit_hash"]
+          "finish_reason", "error_kind", "error", "token_hash", "logit_hash"]
 SPECIAL_BITS = [0x80000000, 0x00000000, 0x80000001, 0x807FFFFF, 0xFF7FFFFF, 0xBF800000]
 
 
@@ -57,6 +57,7 @@ def spec(i: int) -> dict:
         "top_logprobs": [] if error else [[x, f32(0xC2000000)] for x in logprobs],
         "text": None if error or n == 0 else "x" * n,
         "finish_reason": "error" if error else ("stop" if n % 2 else "length"), "error": error,
+        "error_kind": "invalid_request" if error else None,
         "arrival_s": 0.25 * i, "first_token_s": None if error else 0.25 * i + 0.1, "finish_s": 0.25 * i + 0.2,
     }
 

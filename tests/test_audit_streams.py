@@ -85,8 +85,8 @@ def test_stream_vectors(vector):
         got = stream_hashes(prompt, params, tokens, [f32(b) for b in bits], vector["finish_reason"])
     else:
         assert vector["finish_reason"] == "error" and not tokens
-        reason = b"error:" + vector["error"].encode()
-        got = error_hashes(prompt, params, vector["error"])
+        reason = b"error:" + vector["error_kind"].encode() + b": " + vector["error"].encode()
+        got = error_hashes(prompt, params, vector["error_kind"], vector["error"])
     assert got == expected
     assert ref_hashes(prompt, params, tokens, bits, reason) == (expected.prompt_hash, expected.token_hash,
                                                                 expected.logit_hash)
@@ -166,7 +166,10 @@ def test_each_input_changes_the_hashes():
     ]
     for variant in variants:
         assert variant.token_hash != base.token_hash and variant.logit_hash != base.logit_hash
-    assert error_hashes([1, 2], {"seed": 0}, "boom") != error_hashes([1, 2], {"seed": 0}, "boom!")
+    assert error_hashes([1, 2], {"seed": 0}, "malformed", "boom") != error_hashes([1, 2], {"seed": 0}, "malformed",
+                                                                                "boom!")
+    assert error_hashes([1, 2], {"seed": 0}, "malformed", "boom") != error_hashes([1, 2], {"seed": 0},
+                                                                                "prompt_too_long", "boom")
 
 
 def test_canonical_json():
@@ -208,7 +211,7 @@ def test_run_root_uses_index_order_and_rejects_duplicate_indices():
 def test_stream_schema_is_the_documented_one():
     assert list(STREAM_SCHEMA) == [
         "index", "request_id", "prompt_token_ids", "params", "prompt_hash", "token_ids", "logprobs",
-        "top_token_ids", "top_logprobs", "text", "finish_reason", "error", "token_hash", "logit_hash",
-        "arrival_s", "first_token_s", "finish_s"]
+        "top_token_ids", "top_logprobs", "text", "finish_reason", "error_kind", "error", "token_hash",
+        "logit_hash", "arrival_s", "first_token_s", "finish_s"]
     assert STREAM_SCHEMA["logprobs"] == pl.List(pl.Float32)
     assert STREAM_SCHEMA["top_logprobs"] == pl.List(pl.List(pl.Float32))

@@ -39,7 +39,7 @@ GREEDY = {"temperature": 0, "max_tokens": 3}
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint) -> LLM:
-    return LLM(tiny_checkpoint, **VARIANT.engine_kwargs(VARIANT.max_model_len))
+    return LLM(tiny_checkpoint, **VARIANT.engine_kwargs())
 
 
 def call(call_id: str, arguments: str, name: str = "get_weather") -> dict:
@@ -186,6 +186,8 @@ class ScriptedEngine:
     contains, picked by how many assistant turns the prompt holds; every token has logprob -0.5."""
 
     model_id = "scripted"
+    max_model_len = VARIANT.max_model_len  # what a cassette's header records of the engine
+    max_num_batched_tokens = VARIANT.max_num_batched_tokens
 
     def __init__(self, tokenizer: TextTokenizer, script: dict[str, list[str]]) -> None:
         self.tokenizer = tokenizer

@@ -166,10 +166,10 @@ def test_tables_show_counts_throughput_and_divergences(rendered):
     lines = md.splitlines()
     chunked = next(line for line in lines if line.startswith("| chunked-prefill ") and "variant" in line)
     cells = [c.strip() for c in chunked.strip("|").split("|")]
-    # knobs batch_size, numerics, chunk; two roots; equal, drift, diverged, near-tie, missing/error, tokens, tok/s,
-    # first token (median of 0.1, 0.2, 0.3, 0.4 s after arrival)
+    # knobs batch_size, numerics, chunk; two roots; equal, drift, diverged, near-tie, missing/error, errored,
+    # tokens, tok/s, first token (median of 0.1, 0.2, 0.3, 0.4 s after arrival)
     assert cells[:5] == ["chunked-prefill", "variant", "8", "invariant", "2"]
-    assert cells[7:] == ["2", "1", "1", "0", "0", "16", "8.0", "0.250"]
+    assert cells[7:] == ["2", "1", "1", "0", "0", "0", "16", "8.0", "0.250"]
     divergence_rows = [line for line in lines if line.startswith("| chunked-prefill ") and "hard" in line]
     assert len(divergence_rows) == 1
     cells = [c.strip() for c in divergence_rows[0].strip("|").split("|")]
@@ -255,7 +255,9 @@ def test_no_divergence_says_so(tmp_path):
     for text in (md, html):
         assert "BITWISE_REPRODUCIBLE" in text
         assert "No divergences" in text and "No logprob drift" in text
-        assert "No diverged, missing or errored requests" in text
+        assert "No request diverged, went missing or errored differently from the reference" in text
+        assert "No request errored in any configuration" in text
+        assert "over all " in text
         assert "Every configuration ran in this environment." in text
     assert sorted(p.name for p in (out / "report_files").glob("*.png")) == ["invariance.png"]
 
