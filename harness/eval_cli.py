@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from deepinfer.errors import DeepInferError
+from harness.lm_eval_cli import needs_lm_eval
 
 EXIT_DIFFERENT = 1
 
@@ -24,8 +24,10 @@ def add_eval_command(commands: argparse._SubParsersAction) -> None:
                     "Exit 0 when identical, 1 when anything moved.",
     )
     command.add_argument("--tasks", required=True,
-                         help="comma-separated tasks of harness/suites/lm_eval: deepinfer_mc, deepinfer_gen, "
-                              "deepinfer_ppl, or the tag deepinfer for all three")
+                         help="comma-separated tasks of harness/suites/lm_eval (deepinfer_mc, deepinfer_gen, "
+                              "deepinfer_ppl, or the tag deepinfer for all three) or of --include-path")
+    command.add_argument("--include-path", help="a folder of your own lm-eval task YAMLs (lm-eval's --include_path); "
+                                                "its files are hashed into the runs' manifests")
     command.add_argument("--batch-sizes", default="1,8,64", help="engine batch sizes to compare (default: 1,8,64)")
     command.add_argument("--out", required=True, help="output folder (new or empty)")
     command.add_argument("--model", help="checkpoint folder (default: the embedded tiny checkpoint)")
@@ -39,16 +41,12 @@ def add_eval_command(commands: argparse._SubParsersAction) -> None:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    try:
+    with needs_lm_eval("audit eval"):
         from harness.evaluate import evaluate, parse_batch_sizes
-    except ModuleNotFoundError as err:
-        if err.name != "lm_eval":
-            raise
-        raise DeepInferError("audit eval needs lm-eval: pip install 'deepinfer[eval]'") from None
 
     summary = evaluate(args.tasks.split(","), parse_batch_sizes(args.batch_sizes), Path(args.out), model=args.model,
                        numerics=args.numerics, dtype=args.dtype, device=args.device, limit=args.limit,
-                       run_seed=args.run_seed, max_model_len=args.max_model_len)
+                       run_seed=args.run_seed, max_model_len=args.max_model_len, include_path=args.include_path)
     for run in summary["runs"]:
         print(f"{run['name']}: {run['count']} requests, logit root {run['logit_root']}")
     for comparison in summary["comparisons"]:

@@ -1,5 +1,7 @@
 """lm-eval tasks run offline through `DeepInferLM` at several engine batch sizes, with a verdict on
-whether the metrics and every request's stream hashes stay the same.
+whether the metrics and every request's stream hashes stay the same. The tasks are the shipped ones
+(harness/suites/lm_eval) plus, with `include_path`, those of a user's own task folder; the runs'
+manifests carry a content hash over both folders' files, so a changed task is a different suite.
 
     OUT/runs/batch-N/          the requests served at batch size N (an audit-store run)
     OUT/lm_eval/batch-N.json   lm-eval's results and per-sample records at batch size N
@@ -54,13 +56,23 @@ def parse_batch_sizes(spec: str) -> list[int]:
     return sizes
 
 
-def task_manager() -> TaskManager:
-    """The shipped suites only (lm-eval's own tasks download their data)."""
-    return TaskManager(include_path=str(SUITES), include_defaults=False)
+def include_folder(path: str | Path) -> Path:
+    """A user's task folder (lm-eval's `--include_path`), absolute; one-line EvalError when it is not a folder."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise EvalError(f"include path {path}: no such folder")
+    return folder.resolve()
+
+
+def task_manager(include_path: Path | None = None) -> TaskManager:
+    """The shipped tasks, plus those of `include_path` (an `include_folder`); not lm-eval's own tasks,
+    which download their data and take seconds to index."""
+    folders = [SUITES] if include_path is None else [SUITES, include_path]
+    return TaskManager(include_path=[str(folder) for folder in folders], include_defaults=False)
 
 
 def parse_tasks(spec: str, manager: TaskManager) -> list[str]:
-    """Comma-separated names ("a,b") as a list, each a task, group or tag of the shipped suites."""
+    """Comma-separated names ("a,b") as a list, each a task, group or tag the manager knows."""
     tasks = [name.strip() for name in spec.split(",") if name.strip()]
     if not tasks:
         raise EvalError(f"--tasks names no task: {spec!r}")
@@ -70,29 +82,46 @@ def parse_tasks(spec: str, manager: TaskManager) -> list[str]:
     return tasks
 
 
-def suite_hash() -> str:
-    """SHA-256 over the shipped suite files (names and bytes), recorded in each run's manifest."""
+def folder_hash(folder: Path) -> str:
+    """SHA-256 over a task folder's files (paths relative to it, and bytes), recursively: YAML, data,
+    Python, anything a task may read. Python's __pycache__ and dot-files are left out (they change
+    without the tasks changing); the folder's own location is not hashed."""
     digest = hashlib.sha256()
-    for file in sorted(p for p in SUITES.iterdir() if p.is_file() and p.suffix in {".yaml", ".jsonl", ".py"}):
-        digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
+    files = sorted(path.relative_to(folder) for path in folder.rglob("*") if path.is_file())
+    for file in files:
+        if not any(part == "__pycache__" or part.startswith(".") for part in file.parts):
+            digest.update(file.as_posix().encode() + b"\0" + (folder / file).read_bytes() + b"\0")
     return digest.hexdigest()
+
+
+def suite_hash(tasks: Sequence[str], limit: int | None, include_path: Path | None = None) -> str:
+    """The content hash of an lm-eval suite: the shipped and the included task files, the task list and
+    the limit. Runs of `evaluate` and the `lm-eval:` suite of the same tasks share it."""
+    files = {"suite_files": folder_hash(SUITES)}
+    if include_path is not None:
+        files["include_files"] = folder_hash(include_path)
+    content = json.dumps({**files, "tasks": list(tasks), "limit": limit}, sort_keys=True)
+    return hashlib.sha256(content.encode()).hexdigest()
 
 
 def evaluate(
     tasks: Sequence[str], batch_sizes: Sequence[int], out: Path, *, model: str | None = None,
     numerics: str = "batch_invariant", dtype: str = "float32", device: str = "cpu", limit: int | None = None,
-    run_seed: int = 0, max_model_len: int | None = None,
+    run_seed: int = 0, max_model_len: int | None = None, include_path: str | Path | None = None,
 ) -> dict:
-    """Run `tasks` once per batch size into `out` (a new or empty folder); returns the summary."""
+    """Run `tasks` (shipped, or from the task folder `include_path`) once per batch size into `out`
+    (a new or empty folder); returns the summary."""
     batch_sizes = parse_batch_sizes(",".join(str(size) for size in batch_sizes))
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise EvalError(f"{out}: the output folder must be new or empty")
     if limit is not None and (not isinstance(limit, int) or limit < 1):
         raise EvalError(f"--limit must be a positive integer, got {limit!r}")
-    manager = task_manager()
+    include = include_folder(include_path) if include_path is not None else None
+    manager = task_manager(include)
     tasks = parse_tasks(",".join(tasks), manager)
-    suite = {"kind": "lm-eval", "path": str(SUITES), "tasks": tasks, "limit": limit, "content_hash": suite_hash()}
+    suite = {"kind": "lm-eval", "path": str(SUITES), "include_path": str(include) if include else None,
+             "tasks": tasks, "limit": limit, "content_hash": suite_hash(tasks, limit, include)}
     (out / "lm_eval").mkdir(parents=True, exist_ok=True)
     runs = []
     for size in batch_sizes:

@@ -1,40 +1,94 @@
 """lm-eval's view of the engine: `DeepInferLM`, a `TemplateLM` registered as model "deepinfer".
 
-    lm_eval.simple_evaluate(model="deepinfer", model_args="model=DIR,batch_size=8,run_dir=RUN", ...)
+    import harness.lm_eval_model  # registers "deepinfer"
+    lm_eval.simple_evaluate(model="deepinfer", model_args="model=DIR,run_dir=RUN", batch_size=8, ...)
 
-(after `import harness.lm_eval_model`, which registers it). Scoring requests are teacher-forced
-through the engine's prompt logprobs, so `loglikelihood` sees exactly the numbers the engine would
-report for those tokens, and `batch_size` is the engine's `max_num_seqs`: the engine, not lm-eval,
-batches requests. With `run_dir`, every request served becomes one stream row of a run in the audit
-store, in the order lm-eval asks (which does not depend on the batch size), so two evaluations can
-be compared request by request. harness.lm_eval_requests turns each request into engine requests and
-rows (loglikelihood and rolling windows teacher-forced, finish "forced"; generate_until the generated
-stream), the same way the `lm-eval:TASKS` suite of `deepinfer audit certify` does.
+The import is needed: lm-eval 0.4.13 resolves a model name only in its own registry
+(`lm_eval.api.registry.get_model` reads no entry points and has no plugin hook), so "deepinfer" exists
+once this module has run. From the shell, `deepinfer lm-eval ...` (harness/lm_eval_cli.py) imports it
+and then runs lm-eval's own command line.
+
+Scoring requests are teacher-forced through the engine's prompt logprobs, so `loglikelihood` sees
+exactly the numbers the engine would report for those tokens, and `batch_size` is the engine's
+`max_num_seqs`: the engine, not lm-eval, batches requests. With `run_dir`, every request served becomes
+one stream row of a run in the audit store, in the order lm-eval asks (which does not depend on the
+batch size), so two evaluations can be compared request by request. harness.lm_eval_requests turns
+each request into engine requests and rows (loglikelihood and rolling windows teacher-forced, finish
+"forced"; generate_until the generated stream), the same way the `lm-eval:TASKS` suite of
+`deepinfer audit certify` does.
 """
 
 from __future__ import annotations
 
+import inspect
+import re
 import time
 import weakref
 from pathlib import Path
 
+import lm_eval.models  # noqa: F401  lm-eval's own models: get_model adds them only to an empty registry
+import torch
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
+from lm_eval.utils import simple_parse_args_string
 
 from audit.manifest import build_manifest
 from audit.store import RunStore, make_row
 from deepinfer import LLM
+from deepinfer.engine.llm import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from harness.lm_eval_requests import (FORCED, EvalError, Generation, LmEvalText, RequestNames, Scoring, request_params,
                                       score)
 
 __all__ = ["FORCED", "DeepInferLM", "EvalError"]
+
+# lm-eval's own settings that reach the model next to model_args; its CLI always passes both
+LM_EVAL_FLAGS = {"batch_size": "--batch_size, default 1", "device": "--device, default cuda:0"}
 
 
 def _positive_int(value: object, name: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise EvalError(f"{name} must be a positive integer, got {value!r}")
     return value
+
+
+def _engine_batch_size(value: object) -> int:
+    """lm-eval's batch size (an int, or a decimal string from its CLI) as the engine's max_num_seqs.
+    lm-eval's `auto` probes for the largest batch that fits; the engine schedules its own batches."""
+    if isinstance(value, str) and value.strip().lower().startswith("auto"):
+        raise EvalError(f"batch_size {value!r} is not supported: the engine batches requests itself; "
+                        f"give a number (it is the engine's max_num_seqs)")
+    if isinstance(value, str) and re.fullmatch(r"[0-9]+", value.strip()):
+        value = int(value)
+    return _positive_int(value, "batch_size")
+
+
+def model_arguments(model_args: dict, lm_eval_settings: dict) -> dict:
+    """DeepInferLM's keyword arguments from lm-eval's `model_args` and the settings lm-eval adds
+    (`batch_size`, `max_batch_size`, `device`; None when not given). A setting also given in
+    model_args must have the same value: lm-eval's CLI always passes batch_size and device."""
+    known = [name for name in inspect.signature(DeepInferLM.__init__).parameters if name != "self"]
+    settings = {key: value for key, value in lm_eval_settings.items() if value is not None}
+    if "max_batch_size" in settings or "max_batch_size" in model_args:
+        raise EvalError("max_batch_size only applies to batch_size auto, which deepinfer does not use: "
+                        "give batch_size N (the engine's max_num_seqs)")
+    unknown = sorted(set(model_args) - set(known))
+    if unknown:
+        raise EvalError(f"unknown model_args {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    args = dict(model_args)
+    if "batch_size" in args:
+        args["batch_size"] = _engine_batch_size(args["batch_size"])
+    if "batch_size" in settings:
+        settings["batch_size"] = _engine_batch_size(settings["batch_size"])
+    for key, flag in LM_EVAL_FLAGS.items():
+        if key in settings and key in args and args[key] != settings[key]:
+            raise EvalError(f"{key} given twice: {args[key]!r} in model_args, {settings[key]!r} from lm-eval "
+                            f"({flag}); give it once")
+    device = str(settings.get("device", ""))
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise EvalError(f"device {device!r} from lm-eval, but CUDA is not available here "
+                        f"(lm-eval's CLI passes cuda:0 unless given --device): pass --device cpu")
+    return {**args, **{key: settings[key] for key in LM_EVAL_FLAGS if key in settings}}
 
 
 @register_model("deepinfer")
@@ -45,12 +99,13 @@ class DeepInferLM(TemplateLM):
     `device`, `max_model_len` and `max_num_batched_tokens` go to `LLM`; `batch_size` is the
     engine's `max_num_seqs`; `run_seed` seeds sampled generations (per request id, so not by
     arrival); `run_dir` (a new folder) receives the run; `suite` describes the tasks in its manifest.
+    lm-eval builds it from `model_args` plus its own `batch_size` and `device` (`model_arguments`).
     """
 
     def __init__(
         self, model: str | None = None, numerics: str = "batch_invariant", dtype: str = "float32",
-        device: str = "cpu", batch_size: int = 32, max_model_len: int | None = None,
-        max_num_batched_tokens: int = 512, run_seed: int = 0, run_dir: str | Path | None = None,
+        device: str = "cpu", batch_size: int = DEFAULT_MAX_NUM_SEQS, max_model_len: int | None = None,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, run_seed: int = 0, run_dir: str | Path | None = None,
         suite: dict | None = None,
     ) -> None:
         super().__init__()
@@ -66,7 +121,8 @@ class DeepInferLM(TemplateLM):
         self.store: RunStore | None = None
         if run_dir is not None:
             manifest = build_manifest(
-                engine={**engine, "max_model_len": self.llm.max_model_len},
+                engine={**engine, "max_model_len": self.llm.max_model_len,
+                        "max_num_batched_tokens": self.llm.max_num_batched_tokens},
                 checkpoint={"path": str(model) if model is not None else None, "content_hash": self.llm.model_id},
                 suite=suite or {"kind": "lm-eval"}, seeds={"run_seed": run_seed},
                 variant={"name": f"batch-{self.batch_size}", "batch_size": self.batch_size},
@@ -74,6 +130,16 @@ class DeepInferLM(TemplateLM):
             self.store = RunStore.create(run_dir, manifest)
             # A run left open when the process exits normally is still sealed.
             self._finalizer = weakref.finalize(self, self.store.finalize)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> DeepInferLM:
+        """lm-eval's constructor for `model_args="k=v,..."`: see `model_arguments`."""
+        return cls(**model_arguments(simple_parse_args_string(arg_string), additional_config or {}))
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> DeepInferLM:
+        """lm-eval's constructor for `model_args` as a dict (its CLI's form): see `model_arguments`."""
+        return cls(**model_arguments(arg_dict, additional_config or {}))
 
     def finalize(self) -> dict | None:
         """Seal the run (streams.parquet and root.json) and return its root; None without a run_dir

@@ -1,5 +1,7 @@
-"""The `lm-eval` suite kind: `lm-eval:TASKS[?limit=N]`, TASKS being comma-separated tasks or tags of the
-shipped offline tasks (harness/suites/lm_eval), e.g. `lm-eval:deepinfer` or `lm-eval:deepinfer_mc?limit=5`.
+"""The `lm-eval` suite kind: `lm-eval:TASKS[?include_path=DIR][&limit=N]`, TASKS being comma-separated tasks
+or tags of the shipped offline tasks (harness/suites/lm_eval) or of the user's task folder DIR (lm-eval's
+`--include_path`), e.g. `lm-eval:deepinfer`, `lm-eval:deepinfer_mc?limit=5` or
+`lm-eval:my_task?include_path=tasks&limit=5`.
 
 The suite is every request lm-eval would send a model for those tasks, in lm-eval's order: the tasks
 are run once through `lm_eval.simple_evaluate` against a model that only writes the requests down.
@@ -8,14 +10,15 @@ as `DeepInferLM` serves them, so the rows equal those of `deepinfer audit eval`'
 text must fit one window at the run's max_model_len (its request is `<id>/w0`); a longer one is
 recorded as an error row.
 
-The content hash covers the shipped task files, the task list and the limit.
+The content hash (harness.evaluate.suite_hash) covers the shipped task files, those of DIR (every file,
+recursively), the task list and the limit; DIR's location is not hashed, the suite's target records it
+as an absolute path.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import lm_eval
 from lm_eval.api.instance import Instance
@@ -28,6 +31,7 @@ from harness.lm_eval_requests import (EvalError, Generation, LmEvalText, Request
 from harness.suites import Suite, SuiteRequest
 
 KIND = "lm-eval"
+QUERY_KEYS = ("include_path", "limit")
 
 
 @dataclass
@@ -53,7 +57,8 @@ class LmEvalRequest(SuiteRequest):
         requests = LmEvalText(llm).requests(self.name, self.instance, params)
         if len(requests) > 1:
             raise EvalError(f"{self.name}: the text needs {len(requests)} rolling windows at max_model_len "
-                            f"{llm.max_model_len}; an lm-eval suite scores one window per text: raise max_model_len")
+                            f"{llm.max_model_len}; an lm-eval suite scores one window per text: raise max_model_len",
+                            kind="prompt_too_long")
         return requests[0]
 
 
@@ -78,12 +83,13 @@ class _Recorder(LM):
 
 
 def load_lm_eval_suite(target: str) -> Suite:
-    """`TASKS[?limit=N]` as a Suite; one-line EvalError for an unknown task or a bad limit."""
+    """`TASKS[?include_path=DIR][&limit=N]` as a Suite; one-line EvalError for an unknown task, a missing
+    folder or a bad query."""
     names, _, query = target.partition("?")
-    limit = _limit(query, target)
+    include, limit = _query(query, target)
     if not names.strip(","):
         raise EvalError(f"suite '{KIND}:{target}' names no task (e.g. {KIND}:deepinfer)")
-    manager = evaluate.task_manager()
+    manager = evaluate.task_manager(include)
     tasks = evaluate.parse_tasks(names, manager)
     recorder = _Recorder()
     lm_eval.simple_evaluate(model=recorder, tasks=list(tasks), task_manager=manager, limit=limit,
@@ -96,15 +102,23 @@ def load_lm_eval_suite(target: str) -> Suite:
     ]
     for request in requests:
         request.params(0)  # unsupported generation kwargs stop the suite before anything is written
-    spec = ",".join(tasks) + (f"?limit={limit}" if limit is not None else "")
-    content = json.dumps({"suite_files": evaluate.suite_hash(), "tasks": tasks, "limit": limit}, sort_keys=True)
-    return Suite(KIND, evaluate.SUITES, hashlib.sha256(content.encode()).hexdigest(), requests, target=spec)
+    parameters = [f"include_path={include}"] if include is not None else []
+    parameters += [f"limit={limit}"] if limit is not None else []
+    spec = ",".join(tasks) + ("?" + "&".join(parameters) if parameters else "")
+    return Suite(KIND, evaluate.SUITES, evaluate.suite_hash(tasks, limit, include), requests, target=spec)
 
 
-def _limit(query: str, target: str) -> int | None:
-    if not query:
-        return None
-    key, _, value = query.partition("=")
-    if key != "limit" or not value.isdigit() or int(value) < 1:
+def _query(query: str, target: str) -> tuple[Path | None, int | None]:
+    """The include folder and the limit of `include_path=DIR&limit=N` (each optional, in any order)."""
+    values: dict[str, str] = {}
+    for parameter in query.split("&") if query else []:
+        key, equals, value = parameter.partition("=")
+        if key not in QUERY_KEYS or not equals or not value or key in values:
+            raise EvalError(f"suite '{KIND}:{target}': expected ?include_path=DIR&limit=N (each at most once, "
+                            f"N a positive integer) after the tasks, got {parameter!r}")
+        values[key] = value
+    limit = values.get("limit")
+    if limit is not None and (not limit.isdecimal() or int(limit) < 1):
         raise EvalError(f"suite '{KIND}:{target}': expected ?limit=N with N a positive integer after the tasks")
-    return int(value)
+    include = evaluate.include_folder(values["include_path"]) if "include_path" in values else None
+    return include, int(limit) if limit is not None else None

@@ -18,6 +18,7 @@ from deepinfer import LLM, RequestOutput, SamplingParams
 from deepinfer.errors import DeepInferError
 from deepinfer.prompts_file import PromptRequest, read_prompts_file
 from deepinfer.sampling_params import SUITE_SEEDS, derive_seed
+from harness.lm_eval_cli import needs_lm_eval
 
 SHIPPED = Path(__file__).parent / "suites"
 TOP_LOGPROBS = 2  # every stored stream keeps the top-2 logprobs, for margins at divergences
@@ -102,12 +103,8 @@ def load_traces(path: Path) -> Suite:
 
 
 def load_lm_eval(target: str) -> Suite:
-    try:
+    with needs_lm_eval("an lm-eval suite"):
         from harness.lm_eval_suite import load_lm_eval_suite  # imports lm-eval
-    except ModuleNotFoundError as err:
-        if (err.name or "").partition(".")[0] != "lm_eval":
-            raise
-        raise DeepInferError("lm-eval suites need lm-eval: pip install 'deepinfer[eval]'") from None
     return load_lm_eval_suite(target)
 
 

@@ -1,6 +1,7 @@
 """Tests for the lm-eval adapter (`harness.lm_eval_model.DeepInferLM`, model "deepinfer"), the shipped
 offline tasks and `deepinfer audit eval`: scores equal the engine's own prompt logprobs, every request
-lands in the run store, and metrics plus per-request stream hashes are identical at batch sizes 1/8/64.
+lands in the run store, and metrics plus per-request stream hashes are identical at batch sizes 1/8/64,
+for the shipped tasks and for a user's own task folder (`--include-path`).
 
 Everything runs offline on the tiny checkpoint with a few documents per task.
 """
@@ -13,6 +14,7 @@ import io
 import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -28,10 +30,11 @@ from audit.store import check_run, read_run  # noqa: E402
 from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer import cli as engine_cli  # noqa: E402
 from harness.eval_cli import add_eval_command  # noqa: E402
-from harness.evaluate import parse_batch_sizes, task_manager  # noqa: E402
+from harness.evaluate import parse_batch_sizes, suite_hash, task_manager  # noqa: E402
 from harness.lm_eval_model import FORCED, DeepInferLM, EvalError  # noqa: E402
 
 LIMIT = 4
+USER_TASKS = Path(__file__).parent / "fixtures" / "lm_eval_tasks"
 CONTEXT = "Question: What color is the sky?\nAnswer:"
 
 
@@ -67,8 +70,9 @@ def certified(tiny_checkpoint, tmp_path_factory):
 # --------------------------------------------------------------------------------------- adapter
 
 
-def test_registered_as_deepinfer():
+def test_registered_as_deepinfer_next_to_lm_evals_own_models():
     assert get_model("deepinfer") is DeepInferLM
+    assert get_model("dummy").__name__ == "DummyLM"  # registering ours must not hide lm-eval's models
 
 
 def test_loglikelihood_is_the_engines_teacher_forced_score(lm, tiny_checkpoint):
@@ -169,6 +173,19 @@ def test_metrics_and_stream_hashes_identical_across_batch_sizes(certified):
         assert check_run(out / run["run"]) == []
 
 
+def test_a_users_task_folder_next_to_the_shipped_tasks(tiny_checkpoint, tmp_path):
+    tasks = ["pets_mc", "count_gen", "deepinfer_gen"]
+    code, stdout, _ = run_cli("--include-path", str(USER_TASKS), "--tasks", ",".join(tasks), "--batch-sizes", "1,8",
+                              "--limit", "2", "--model", str(tiny_checkpoint), "--out", str(tmp_path / "out"))
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert code == 0 and "verdict: IDENTICAL (batch_invariant, float32)" in stdout
+    assert summary["verdict"] == "IDENTICAL" and set(summary["runs"][0]["metrics"]) == set(tasks)
+    assert summary["runs"][0]["count"] == 2 * 3 + 2 + 2  # 3 choices per pet question, one generation per document
+    manifest = read_run(tmp_path / "out" / "runs" / "batch-8").manifest
+    assert manifest["suite"]["include_path"] == str(USER_TASKS.resolve())
+    assert manifest["suite"]["content_hash"] == suite_hash(tasks, 2, USER_TASKS) != suite_hash(tasks, 2)
+
+
 def test_fast_bf16_reports_whether_anything_moved(tiny_checkpoint, tmp_path):
     code, stdout, _ = run_cli("--tasks", "deepinfer_gen,deepinfer_mc", "--batch-sizes", "1,8", "--limit", "3",
                               "--numerics", "fast", "--dtype", "bf16", "--model", str(tiny_checkpoint),
@@ -207,3 +224,13 @@ def test_unknown_task_and_used_output_folder(tiny_checkpoint, tmp_path):
     (tmp_path / "used" / "file").write_text("x")
     code, _, err = run_cli("--tasks", "deepinfer", "--out", str(tmp_path / "used"))
     assert code == 2 and err == f"error: {tmp_path / 'used'}: the output folder must be new or empty\n"
+
+
+def test_unknown_task_names_the_users_tasks_too_and_a_missing_folder(tmp_path):
+    code, _, err = run_cli("--include-path", str(USER_TASKS), "--tasks", "pets", "--out", str(tmp_path / "o"))
+    assert code == 2
+    assert err == ("error: unknown task 'pets' (known: count_gen, deepinfer, deepinfer_gen, deepinfer_mc, "
+                   "deepinfer_ppl, my_tasks, pets_mc)\n")
+    code, _, err = run_cli("--include-path", str(tmp_path / "nope"), "--tasks", "pets_mc", "--out", str(tmp_path / "o"))
+    assert (code, err) == (2, f"error: include path {tmp_path / 'nope'}: no such folder\n")
+    assert not (tmp_path / "o").exists()

@@ -1,13 +1,16 @@
 """Tests for the `lm-eval:TASKS` suite kind: `deepinfer audit certify --suite lm-eval:...` serves every request
 lm-eval would send, certifies it bitwise reproducible across batch sizes, and stores the same rows (ids,
-tokens, logprobs, hashes) as `DeepInferLM` does for the same tasks; errors are one line.
+tokens, logprobs, hashes) as `DeepInferLM` does for the same tasks; a user's task folder
+(`?include_path=DIR`) joins the shipped tasks and its files are part of the content hash; errors are one line.
 
 Everything runs offline on the tiny checkpoint with two documents per task."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +26,8 @@ from harness.suites import load_suite  # noqa: E402
 SPEC = "lm-eval:deepinfer?limit=2"
 SWEEP = {"reference": {"name": "ref", "max_num_seqs": 8}, "variants": [{"name": "batch-1", "max_num_seqs": 1}]}
 TIMING = ("arrival_s", "first_token_s", "finish_s")
+USER_TASKS = Path(__file__).parent / "fixtures" / "lm_eval_tasks"
+MALFORMED = "expected ?include_path=DIR&limit=N (each at most once, N a positive integer) after the tasks, got"
 
 
 def audit(capsys, *argv) -> tuple[int, str, str]:
@@ -79,7 +84,7 @@ def test_a_text_longer_than_one_window_is_an_error_row(capsys, tiny_checkpoint, 
     code, _, _ = audit(capsys, "run", "--model", tiny_checkpoint, "--suite", "lm-eval:deepinfer_ppl?limit=1",
                        "--max-model-len", "8", "--out", tmp_path / "run", "--no-progress")
     [row] = read_run(tmp_path / "run").streams.iter_rows(named=True)
-    assert code == 0 and row["finish_reason"] == "error"
+    assert code == 0 and row["finish_reason"] == "error" and row["error_kind"] == "prompt_too_long"
     assert row["request_id"] == "deepinfer_ppl/0/loglikelihood_rolling/0/w0"
     assert row["error"].startswith("deepinfer_ppl/0/loglikelihood_rolling/0: the text needs ")
     assert row["error"].endswith(" rolling windows at max_model_len 8; an lm-eval suite scores one window per text: "
@@ -94,12 +99,35 @@ def test_content_hash_covers_the_task_list_and_limit():
     assert [r.request_id for r in one.requests] == [f"deepinfer_mc/0/loglikelihood/{i}" for i in range(4)]
 
 
+def test_a_users_task_folder_joins_the_suite_and_its_hash(tmp_path, monkeypatch):
+    tasks = shutil.copytree(USER_TASKS, tmp_path / "tasks")
+    monkeypatch.chdir(tmp_path)
+    suite = load_suite("lm-eval:pets_mc,deepinfer_gen?include_path=tasks&limit=2")
+    assert suite.target == f"pets_mc,deepinfer_gen?include_path={tasks}&limit=2"  # absolute, for reruns
+    ids = [r.request_id for r in suite.requests]
+    assert len(ids) == 2 * 3 + 2 and {"pets_mc/1/loglikelihood/2", "deepinfer_gen/1/generate_until/0"} <= set(ids)
+    assert load_suite(f"lm-eval:{suite.target}").content_hash == suite.content_hash
+    moved = shutil.copytree(tasks, tmp_path / "moved")
+    assert load_suite(f"lm-eval:pets_mc,deepinfer_gen?limit=2&include_path={moved}").content_hash == suite.content_hash
+    data = moved / "data" / "pets.jsonl"
+    data.write_text(data.read_text().replace("meow", "purr"))
+    assert load_suite(f"lm-eval:pets_mc,deepinfer_gen?include_path={moved}&limit=2").content_hash != suite.content_hash
+
+
 @pytest.mark.parametrize(("spec", "message"), [
     ("lm-eval:deepinfer_mc,hellaswag",
      "unknown task 'hellaswag' (known: deepinfer, deepinfer_gen, deepinfer_mc, deepinfer_ppl)"),
+    (f"lm-eval:pets_mc,hellaswag?include_path={USER_TASKS}",
+     "unknown task 'hellaswag' (known: count_gen, deepinfer, deepinfer_gen, deepinfer_mc, deepinfer_ppl, my_tasks, "
+     "pets_mc)"),
+    ("lm-eval:pets_mc?include_path=/no/such/tasks", "include path /no/such/tasks: no such folder"),
     ("lm-eval:", "suite 'lm-eval:' names no task (e.g. lm-eval:deepinfer)"),
     ("lm-eval:deepinfer?limit=0",
      "suite 'lm-eval:deepinfer?limit=0': expected ?limit=N with N a positive integer after the tasks"),
+    ("lm-eval:deepinfer?limit=1&limit=2", f"suite 'lm-eval:deepinfer?limit=1&limit=2': {MALFORMED} 'limit=2'"),
+    ("lm-eval:deepinfer?include_path=", f"suite 'lm-eval:deepinfer?include_path=': {MALFORMED} 'include_path='"),
+    ("lm-eval:deepinfer?limit=1&", f"suite 'lm-eval:deepinfer?limit=1&': {MALFORMED} ''"),
+    ("lm-eval:deepinfer?size=3", f"suite 'lm-eval:deepinfer?size=3': {MALFORMED} 'size=3'"),
 ])
 def test_bad_lm_eval_suite_specs(capsys, tiny_checkpoint, tmp_path, spec, message):
     code, out, err = audit(capsys, "run", "--model", tiny_checkpoint, "--suite", spec, "--out", tmp_path / "run")
@@ -112,5 +140,5 @@ def test_missing_lm_eval_is_a_one_line_error(monkeypatch):
     for name in [m for m in sys.modules if m == "lm_eval" or m.startswith(prefixes)]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval now fails as if it were not installed
-    with pytest.raises(DeepInferError, match=r"^lm-eval suites need lm-eval: pip install 'deepinfer\[eval\]'$"):
+    with pytest.raises(DeepInferError, match=r"^an lm-eval suite needs lm-eval: pip install 'deepinfer\[eval\]'$"):
         load_suite("lm-eval:deepinfer")
