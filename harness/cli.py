@@ -15,15 +15,17 @@ from pathlib import Path
 
 from audit.errors import AuditError
 from deepinfer import cli as engine_cli
+from deepinfer.engine.llm import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from deepinfer.errors import DeepInferError
 from harness.eval_cli import add_eval_command
+from harness.lm_eval_cli import add_lm_eval_command
 from harness.replay_cli import add_replay_commands
 
 EXIT_DIFFERENT = 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return engine_cli.main(argv, more_commands=(add_audit,), user_errors=(AuditError,))
+    return engine_cli.main(argv, more_commands=(add_audit, add_lm_eval_command), user_errors=(AuditError,))
 
 
 def add_audit(commands: argparse._SubParsersAction) -> None:
@@ -49,6 +51,8 @@ def add_audit(commands: argparse._SubParsersAction) -> None:
     certify.add_argument("--out", required=True, help="output folder (must be new or empty unless --resume)")
     certify.add_argument("--resume", action="store_true", help="continue an interrupted certification in --out")
     certify.add_argument("--sign-key", help="Ed25519 private key (PEM) to sign the certificate with")
+    certify.add_argument("--allow-errors", action="store_true",
+                         help="exit 0 even when requests errored (they are still counted in the verdict)")
     certify.add_argument("--dtype", default="float32", help="dtype of the default sweep (default: float32)")
     certify.add_argument("--device", default="cpu", help="device of the default sweep (default: cpu)")
     _progress_flag(certify)
@@ -97,11 +101,18 @@ def _model_and_suite(parser: argparse.ArgumentParser) -> None:
 
 def _variant_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default="run", help="configuration name recorded in the manifest")
-    parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--no-chunked-prefill", action="store_true")
-    parser.add_argument("--num-cache-blocks", type=int, default=None)
-    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
+                        help=f"sequences decoded together (default: {DEFAULT_MAX_NUM_SEQS})")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                        help=f"token budget per engine step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
+    parser.add_argument("--no-chunked-prefill", action="store_true",
+                        help="never split a prompt (the step budget grows to max_model_len)")
+    parser.add_argument("--num-cache-blocks", type=int, default=None,
+                        help="blocks per cache pool, raised to one sequence's worth (default: room for "
+                             "--max-num-seqs sequences)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt + output (default: the model's, capped to fit memory; the run "
+                             "records the value used)")
     parser.add_argument("--shuffle", action="store_true", help="submit requests in a seeded random order")
     parser.add_argument("--stagger", type=int, default=0, help="admit one request every K engine steps")
     parser.add_argument("--numerics", default="batch_invariant", choices=("batch_invariant", "fast"))
@@ -121,6 +132,8 @@ def _near_tie_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from audit.certificate import describe_errors, error_counts
+    from audit.store import read_run
     from harness.record import record_run
     from harness.suites import load_suite
     from harness.sweep import Variant, check_variant
@@ -133,11 +146,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
     ), "flags")
     root = record_run(args.model, load_suite(args.suite), variant, Path(args.out), run_seed=args.run_seed,
                       resume=args.resume, progress=args.progress)
-    print(f"run {args.out}: {root['count']} requests, logit root {root['logit_root']}")
+    errors = error_counts(read_run(Path(args.out)).streams)
+    errored = f", {sum(errors.values())} errored ({describe_errors(errors)})" if errors else ""
+    print(f"run {args.out}: {root['count']} requests{errored}, logit root {root['logit_root']}")
     return 0
 
 
 def _cmd_certify(args: argparse.Namespace) -> int:
+    """Exit 0 when the verdict is reproducible and every request was served; 1 when it is DIVERGENT or
+    (without --allow-errors) when any request errored; the certificate and report are written either way."""
+    from audit.certificate import DIVERGENT, verdict_summary
     from harness.certify import certify
     from harness.sweep import default_sweep, load_sweep
 
@@ -145,20 +163,19 @@ def _cmd_certify(args: argparse.Namespace) -> int:
     result = certify(args.model, args.suite, sweep, Path(args.out), run_seed=args.run_seed, resume=args.resume,
                      sign_key=Path(args.sign_key) if args.sign_key else None, progress=args.progress)
     cert = result.certificate
-    print(f"verdict: {cert['verdict']} ({_counts(cert)})")
+    print(f"verdict: {verdict_summary(cert)}")
     for control in cert.get("controls", []):
         print(f"control {control['name']}: {control['verdict']} ({_control_counts(control)})")
     print(f"certificate: {result.certificate_path}")
     print(f"report: {result.report_paths[0]} and {result.report_paths[1]}")
-    return 0
-
-
-def _counts(cert: dict) -> str:
-    variants = [c for c in cert["configurations"] if c["role"] == "variant"]
-    diverged = sum(c["comparison"]["diverged"] for c in variants)
-    drift = sum(c["comparison"]["logprob_drift"] for c in variants)
-    return (f"{len(variants)} variants vs reference {cert['reference']}, {cert['suite']['count']} requests each; "
-            f"{diverged} request divergences, {drift} logprob-only drifts")
+    counts = cert["verdict_counts"]
+    errored = counts["errored"] + counts["requests_errored_differently"]
+    if errored and not args.allow_errors:
+        print(f"FAIL: requests errored ({counts['errored']} of {counts['requests']} in the reference, "
+              f"{counts['requests_errored_differently']} differently in a variant); the verdict covers only the "
+              "served ones (--allow-errors accepts that)", file=sys.stderr)
+    failed = cert["verdict"] == DIVERGENT or (errored and not args.allow_errors)
+    return EXIT_DIFFERENT if failed else 0
 
 
 def _control_counts(control: dict) -> str:

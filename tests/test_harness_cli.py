@@ -111,8 +111,8 @@ def cert_copy(certified, tmp_path) -> Path:
 def test_certify_prints_the_verdict_and_writes_certificate_and_reports(certified):
     assert certified.code == 0
     lines = certified.stdout.splitlines()
-    assert lines[0] == ("verdict: BITWISE_REPRODUCIBLE (2 variants vs reference ref, 4 requests each; "
-                        "0 request divergences, 0 logprob-only drifts)")
+    assert lines[0] == ("verdict: BITWISE_REPRODUCIBLE over all 4 requests; 2 variants vs reference ref: "
+                        "0 request divergences, 0 logprob-only drifts")
     assert lines[1].startswith("control fast: TOKEN_REPRODUCIBLE (equal 0, logprob_drift 4, diverged 0, ")
     assert lines[2:] == [f"certificate: {certified.cert}",
                          f"report: {certified.out / 'report.md'} and {certified.out / 'report.html'}"]
