@@ -267,7 +267,8 @@ def _record(turn: int, prompt: list[int], params: SamplingParams, output: Reques
 
 def against_trace(run: EpisodeRun, llm: LLM) -> EpisodeResult:
     """The replay judged against the trace: teacher-forced, the first turn whose output differs from
-    the trace's own turn; free-running, how the episode ended."""
+    the trace's own turn (and the turn the engine refused, if one was); free-running, how the episode
+    ended."""
     episode_id = run.episode.episode_id
     if run.mode == "free-running":
         assert run.ending is not None, "a free-running replay always ends"
@@ -285,6 +286,8 @@ def against_trace(run: EpisodeRun, llm: LLM) -> EpisodeResult:
             detail = f"the output was cut at max_tokens where the trace goes on with {expected}"
         else:
             detail = f"generated {_token(llm, ids, position)} where the trace has {expected}"
+        if run.ending is not None:
+            detail += f"; turn {run.ending.turn} refused: {run.ending.detail}"
         return EpisodeResult(episode_id, "diverged", turn.record.turn, position,
                              margin=_margin(turn.record, position), detail=detail)
     if run.ending is not None:
@@ -326,9 +329,10 @@ def against_recording(run: EpisodeRun, recording: Recording, llm: LLM) -> Episod
     if replayed.outcome() != recording.outcome:
         return EpisodeResult(episode_id, "diverged", replayed.turn,
                              detail=f"outcome differs: replay {replayed.outcome()}, recorded {recording.outcome}")
-    if replayed.status == "error":
+    ending = run.ending
+    if ending is not None and ending.status == "error":
         return EpisodeResult(episode_id, "identical", detail=f"{len(run.turns)} turn(s) reproduced bit for bit, then "
-                                                             f"refused again at turn {replayed.turn}: {replayed.detail}")
+                                                             f"refused again at turn {ending.turn}: {ending.detail}")
     return EpisodeResult(episode_id, "identical", detail=f"{len(run.turns)} turn(s) reproduced bit for bit")
 
 

@@ -43,17 +43,20 @@ def export_line(messages: list[dict], tools: list[dict] | None, fmt: str) -> dic
     return line
 
 
+def _leading_system(messages: list[dict], key: str, fmt: str) -> tuple[dict[str, Any], int]:
+    """The line so far (a leading system message's text under `key`) and the index of the next message."""
+    if not messages or messages[0]["role"] != "system":
+        return {}, 0
+    _only(messages[0], {"role", "content"}, "messages[0]", fmt)
+    return {key: _text(messages[0], "messages[0]")}, 1
+
+
 # Anthropic -------------------------------------------------------------------------------------------
 
 
 def to_anthropic(messages: list[dict]) -> dict:
     """`system` and `messages`: tool results and the user text after them share one user message."""
-    line: dict[str, Any] = {}
-    start = 0
-    if messages and messages[0]["role"] == "system":
-        _only(messages[0], {"role", "content"}, "messages[0]", "anthropic")
-        line["system"] = _text(messages[0], "messages[0]")
-        start = 1
+    line, start = _leading_system(messages, "system", "anthropic")
     out: list[dict] = []
     for i in range(start, len(messages)):
         message, where = messages[i], f"messages[{i}]"
@@ -132,12 +135,7 @@ def _anthropic_tool(tool: dict, where: str) -> dict:
 
 def to_responses(messages: list[dict]) -> dict:
     """`instructions` and `input` items."""
-    line: dict[str, Any] = {}
-    start = 0
-    if messages and messages[0]["role"] == "system":
-        _only(messages[0], {"role", "content"}, "messages[0]", "responses")
-        line["instructions"] = _text(messages[0], "messages[0]")
-        start = 1
+    line, start = _leading_system(messages, "instructions", "responses")
     items: list[dict] = []
     custom_calls: set[str] = set()
     for i in range(start, len(messages)):

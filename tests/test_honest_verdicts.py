@@ -138,3 +138,18 @@ def test_replay_verify_of_a_moved_cassette_exits_zero(traces, tiny_checkpoint, t
     assert ("too-long: identical (0 turn(s) reproduced bit for bit, then refused again at turn 1: prompt_too_long: "
             in verified)
     assert "order-3: identical" in verified
+
+
+def test_a_refused_later_turn_is_part_of_the_outcome_and_verifies_from_anywhere(tiny_checkpoint, tmp_path, capsys):
+    """A Claude transcript whose last user turn holds an image: turns 1-4 replay, turn 5 is refused."""
+    traces = Path(__file__).parent / "fixtures" / "traces" / "claude_tool_use_anthropic.jsonl"
+    tape = tmp_path / "tape.jsonl"
+    assert main(["audit", "replay", "record", "--traces", str(traces), "--out", str(tape), "--model",
+                 str(tiny_checkpoint)]) == 0
+    refusal = "turn 5 refused: unsupported_content: message 11: content[1]: an image ('image') cannot be read"
+    assert refusal in capsys.readouterr().out
+    moved = tmp_path / "elsewhere.jsonl"
+    tape.rename(moved)
+    assert main(["audit", "replay", "verify", str(moved)]) == 0
+    assert ("identical (4 turn(s) reproduced bit for bit, then refused again at turn 5: unsupported_content: "
+            in capsys.readouterr().out)
