@@ -8,6 +8,7 @@ import json
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import kernels
 from deepinfer.checkpoint import PRESETS, create_checkpoint, inspect_checkpoint, parameter_counts
@@ -185,6 +186,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     base = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                 min_p=args.min_p, seed=args.seed, logprobs=args.logprobs)
     SamplingParams(**base)  # bad flags are reported as such, not against the first request
+    if args.out:
+        _check_new_file(Path(args.out))
     if args.prompt is not None:
         requests = [PromptRequest("--prompt", "prompt", "prompt", args.prompt)]
     else:
@@ -196,7 +199,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     prompts = [request.prompt_ids(llm) for request in requests]
     outputs = llm.generate(prompts, params)
     try:
-        sink = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
+        sink = open(args.out, "x", encoding="utf-8") if args.out else sys.stdout
     except OSError as err:
         raise DeepInferError(f"{args.out}: cannot write ({err.strerror or err})") from None
     try:
@@ -214,3 +217,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if sink is not sys.stdout:
             sink.close()
     return 0
+
+
+def _check_new_file(path: Path) -> None:
+    """Refuse, before any work, an output file that exists (results are never overwritten) or whose
+    folder does not."""
+    if path.exists() or path.is_symlink():
+        raise DeepInferError(f"{path}: exists (results are never overwritten; choose a new file)")
+    if not path.parent.is_dir():
+        raise DeepInferError(f"{path}: its folder {path.parent} does not exist")

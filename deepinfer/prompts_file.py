@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deepinfer.errors import DeepInferError
-from deepinfer.recipe.chat import encode_chat
+from deepinfer.recipe.chat import encode_messages
 from deepinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class PromptRequest:
             if self.source == "messages":
                 if llm.tokenizer is None:
                     raise DeepInferError("chat messages need a checkpoint with tokenizer.json")
-                return llm.encode(encode_chat(llm.tokenizer, self.value, tools=self.tools))
+                return llm.encode(llm.tokenize(encode_messages(self.value, self.tools)))
             return llm.encode(self.value)
         except DeepInferError as err:
             raise err.at(self.where) from None

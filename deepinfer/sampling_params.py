@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field
 
 from deepinfer.errors import DeepInferError
@@ -66,13 +67,17 @@ class SamplingParams:
         def is_int(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0 or self.temperature != self.temperature:
-            fail(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        def is_number(v) -> bool:
+            """A finite int or float (bools, NaN and infinities are not sampling values)."""
+            return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+        if not is_number(self.temperature) or self.temperature < 0:
+            fail(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             fail(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not is_int(self.top_k) or self.top_k < 0:
             fail(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+        if not is_number(self.min_p) or not 0 <= self.min_p <= 1:
             fail(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             fail(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")

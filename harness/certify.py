@@ -94,6 +94,8 @@ def rerun_reference(certificate_path: Path, model: str | Path | None = None, pro
 def _prepare(out_dir: Path, sweep: Sweep, resume: bool) -> None:
     """Refuse to mix two certifications in one folder; record the sweep for a later --resume."""
     sweep_path = out_dir / SWEEP_FILE
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DeepInferError(f"{out_dir}: exists and is not a folder")
     if resume and sweep_path.exists():
         if json.loads(sweep_path.read_text()) != sweep.to_dict():
             raise DeepInferError(f"{out_dir}: cannot resume with a different sweep than the one recorded in {SWEEP_FILE}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 import kernels
-from deepinfer.engine.llm import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, resolve_dtype
+from deepinfer.engine.llm import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, resolve_device, resolve_dtype
 from deepinfer.errors import DeepInferError
 
 ROLES = ("reference", "variant", "control")
@@ -167,8 +168,14 @@ def check_variant(variant: Variant, where: str) -> Variant:
                              "stagger >= 0")
     if variant.num_cache_blocks is not None and variant.num_cache_blocks < 1:
         raise DeepInferError(f"{where}: num_cache_blocks must be >= 1")
-    if variant.threads is not None and variant.threads < 1:
-        raise DeepInferError(f"{where}: threads must be >= 1")
+    cores = os.cpu_count() or 1
+    if variant.threads is not None and not 1 <= variant.threads <= cores:
+        raise DeepInferError(f"{where}: threads must be between 1 and this machine's {cores} CPUs, "
+                             f"got {variant.threads}")
+    try:
+        resolve_device(variant.device)
+    except DeepInferError as err:
+        raise DeepInferError(f"{where}: {err}") from None
     return variant
 
 

@@ -171,7 +171,7 @@ def test_bad_flags_and_outputs(capsys, tmp_path, tiny_checkpoint):
     model = ["--model", str(tiny_checkpoint)]
     # a bad flag is reported as such, not against a request
     assert_user_error(capsys, [*model, "--prompt", "hi", "--temperature", "-1"],
-                      "invalid sampling params: temperature must be a number >= 0, got -1.0")
+                      "invalid sampling params: temperature must be a finite number >= 0, got -1.0")
     assert_user_error(capsys, [*model, "--prompt", "hi", "--max-tokens", "0"],
                       "invalid sampling params: max_tokens must be an integer >= 1, got 0")
     assert_user_error(capsys, [*model, "--prompt", "hi", "--dtype", "float8"],
@@ -181,7 +181,16 @@ def test_bad_flags_and_outputs(capsys, tmp_path, tiny_checkpoint):
                       f"{missing_model}: checkpoint folder not found")
     out_file = tmp_path / "no-dir" / "out.jsonl"
     assert_user_error(capsys, [*model, "--prompt", "hi", "--max-tokens", "1", "--out", str(out_file)],
-                      f"{out_file}: cannot write (No such file or directory)")
+                      f"{out_file}: its folder {out_file.parent} does not exist")
+    existing = tmp_path / "results.jsonl"
+    existing.write_text("earlier results\n")
+    assert_user_error(capsys, ["--model", str(missing_model), "--prompt", "hi", "--out", str(existing)],
+                      f"{existing}: exists (results are never overwritten; choose a new file)")  # before any work
+    assert existing.read_text() == "earlier results\n"
+    assert_user_error(capsys, [*model, "--prompt", "hi", "--temperature", "inf"],
+                      "invalid sampling params: temperature must be a finite number >= 0, got inf")
+    assert_user_error(capsys, [*model, "--prompt", "hi", "--device", "tpu"],
+                      "unknown device 'tpu' (expected cpu, cuda or cuda:N)")
     too_long = write_lines(tmp_path / "long.jsonl", {"prompt_token_ids": list(range(2, 40))})
     assert_user_error(capsys, [*model, "--prompts-file", too_long, "--max-model-len", "32"],
                       f"{too_long}:1: prompt has 38 tokens but max_model_len is 32 (room is needed to generate)")

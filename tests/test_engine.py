@@ -21,10 +21,11 @@ from hypothesis import strategies as st
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint import CheckpointError
-from deepinfer.engine.llm import RequestError
+from deepinfer.engine.llm import PromptTooLongError, RequestError
 from deepinfer.engine.sampler import filtered_logits, first_argmax, sample, uniform_noise
 from deepinfer.errors import DeepInferError
 from deepinfer.recipe.chat import ChatFormatError, encode_chat, parse_completion
+from deepinfer.recipe.tokenizer import TextTokenizer
 from deepinfer.sampling_params import SUITE_SEEDS, SamplingParamsError, derive_seed
 
 VOCAB = 1024  # the tiny preset's vocabulary
@@ -157,8 +158,12 @@ def test_bad_prompt_in_a_batch_queues_nothing(llm):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"temperature": -1}, "temperature must be a number >= 0, got -1"),
-        ({"temperature": float("nan")}, "temperature must be a number >= 0, got nan"),
+        ({"temperature": -1}, "temperature must be a finite number >= 0, got -1"),
+        ({"temperature": float("nan")}, "temperature must be a finite number >= 0, got nan"),
+        ({"temperature": float("inf")}, "temperature must be a finite number >= 0, got inf"),
+        ({"temperature": True}, "temperature must be a finite number >= 0, got True"),
+        ({"top_p": float("nan")}, "top_p must be in (0, 1], got nan"),
+        ({"min_p": False}, "min_p must be in [0, 1], got False"),
         ({"top_p": 0}, "top_p must be in (0, 1], got 0"),
         ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
         ({"top_k": -1}, "top_k must be an integer >= 0 (0 disables it), got -1"),
@@ -562,3 +567,35 @@ def test_preempted_sequences_resume_without_chunked_prefill(llm, tiny_checkpoint
     assert all(o.finish_reason == "length" and len(o.token_ids) == 216 for o in outs)
     assert engine.cache.num_free() == engine.cache.num_blocks
     assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize(("device", "message"), [
+    ("tpu", "unknown device 'tpu' (expected cpu, cuda or cuda:N)"),
+    ("cuda:x", "unknown device 'cuda:x' (expected cpu, cuda or cuda:N)"),
+])
+def test_an_unknown_device_is_one_line(tiny_checkpoint, device, message):
+    with raises(DeepInferError, message):
+        LLM(tiny_checkpoint, device=device)
+
+
+def test_max_tokens_that_leave_no_room_for_a_prompt_are_refused_not_capped(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, max_model_len=64)
+    with raises(RequestError, "max_tokens=64 leaves no room for a prompt: max_model_len is 64"):
+        llm.generate([[5, 6]], SamplingParams(max_tokens=64))
+    assert [len(o.token_ids) for o in llm.generate([[5, 6]], SamplingParams(max_tokens=63, ignore_eos=True))] == [62]
+
+
+def test_a_huge_text_prompt_is_refused_before_tokenizing(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint)
+    text = "word " * 1_000_000
+    fewest = len(text) // llm.tokenizer.max_token_bytes
+    with raises(PromptTooLongError, f"prompt of 5000000 bytes has at least {fewest} tokens but max_model_len is "
+                                    f"{llm.max_model_len}"):
+        llm.generate([text])
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(min_size=1, max_size=400))
+def test_no_token_covers_more_bytes_than_max_token_bytes(tiny_checkpoint, text):
+    tokenizer = TextTokenizer.from_folder(tiny_checkpoint)
+    assert len(tokenizer.encode(text)) >= len(text.encode("utf-8")) // tokenizer.max_token_bytes

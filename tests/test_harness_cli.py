@@ -519,6 +519,9 @@ def test_certify_refuses_a_non_empty_folder(capsys, certified, cert_copy, tiny_c
     (other / "notes.txt").write_text("mine")
     assert_user_error(capsys, [*argv, "--out", other], f"{other} is not empty: use a new output folder")
     assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]
+    assert_user_error(capsys, [*argv, "--out", other / "notes.txt"],
+                      f"{other / 'notes.txt'}: exists and is not a folder")
+    assert (other / "notes.txt").read_text() == "mine"
 
 
 def test_certify_resume_refuses_another_sweep(capsys, certified, cert_copy, tiny_checkpoint, tmp_path):
@@ -549,7 +552,12 @@ REF = {"name": "ref"}
     (json.dumps({"reference": REF, "variants": []}),
      "needs at least one entry in 'variants' to compare with the reference"),
     (json.dumps({"reference": REF, "variants": [{"max_num_seqs": 1}]}), "variants[0]: 'name' is required"),
-    (json.dumps({"reference": REF, "variants": [{"name": "b", "threads": 0}]}), "variants[0]: threads must be >= 1"),
+    (json.dumps({"reference": REF, "variants": [{"name": "b", "threads": 0}]}),
+     f"variants[0]: threads must be between 1 and this machine's {os.cpu_count()} CPUs, got 0"),
+    (json.dumps({"reference": REF, "variants": [{"name": "b", "threads": 100000}]}),
+     f"variants[0]: threads must be between 1 and this machine's {os.cpu_count()} CPUs, got 100000"),
+    (json.dumps({"reference": REF, "variants": [{"name": "b", "device": "tpu"}]}),
+     "variants[0]: unknown device 'tpu' (expected cpu, cuda or cuda:N)"),
     (json.dumps({"reference": REF, "variants": [{"name": "../b"}]}),
      "variants[0]: 'name' must be a non-empty string of letters, digits, '-', '_', '.' (not starting with '.'), "
      "got '../b'"),

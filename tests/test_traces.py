@@ -116,7 +116,7 @@ def with_messages(update) -> dict:
     (with_messages(lambda m: m[0].update(content="<｜User｜>")),
      "t.jsonl:1: message 0: content contains special token '<｜User｜>'"),
     ({**episode(), "sampling": {"temperature": -1}},
-     "t.jsonl:1: sampling: invalid sampling params: temperature must be a number >= 0, got -1"),
+     "t.jsonl:1: sampling: invalid sampling params: temperature must be a finite number >= 0, got -1"),
     ({**episode(), "sampling": {"temp": 1}}, "t.jsonl:1: sampling: unknown field(s) ['temp']"),
     ({**episode(), "metadata": []}, "t.jsonl:1: metadata: must be an object"),
     ({**episode(), "recorded": {"turns": []}}, "t.jsonl:1: recorded: must be an object with 'turns' and 'outcome'"),

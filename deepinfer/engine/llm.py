@@ -21,7 +21,7 @@ from deepinfer.engine.sequence import Sequence, Status
 from deepinfer.errors import DeepInferError
 from deepinfer.model import DeepseekV4
 from deepinfer.outputs import RequestOutput
-from deepinfer.recipe.chat import ChatFormatError, encode_chat, parse_completion
+from deepinfer.recipe.chat import ChatFormatError, encode_messages, parse_completion
 from deepinfer.recipe.tokenizer import TextTokenizer, build_tokenizer
 from deepinfer.sampling_params import (
     CONTENT_SEEDS,
@@ -47,6 +47,20 @@ class PromptTooLongError(RequestError):
     """A prompt longer than the engine's limits allow."""
 
     kind = "prompt_too_long"
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """`cpu`, `cuda` or `cuda:N` as a torch.device; a one-line error for anything else or for CUDA on a
+    machine without it (checked before any work, so a failed start writes nothing)."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        resolved = None
+    if resolved is None or resolved.type not in ("cpu", "cuda"):
+        raise DeepInferError(f"unknown device {device!r} (expected cpu, cuda or cuda:N)")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise DeepInferError(f"device {device!r} requested but CUDA is not available")
+    return resolved
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -111,9 +125,7 @@ class LLM:
             )
         self.numerics = numerics
         self.unseeded_seeds = unseeded_seeds
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise DeepInferError("device='cuda' requested but CUDA is not available")
+        self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype)
         self.seed = seed
         config, tensors, self.tokenizer, self.model_id = self._load(model)
@@ -167,11 +179,21 @@ class LLM:
 
     # requests in -------------------------------------------------------------------------------
 
+    def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
+        """Token ids of `text`. A text too long for max_model_len even if every token were the
+        tokenizer's longest is refused before tokenizing (a huge prompt would take minutes first)."""
+        if self.tokenizer is None:
+            raise RequestError("this checkpoint has no tokenizer.json: pass prompts as token-id lists")
+        size = len(text.encode("utf-8"))
+        fewest = size // self.tokenizer.max_token_bytes
+        if fewest >= self.max_model_len:
+            raise PromptTooLongError(f"prompt of {size} bytes has at least {fewest} tokens but max_model_len is "
+                                     f"{self.max_model_len}")
+        return self.tokenizer.encode(text, add_bos=add_bos)
+
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("this checkpoint has no tokenizer.json: pass prompts as token-id lists")
-            ids = self.tokenizer.encode(prompt, add_bos=True)
+            ids = self.tokenize(prompt, add_bos=True)
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
             bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)
@@ -193,6 +215,9 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
+        if params.max_tokens >= self.max_model_len:
+            raise RequestError(f"max_tokens={params.max_tokens} leaves no room for a prompt: max_model_len is "
+                               f"{self.max_model_len}")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; use stop_token_ids with this checkpoint")
         return params
@@ -319,7 +344,7 @@ class LLM:
         prompts = []
         for i, messages in enumerate(conversations):
             try:
-                prompts.append(encode_chat(self.tokenizer, messages, tools=tools, thinking=thinking))
+                prompts.append(self.tokenize(encode_messages(messages, tools=tools, thinking=thinking)))
             except ChatFormatError as err:
                 raise ChatFormatError(f"conversation {i}: {err}") from None
         outputs = self.generate(prompts, params)

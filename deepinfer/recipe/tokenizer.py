@@ -7,6 +7,7 @@ checkpoints get a real tokenizer without downloading one. `TextTokenizer` wraps 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -120,6 +121,13 @@ class TextTokenizer:
     @property
     def eos_id(self) -> int:
         return self._required_id(EOS)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes one token covers (its vocabulary string's length in bytes,
+        which for byte-level tokens is at least the bytes it stands for): a text of n bytes has at
+        least n // max_token_bytes tokens."""
+        return max(len(token.encode("utf-8")) for token in self._tok.get_vocab(with_added_tokens=True))
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
