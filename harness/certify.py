@@ -21,7 +21,7 @@ from audit.store import read_run
 from deepinfer.errors import DeepInferError
 from harness.record import record_run
 from harness.suites import load_suite
-from harness.sweep import Sweep, Variant
+from harness.sweep import Sweep, Variant, check_variant
 from reports import render_report
 
 SWEEP_FILE = "sweep.json"
@@ -67,6 +67,7 @@ def rerun_reference(certificate_path: Path, model: str | Path | None = None, pro
     returns the problems found ([] when the roots match). `model` overrides the recorded path."""
     certificate = load_certificate(certificate_path)
     rerun = certificate["rerun"]
+    reference = _rerun_variant(rerun, certificate_path)
     suite = load_suite(rerun["suite"])
     expected_suite = certificate["suite"]["content_hash"]
     if suite.content_hash != expected_suite:
@@ -75,7 +76,7 @@ def rerun_reference(certificate_path: Path, model: str | Path | None = None, pro
     certified = next(c for c in certificate["configurations"] if c["name"] == certificate["reference"])
     # the max_model_len the reference ran with, not a default this machine might resolve differently
     recorded = reference_run(certificate_path).manifest["engine"]["max_model_len"]
-    reference = replace(Variant(**rerun["reference"]), max_model_len=recorded)
+    reference = replace(reference, max_model_len=recorded)
     with tempfile.TemporaryDirectory(prefix="deepinfer-rerun-") as scratch:
         run_dir = Path(scratch) / "run"
         root = record_run(model if model is not None else rerun["model"], suite, reference, run_dir,
@@ -89,6 +90,20 @@ def rerun_reference(certificate_path: Path, model: str | Path | None = None, pro
         if root[key] != certified[key]:
             problems.append(f"re-run {key} {root[key][:12]}… differs from the certified {certified[key][:12]}…")
     return problems
+
+
+def _rerun_variant(rerun: dict, certificate_path: Path) -> Variant:
+    """The reference configuration of a certificate's `rerun` block, which must say how to re-run it:
+    `model` (a path or null), `suite`, `run_seed` and `reference` (a configuration)."""
+    where = f"{certificate_path}: rerun"
+    types = {"model": (str, type(None)), "suite": str, "run_seed": int, "reference": dict}
+    for key, expected in types.items():
+        if key not in rerun or not isinstance(rerun[key], expected) or isinstance(rerun[key], bool):
+            raise DeepInferError(f"{where}.{key}: missing or of the wrong type (cannot re-run)")
+    try:
+        return check_variant(Variant(**rerun["reference"]), f"{where}.reference")
+    except TypeError:
+        raise DeepInferError(f"{where}.reference: not a configuration (cannot re-run)") from None
 
 
 def _prepare(out_dir: Path, sweep: Sweep, resume: bool) -> None:

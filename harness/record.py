@@ -55,6 +55,7 @@ def _record_run(model: str | Path | None, suite: Suite, variant: Variant, run_di
         _check_same_run(run_dir, run.manifest, manifest)
         return run.root
     store = _open_store(run_dir, manifest, resume)
+    _read_stats(run_dir)  # a damaged stats.json stops a resume now, not after all the work
     done = store.done()
     rows: list[dict] = []
     jobs, job_index = [], []
@@ -125,11 +126,29 @@ def _error_row(index: int, request_id: str, params: dict, error: DeepInferError)
     )
 
 
+def _read_stats(run_dir: Path) -> dict:
+    """The engine statistics of earlier sessions of the run; a damaged file is a one-line error (read
+    before a resumed run does any work)."""
+    path = run_dir / STATS_FILE
+    if not path.exists():
+        return {"sessions": 0, "wall_s": 0.0, "preemptions": 0}
+    try:
+        stats = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        stats = None
+    numbers = isinstance(stats, dict) and all(
+        isinstance(stats.get(key), (int, float)) and not isinstance(stats.get(key), bool)
+        for key in ("sessions", "wall_s", "preemptions"))
+    if not numbers:
+        raise AuditError(f"{path}: not the run's statistics (a JSON object with sessions, wall_s and preemptions); "
+                         "delete it to resume")
+    return stats
+
+
 def _add_stats(run_dir: Path, llm: LLM, seconds: float) -> None:
     """Engine statistics summed over the sessions that produced the run (timing is never hashed)."""
-    path = run_dir / STATS_FILE
-    stats = json.loads(path.read_text()) if path.exists() else {"sessions": 0, "wall_s": 0.0, "preemptions": 0}
+    stats = _read_stats(run_dir)
     stats["sessions"] += 1
     stats["wall_s"] += seconds
     stats["preemptions"] += llm.scheduler.num_preemptions
-    atomic_write(path, json_bytes(stats))
+    atomic_write(run_dir / STATS_FILE, json_bytes(stats))

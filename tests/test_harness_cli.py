@@ -182,6 +182,20 @@ def test_verify_rerun_reproduces_the_reference_bit_for_bit(capsys, cert_copy):
     assert (code, out, err) == (0, f"OK: {cert_copy} is intact and its reference run reproduces bit for bit\n", "")
 
 
+@pytest.mark.parametrize(("rerun", "message"), [
+    ({"suite": "x", "run_seed": 0, "reference": {"name": "ref"}}, "rerun.model: missing or of the wrong type"),
+    ({"model": None, "suite": "x", "run_seed": "0", "reference": {"name": "ref"}},
+     "rerun.run_seed: missing or of the wrong type"),
+    ({"model": None, "suite": "x", "run_seed": 0, "reference": {"name": "ref", "batch": 2}},
+     "rerun.reference: not a configuration"),
+])
+def test_verify_rerun_of_a_malformed_rerun_block_is_one_line(capsys, cert_copy, rerun, message):
+    cert = json.loads(cert_copy.read_text())
+    write_certificate(cert_copy, seal({**cert, "rerun": rerun}))
+    assert_user_error(capsys, ["verify", cert_copy, "--rerun", "--no-progress"],
+                      f"{cert_copy}: {message} (cannot re-run)")
+
+
 def test_verify_reports_an_edited_certificate_field(capsys, cert_copy):
     raw = cert_copy.read_bytes()
     at = raw.index(b'"created": "') + len(b'"created": "') + 3  # a digit of the year
@@ -605,3 +619,17 @@ def test_bad_run_flags(capsys, long_suite, tiny_checkpoint, tmp_path):
                       "flags: 'name' must be a non-empty string of letters, digits, '-', '_', '.' (not starting with "
                       "'.'), got 'a/b'")
     assert not (tmp_path / "out").exists()
+
+
+def test_resume_with_a_damaged_stats_file_stops_before_any_work(capsys, tiny_checkpoint, tmp_path):
+    suite = write_lines(tmp_path / "suite.jsonl", SUITE[:2])
+    out = tmp_path / "run"
+    argv = ["run", "--model", tiny_checkpoint, "--suite", suite, "--out", out, "--no-progress"]
+    assert audit(capsys, *argv)[0] == 0
+    for finished in ("root.json", "streams.parquet"):  # as if killed before the run was sealed
+        (out / finished).unlink()
+    (out / "parts").mkdir()
+    (out / "stats.json").write_text("{garbage")
+    assert_user_error(capsys, [*argv, "--resume"], f"{out / 'stats.json'}: not the run's statistics (a JSON object "
+                                                   "with sessions, wall_s and preemptions); delete it to resume")
+    assert list((out / "parts").iterdir()) == []
