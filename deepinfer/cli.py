@@ -26,12 +26,17 @@ def main(
     user_errors: tuple[type[Exception], ...] = (),
 ) -> int:
     """Run one command. `more_commands` register extra command groups (the harness adds `audit`);
-    exceptions in `user_errors` are reported like DeepInferError: one line, exit 2."""
+    exceptions in `user_errors`, and the system's OSErrors (a full disk), are reported like
+    DeepInferError: one line, exit 2. Runs write atomically, so `--resume` continues after either."""
     args = build_parser(more_commands).parse_args(argv)
     try:
         return args.run(args)
     except (DeepInferError, *user_errors) as err:
         print(f"error: {err}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except OSError as err:  # the machine's, not ours: a full disk, a folder we may not write
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"error: {where}{err.strerror or err}", file=sys.stderr)
         return EXIT_USER_ERROR
 
 

@@ -633,3 +633,22 @@ def test_resume_with_a_damaged_stats_file_stops_before_any_work(capsys, tiny_che
     assert_user_error(capsys, [*argv, "--resume"], f"{out / 'stats.json'}: not the run's statistics (a JSON object "
                                                    "with sessions, wall_s and preemptions); delete it to resume")
     assert list((out / "parts").iterdir()) == []
+
+
+def test_a_full_disk_is_one_line_and_the_run_resumes(capsys, monkeypatch, tiny_checkpoint, tmp_path):
+    import errno
+
+    import harness.record
+
+    suite = write_lines(tmp_path / "suite.jsonl", SUITE[:2])
+    out = tmp_path / "run"
+    argv = ["run", "--model", tiny_checkpoint, "--suite", suite, "--out", out, "--no-progress"]
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(harness.record, "atomic_write", full)
+        assert_user_error(capsys, argv, f"{out / 'stats.json'}: No space left on device")
+    assert audit(capsys, *argv, "--resume")[0] == 0
+    assert check_run(out) == []
