@@ -44,6 +44,7 @@ _TOP_KEYS = {
 }
 _CONFIG_KEYS = {"name", "role", "config", "run", "count", "token_root", "logit_root", "files", "comparison", "errors"}
 _SIGNATURE_KEYS = {"algorithm", "public_key", "value"}
+_LINKED = "is a symbolic link; run folders and their files must be real paths inside the certificate's folder"
 
 
 def _config_verdict(reference: dict, configuration: dict) -> str:
@@ -415,22 +416,58 @@ def _derived_problems(cert: dict, name: str) -> list[str]:
     return problems
 
 
-def _configuration_problems(c: dict, run_dir: Path) -> list[str]:
-    """File digests, check_run and the roots of one configuration's run."""
-    label = c["run"]
-    if not run_dir.is_dir():
-        return [f"{label}: run folder of configuration {c['name']!r} is missing"]
-    problems = []
+def signer_fingerprint(cert: dict) -> str | None:
+    """The key a certificate names as its signer, as people compare keys: SHA256: and the hex SHA-256
+    of the raw 32-byte Ed25519 public key; None when unsigned. Only meaningful once the certificate
+    verifies: the signature block itself is not checked here."""
+    signature = cert.get("signature")
+    if signature is None:
+        return None
+    return "SHA256:" + hashlib.sha256(base64.b64decode(signature["public_key"])).hexdigest()
+
+
+def signer_statement(cert: dict, pinned: bool) -> str:
+    """Who signed a verified certificate, in one line: a valid signature by a key nobody pinned proves
+    only that someone signed it (anyone can re-sign), so that is said too."""
+    signer = signer_fingerprint(cert)
+    if signer is None:
+        return "unsigned: anyone able to write the folder could have made it"
+    if pinned:
+        return f"signed by the pinned key {signer}"
+    return f"signed by key {signer}, not pinned: pass --public-key to require it"
+
+
+def run_path_problems(base: Path, run: str) -> list[str]:
+    """A run folder, and each file of it that is read, must be a real path inside `base`: a symbolic
+    link could point anywhere, so a certificate would vouch for files outside its folder."""
+    path = base
+    for part in PurePosixPath(run).parts:
+        path = path / part
+        if path.is_symlink():
+            return [f"{path.relative_to(base).as_posix()}: {_LINKED}"]
+    return [f"{run}/{file}: {_LINKED}" for file in RUN_FILES if (path / file).is_symlink()]
+
+
+def digest_problems(c: dict, run_dir: Path) -> list[str]:
+    """Where the run's files differ from the SHA-256 digests the certificate records for them."""
     try:
         digests = file_digests(run_dir)
     except AuditError as exc:
-        problems.append(str(exc))
-    else:
-        problems.extend(
-            f"{label}/{file}: sha256 does not match the certificate (changed after certification?)"
-            for file in RUN_FILES
-            if digests[file] != c["files"][file]
-        )
+        return [str(exc)]
+    return [f"{c['run']}/{file}: sha256 does not match the certificate (changed after certification?)"
+            for file in RUN_FILES if digests[file] != c["files"][file]]
+
+
+def _configuration_problems(c: dict, base: Path, name: str) -> list[str]:
+    """Real paths, file digests, check_run and the roots of one configuration's run."""
+    label = c["run"]
+    run_dir = _run_dir(base, label, name)
+    linked = run_path_problems(base, label)
+    if linked:  # nothing behind a link is read
+        return linked
+    if not run_dir.is_dir():
+        return [f"{label}: run folder of configuration {c['name']!r} is missing"]
+    problems = digest_problems(c, run_dir)
     problems.extend(check_run(run_dir))
     try:
         root = json.loads((run_dir / ROOT).read_bytes())
@@ -441,19 +478,16 @@ def _configuration_problems(c: dict, run_dir: Path) -> list[str]:
     return problems
 
 
-def verify_certificate(cert_path: str | os.PathLike, public_key_pem: bytes | None = None) -> list[str]:
-    """Every problem with a certificate and its runs; [] when it is valid.
-
-    Checks the file's format and exact form, the content hash, the signature (required and pinned when
-    `public_key_pem` is given) and the verdict; then, if the certificate itself is intact, per
-    configuration the run's file digests, check_run, its roots and the comparison counts recomputed
-    from the streams.
-    """
+def check_certificate(cert_path: str | os.PathLike,
+                      public_key_pem: bytes | None = None) -> tuple[dict | None, list[str]]:
+    """The certificate as read (None when unreadable) and every problem with the certificate itself:
+    format and exact form, content hash, signature (required and pinned when `public_key_pem` is
+    given) and the derived verdict. Its runs are not read; verify_certificate checks them too."""
     file = _certificate_file(Path(cert_path))
     try:
         raw, cert = _read(file)
     except AuditError as exc:
-        return [str(exc)]
+        return None, [str(exc)]
     name = file.name
     problems = []
     if raw != json_bytes(cert):
@@ -462,15 +496,27 @@ def verify_certificate(cert_path: str | os.PathLike, public_key_pem: bytes | Non
         problems.append(f"{name}: content hash does not match its contents (edited after sealing?)")
     problems.extend(_signature_problems(cert, public_key_pem, name))
     problems.extend(_derived_problems(cert, name))
+    return cert, problems
+
+
+def verify_certificate(cert_path: str | os.PathLike, public_key_pem: bytes | None = None) -> list[str]:
+    """Every problem with a certificate and its runs; [] when it is valid.
+
+    check_certificate's checks; then, if the certificate itself is intact, per configuration that its
+    run is a real folder inside the certificate's, the run's file digests, check_run, its roots and
+    the comparison counts recomputed from the streams.
+    """
+    file = _certificate_file(Path(cert_path))
+    cert, problems = check_certificate(file, public_key_pem)
     if problems:  # the runs are checked against the certificate's claims, which cannot be trusted now
         return problems
+    name = file.name
     intact: dict[str, Run] = {}
     for c in cert["configurations"]:
-        run_dir = _run_dir(file.parent, c["run"], name)
-        found = _configuration_problems(c, run_dir)
+        found = _configuration_problems(c, file.parent, name)
         problems.extend(found)
         if not found:
-            intact[c["name"]] = read_run(run_dir)
+            intact[c["name"]] = read_run(_run_dir(file.parent, c["run"], name))
             problems.extend(_manifest_problems(cert, c, intact[c["name"]].manifest, name))
     reference = intact.get(cert["reference"])
     for c in cert["configurations"]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
-from audit.certificate import verdict_summary
+from audit.certificate import signer_fingerprint, verdict_summary
 from reports import figures, tables
 from reports.groups import group_outcomes, request_grouping
 from reports.load import AuditData
@@ -141,8 +141,8 @@ def _headline(data: AuditData, counts: dict[str, dict]) -> Section:
 
 def _certificate_facts(data: AuditData) -> Paragraph:
     cert = data.certificate
-    signature = cert.get("signature")
-    signed = f"signed ({signature.get('algorithm', '?')})" if signature else "unsigned"
+    signer = signer_fingerprint(cert)
+    signed = f"signed by key {signer} (not pinned: audit verify --public-key pins it)" if signer else "unsigned"
     return Paragraph(
         f"Certificate created {cert.get('created', '–')}, content hash {cert.get('content_hash', '–')}, {signed}."
     )

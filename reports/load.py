@@ -1,5 +1,10 @@
 """Everything a report shows, read from a certify output folder: the certificate, each
-configuration's run, and every configuration compared against the reference run."""
+configuration's run, and every configuration compared against the reference run.
+
+A report is only made of a certificate that verifies (audit.certificate.check_certificate: exact form,
+content hash, signature when present, derived verdict) and of runs that are real folders inside the
+certification folder with the file digests it certifies; anything else is refused with one AuditError,
+so no report can show a verdict that `deepinfer audit verify` rejects."""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from pathlib import Path
 
 import polars as pl
 
-from audit.certificate import load_certificate
+from audit.certificate import CERTIFICATE, check_certificate, digest_problems, run_path_problems
 from audit.compare import compare_streams, summarize
 from audit.errors import AuditError
 from audit.store import Run, read_run
@@ -43,18 +48,30 @@ class AuditData:
         return summarize(self.comparisons.filter(pl.col("configuration") == name))
 
 
+def _verified_certificate(file: Path) -> dict:
+    """The certificate, refused unless it verifies on its own (its runs are checked as they are read)."""
+    cert, problems = check_certificate(file)
+    if cert is None:
+        raise AuditError(problems[0])
+    if problems:
+        raise AuditError(f"{file} does not verify, no report written: {'; '.join(problems)}")
+    return cert
+
+
 def _read_configuration(out_dir: Path, entry: dict) -> Configuration:
     name = entry["name"]
+    where = f"configuration {name!r} ({entry['run']})"
     run_dir = out_dir / entry["run"]
+    problems = run_path_problems(out_dir, entry["run"]) or digest_problems(entry, run_dir)
+    if problems:
+        raise AuditError(f"{where}: {'; '.join(problems)}")
     try:
         run = read_run(run_dir)
     except AuditError as err:
-        raise AuditError(f"configuration {name!r} ({entry['run']}): {err}") from err
+        raise AuditError(f"{where}: {err}") from err
     for key in ("token_root", "logit_root"):
         if run.root[key] != entry[key]:
-            raise AuditError(
-                f"configuration {name!r} ({entry['run']}): root.json {key} does not match the certificate"
-            )
+            raise AuditError(f"{where}: root.json {key} does not match the certificate")
     return Configuration(
         name=name,
         role=entry["role"],
@@ -74,9 +91,10 @@ def _compare(reference: Configuration, other: Configuration, near_tie_threshold:
 
 
 def load_audit(out_dir: Path) -> AuditData:
-    """Read `out_dir/certificate.json` and its runs, and compare every run with the reference's under
-    the certificate's near-tie threshold; AuditError names the file or run at fault."""
-    cert = load_certificate(out_dir / "certificate.json")
+    """Read `out_dir/certificate.json` (refused unless it verifies) and its runs, and compare every run
+    with the reference's under the certificate's near-tie threshold; AuditError names the file or run at
+    fault."""
+    cert = _verified_certificate(out_dir / CERTIFICATE)
     configurations = [_read_configuration(out_dir, entry) for entry in cert["configurations"]]
     reference = next(c for c in configurations if c.role == "reference")
     threshold = cert["near_tie_threshold"]
