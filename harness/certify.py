@@ -11,6 +11,7 @@ Layout of the output folder:
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -43,7 +44,11 @@ def certify(
     signing_key = _read_key(sign_key) if sign_key else None
     _prepare(out_dir, sweep, resume)
     entries = []
-    for role, variant in sweep.configurations():
+    configurations = sweep.configurations()
+    for number, (role, variant) in enumerate(configurations, start=1):
+        if progress:
+            print(f"configuration {number}/{len(configurations)}: {variant.name} ({role})", file=sys.stderr,
+                  flush=True)
         record_run(model, suite, variant, out_dir / "runs" / variant.name, run_seed=run_seed, resume=resume,
                    progress=progress)
         entries.append({"name": variant.name, "role": role, "config": variant.to_dict(), "run": f"runs/{variant.name}"})

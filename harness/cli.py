@@ -58,7 +58,7 @@ def add_audit(commands: argparse._SubParsersAction) -> None:
     _progress_flag(certify)
     certify.set_defaults(run=_cmd_certify)
 
-    verify = sub.add_parser("verify", help="check a certificate's hash, signature and stored runs")
+    verify = sub.add_parser("verify", help="check a certificate's hash, signature and stored runs; name its signer")
     verify.add_argument("certificate", help="certificate.json")
     verify.add_argument("--public-key", help="require a signature by this Ed25519 public key (PEM)")
     verify.add_argument("--rerun", action="store_true", help="also re-execute the reference configuration and "
@@ -87,7 +87,8 @@ def add_audit(commands: argparse._SubParsersAction) -> None:
     add_eval_command(sub)
     add_replay_commands(sub)
 
-    report = sub.add_parser("report", help="write report.md and report.html for a certification folder")
+    report = sub.add_parser("report", help="write report.md and report.html for a certification folder "
+                                          "(refused unless its certificate verifies)")
     report.add_argument("folder", help="the --out folder of `deepinfer audit certify`")
     report.set_defaults(run=_cmd_report)
 
@@ -184,7 +185,9 @@ def _control_counts(control: dict) -> str:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from audit.certificate import verify_certificate
+    """Exit 1 on any problem; when intact, also say who signed it, since a valid signature by an unknown
+    key (anyone can re-sign) proves nothing until the key is pinned with --public-key."""
+    from audit.certificate import load_certificate, signer_statement, verify_certificate
     from harness.certify import rerun_reference
 
     public_key = _read(args.public_key) if args.public_key else None
@@ -196,6 +199,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if problems:
         return EXIT_DIFFERENT
     print(f"OK: {args.certificate} is intact" + (" and its reference run reproduces bit for bit" if args.rerun else ""))
+    print(signer_statement(load_certificate(args.certificate), pinned=public_key is not None))
     return 0
 
 

@@ -11,14 +11,13 @@ import json
 import time
 from pathlib import Path
 
-from tqdm import tqdm
-
 from audit.errors import AuditError
 from audit.files import atomic_write, json_bytes
 from audit.manifest import build_manifest
 from audit.store import ROOT, RunStore, make_row, read_run
 from deepinfer import LLM
 from deepinfer.errors import DeepInferError
+from harness.progress import Progress
 from harness.serve import serve
 from harness.suites import Suite
 from harness.sweep import Variant, cpu_threads
@@ -70,8 +69,7 @@ def _record_run(model: str | Path | None, suite: Suite, variant: Variant, run_di
             continue
         jobs.append((prompt, params))
         job_index.append(index)
-    bar = tqdm(total=len(suite.requests), initial=len(done), desc=variant.name, unit="req", leave=False,
-               disable=None if progress else True)  # None: bars only on a terminal
+    bar = Progress(variant.name, len(suite.requests), len(done), enabled=progress)
     bar.update(len(rows))
     last_flush = time.monotonic()
     for finished in serve(llm, jobs, variant):

@@ -8,6 +8,7 @@ shared; tests that change files work on a copy."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -22,6 +23,7 @@ from types import SimpleNamespace
 
 import polars as pl
 import pytest
+from cryptography.hazmat.primitives import serialization
 
 from audit.certificate import seal, write_certificate
 from audit.store import check_run, file_digests, make_row
@@ -59,6 +61,13 @@ LONG_SUITE = [
      "sampling": {"max_tokens": 8, "ignore_eos": True, **({"temperature": 0.8, "seed": i} if i % 2 else {})}}
     for i in range(12)
 ]
+
+
+def signed_by(public_key: Path, pinned: bool = False) -> str:
+    """verify's signer line for the Ed25519 key in `public_key` (PEM): its SHA-256 fingerprint."""
+    key = serialization.load_pem_public_key(public_key.read_bytes())
+    raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return f"signed by {'the pinned ' if pinned else ''}key SHA256:{hashlib.sha256(raw).hexdigest()}"
 
 
 def write_lines(path: Path, rows: list) -> Path:
@@ -174,12 +183,14 @@ def test_certified_streams_cover_every_kind_of_request(certified):
 
 def test_verify_accepts_the_intact_certificate(capsys, certified):
     code, out, err = audit(capsys, "verify", certified.cert)
-    assert (code, out, err) == (0, f"OK: {certified.cert} is intact\n", "")
+    assert (code, out, err) == (0, f"OK: {certified.cert} is intact\n{signed_by(certified.pub)}, not pinned: pass "
+                                   "--public-key to require it\n", "")
 
 
-def test_verify_rerun_reproduces_the_reference_bit_for_bit(capsys, cert_copy):
+def test_verify_rerun_reproduces_the_reference_bit_for_bit(capsys, certified, cert_copy):
     code, out, err = audit(capsys, "verify", cert_copy, "--rerun", "--no-progress")
-    assert (code, out, err) == (0, f"OK: {cert_copy} is intact and its reference run reproduces bit for bit\n", "")
+    assert (code, out, err) == (0, f"OK: {cert_copy} is intact and its reference run reproduces bit for bit\n"
+                                   f"{signed_by(certified.pub)}, not pinned: pass --public-key to require it\n", "")
 
 
 @pytest.mark.parametrize(("rerun", "message"), [
@@ -273,7 +284,8 @@ def test_a_resealed_certificate_fails_only_against_the_signers_key(capsys, certi
     assert (code, out, err) == (1, "", "FAIL: certificate.json: signature is not valid for its contents\n")
     write_certificate(cert_copy, seal(cert))
     code, out, err = audit(capsys, "verify", cert_copy)
-    assert (code, out, err) == (0, f"OK: {cert_copy} is intact\n", "")  # unsigned: consistent is all it can say
+    assert (code, out, err) == (0, f"OK: {cert_copy} is intact\nunsigned: anyone able to write the folder could have "
+                                   "made it\n", "")  # unsigned: consistent is all it can say
     code, out, err = audit(capsys, "verify", cert_copy, "--public-key", certified.pub)
     assert (code, out, err) == (1, "", "FAIL: certificate.json: not signed, but a public key was given\n")
 
@@ -309,7 +321,7 @@ def test_keygen_refuses_to_overwrite_a_key(capsys, tmp_path):
 
 def test_the_signature_verifies_only_with_the_signers_public_key(capsys, certified, tmp_path):
     code, out, err = audit(capsys, "verify", certified.cert, "--public-key", certified.pub)
-    assert (code, out, err) == (0, f"OK: {certified.cert} is intact\n", "")
+    assert (code, out, err) == (0, f"OK: {certified.cert} is intact\n{signed_by(certified.pub, pinned=True)}\n", "")
     assert audit(capsys, "keygen", "--out", tmp_path / "other")[0] == 0
     code, out, err = audit(capsys, "verify", certified.cert, "--public-key", tmp_path / "other.pub")
     assert (code, out, err) == (1, "", "FAIL: certificate.json: signed by a different key than the given public key\n")
@@ -652,3 +664,17 @@ def test_a_full_disk_is_one_line_and_the_run_resumes(capsys, monkeypatch, tiny_c
         assert_user_error(capsys, argv, f"{out / 'stats.json'}: No space left on device")
     assert audit(capsys, *argv, "--resume")[0] == 0
     assert check_run(out) == []
+
+
+def test_a_piped_certification_reports_progress_on_stderr(capsys, monkeypatch, certified, tiny_checkpoint, tmp_path):
+    import harness.progress
+
+    monkeypatch.setattr(harness.progress, "STATUS_SECONDS", 0.0)  # a status line at every request
+    code = main(["audit", "certify", "--model", str(tiny_checkpoint), "--suite", str(certified.suite), "--sweep",
+                 str(certified.sweep), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 0
+    names = list(CONFIGURATIONS)
+    assert [line for line in err if line.startswith("configuration ")] == [
+        f"configuration {k}/{len(names)}: {name} ({CONFIGURATIONS[name]})" for k, name in enumerate(names, start=1)]
+    assert "ref: 1/4 requests" in err and "ref: 4/4 requests (done)" in err
