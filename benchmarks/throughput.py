@@ -22,7 +22,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint import create_checkpoint
-from deepinfer.checkpoint.writer import deepinfer_home
+from deepinfer.checkpoint.files import deepinfer_home
 
 
 NUMERICS = ("batch_invariant", "fast")

@@ -83,6 +83,8 @@ def _add_checkpoint(commands: argparse._SubParsersAction) -> None:
                     "widths, parameter counts, content hash and whether MTP weights and a tokenizer exist.",
     )
     info.add_argument("folder", help="checkpoint folder")
+    info.add_argument("--verify", action="store_true",
+                      help="hash the weights' bytes instead of trusting the content-hash cache")
     info.set_defaults(run=_cmd_checkpoint_info)
 
 
@@ -101,7 +103,7 @@ def _cmd_checkpoint_create(args: argparse.Namespace) -> int:
 
 
 def _cmd_checkpoint_info(args: argparse.Namespace) -> int:
-    info = inspect_checkpoint(args.folder)
+    info = inspect_checkpoint(args.folder, verify=args.verify)
     c = info.config
     counts = parameter_counts(c, include_mtp=info.has_mtp)
     total = sum(counts.values())
@@ -121,7 +123,7 @@ def _cmd_checkpoint_info(args: argparse.Namespace) -> int:
         f"dtype       {info.weight_dtype or '-'}",
         f"mtp         {f'present ({c.num_nextn_predict_layers} block)' if info.has_mtp else 'absent'}",
         f"tokenizer   {'present' if info.tokenizer_path else 'absent'}",
-        f"content     {info.content_hash or '-'}",
+        f"content     {info.content_hash or '-'}" + (" (hashed from the weights' bytes)" if args.verify else ""),
     ]
     print("\n".join(lines))
     return 0

@@ -19,6 +19,8 @@ from pathlib import Path
 from audit.certificate import build_certificate, load_certificate, reference_run, seal, sign, write_certificate
 from audit.files import atomic_write, json_bytes
 from audit.store import read_run
+from deepinfer.checkpoint import content_hash, default_checkpoint
+from deepinfer.engine.llm import PRESET_PREFIX
 from deepinfer.errors import DeepInferError
 from harness.record import record_run
 from harness.suites import load_suite
@@ -41,6 +43,8 @@ def certify(
 ) -> Certification:
     out_dir = Path(out_dir)
     suite = load_suite(suite_spec)
+    if not str(model).startswith(PRESET_PREFIX):  # a certificate's checkpoint hash comes from the bytes
+        content_hash(model if model is not None else default_checkpoint(), trust_cache=False)
     signing_key = _read_key(sign_key) if sign_key else None
     _prepare(out_dir, sweep, resume)
     entries = []

@@ -20,7 +20,8 @@ from deepinfer.checkpoint import (
     random_tensors,
     write_weights,
 )
-from deepinfer.checkpoint.hashing import CACHE_NAME
+from deepinfer.checkpoint.files import weight_files
+from deepinfer.checkpoint.hashing import cache_path
 from deepinfer.checkpoint.layout import FP32, INDEX, WEIGHT
 from deepinfer.checkpoint.random_init import RandomTensors, random_tensor
 from deepinfer.cli import main
@@ -149,7 +150,7 @@ def test_random_tensor_kinds_and_scales():
 
 def test_created_checkpoint_contents(tiny_checkpoint):
     names = sorted(p.name for p in tiny_checkpoint.iterdir())
-    assert names == [CACHE_NAME, "config.json", "model.safetensors", "tokenizer.json"]
+    assert names == ["config.json", "model.safetensors", "tokenizer.json"]  # the hash cache lives elsewhere
     assert json.loads((tiny_checkpoint / "config.json").read_text()) == preset_config("tiny").to_dict()
     ckpt = load_checkpoint(tiny_checkpoint)
     assert ckpt.has_mtp and ckpt.tokenizer_path == tiny_checkpoint / "tokenizer.json"
@@ -199,7 +200,7 @@ def test_default_checkpoint_race(tmp_path, monkeypatch):
     monkeypatch.setattr(writer, "build_tokenizer", build_while_another_process_wins)
     path = default_checkpoint()
     assert path == writer.default_checkpoint_path() and path.parent == tmp_path / "home" and raced
-    assert [p.name for p in (tmp_path / "home").iterdir()] == [path.name]  # loser cleaned up
+    assert sorted(p.name for p in (tmp_path / "home").iterdir()) == ["content-hashes", path.name]  # loser cleaned up
     assert load_checkpoint(path).has_mtp
     assert default_checkpoint() == path
 
@@ -225,7 +226,7 @@ def test_content_hash_ignores_sharding(tiny_checkpoint, tmp_path):
     shards = sorted(p.name for p in folder.glob("*.safetensors"))
     assert len(shards) > 5 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     assert digest == ckpt.content_hash == content_hash(folder)
-    (folder / CACHE_NAME).unlink()
+    cache_path(weight_files(folder)).unlink()
     resharded = load_checkpoint(folder)
     assert resharded.content_hash == ckpt.content_hash
     assert all(torch.equal(resharded.tensors[k], v) for k, v in ckpt.tensors.items())
@@ -244,19 +245,19 @@ def test_content_hash_changes_with_one_byte(tiny_checkpoint, tmp_path):
     assert load_checkpoint(folder).content_hash == content_hash(folder)
 
 
-def _trust_cache(folder: Path) -> None:
-    """Date the cache after its files, as if written a while later (the cache ignores entries no
-    older than the files they describe)."""
+def _forge_cache(folder: Path, digest: str) -> None:
+    """Put `digest` in the cache entry of the folder's weights as they are now, dated after them (the
+    cache ignores entries no older than the files they describe)."""
+    path = cache_path(weight_files(folder))
+    path.write_text(json.dumps({**json.loads(path.read_text()), "sha256": digest}))
     later = max(p.stat().st_ctime_ns for p in folder.iterdir()) + 10**9
-    os.utime(folder / CACHE_NAME, ns=(later, later))
+    os.utime(path, ns=(later, later))
 
 
 def test_content_hash_cache_is_used_and_invalidated(tiny_checkpoint, tmp_path):
     folder = _copy(tiny_checkpoint, tmp_path / "c")
     real = content_hash(folder)
-    cache = json.loads((folder / CACHE_NAME).read_text())
-    (folder / CACHE_NAME).write_text(json.dumps({**cache, "sha256": "f" * 64}))
-    _trust_cache(folder)
+    _forge_cache(folder, "f" * 64)
     assert content_hash(folder) == "f" * 64  # served from the cache, no tensor read
     assert load_checkpoint(folder).content_hash == "f" * 64
     path = folder / "model.safetensors"
@@ -264,14 +265,33 @@ def test_content_hash_cache_is_used_and_invalidated(tiny_checkpoint, tmp_path):
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # any change of a key invalidates
     assert content_hash(folder) == real
     # rewriting a file and restoring its mtime is still caught (ctime changes)
-    cache = json.loads((folder / CACHE_NAME).read_text())
-    (folder / CACHE_NAME).write_text(json.dumps({**cache, "sha256": "e" * 64}))
-    _trust_cache(folder)
+    _forge_cache(folder, "e" * 64)
     assert content_hash(folder) == "e" * 64
     st = path.stat()
     path.write_bytes(path.read_bytes())
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert content_hash(folder) == real
+
+
+def test_tampered_weights_cannot_keep_the_original_hash(tiny_checkpoint, tmp_path, capsys):
+    """Whoever can write the checkpoint folder cannot make the engine record its original hash: the
+    cache is not in the folder, and a rewritten file no longer matches its entry (ctime, inode)."""
+    folder = _copy(tiny_checkpoint, tmp_path / "c")
+    original = content_hash(folder)
+    path = folder / "model.safetensors"
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 1
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size and mtime as before
+    (folder / ".content-hash.json").write_text(json.dumps({"version": 1, "sha256": original}))
+    tampered = content_hash(folder)
+    assert tampered != original and load_checkpoint(folder).content_hash == tampered
+    _forge_cache(folder, original)  # a forged entry in the user's own cache is still caught by --verify
+    assert main(["checkpoint", "info", str(folder)]) == 0
+    assert f"content     {original}\n" in capsys.readouterr().out
+    assert main(["checkpoint", "info", str(folder), "--verify"]) == 0
+    assert f"content     {tampered} (hashed from the weights' bytes)\n" in capsys.readouterr().out
 
 
 # -- validation errors -----------------------------------------------------------------------------

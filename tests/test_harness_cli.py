@@ -678,3 +678,24 @@ def test_a_piped_certification_reports_progress_on_stderr(capsys, monkeypatch, c
     assert [line for line in err if line.startswith("configuration ")] == [
         f"configuration {k}/{len(names)}: {name} ({CONFIGURATIONS[name]})" for k, name in enumerate(names, start=1)]
     assert "ref: 1/4 requests" in err and "ref: 4/4 requests (done)" in err
+
+
+def test_certify_records_the_checkpoint_hash_of_its_bytes_not_a_forged_cache(capsys, tiny_checkpoint, tmp_path):
+    from deepinfer.checkpoint import content_hash
+    from deepinfer.checkpoint.files import weight_files
+    from deepinfer.checkpoint.hashing import cache_path
+
+    model = Path(shutil.copytree(tiny_checkpoint, tmp_path / "model"))
+    real = content_hash(model)
+    entry = cache_path(weight_files(model))
+    entry.write_text(json.dumps({**json.loads(entry.read_text()), "sha256": "0" * 64}))
+    later = max(p.stat().st_ctime_ns for p in model.iterdir()) + 10**9
+    os.utime(entry, ns=(later, later))
+    assert content_hash(model) == "0" * 64  # the forged entry is served to whoever trusts the cache
+    suite = write_lines(tmp_path / "suite.jsonl", SUITE[:1])
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps(SWEEP))
+    code, _, _ = audit(capsys, "certify", "--model", model, "--suite", suite, "--sweep", sweep, "--out",
+                       tmp_path / "out", "--no-progress")
+    assert code == 0
+    assert json.loads((tmp_path / "out" / "certificate.json").read_text())["checkpoint"]["content_hash"] == real

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from deepinfer.checkpoint.errors import CheckpointError
+
+
+def deepinfer_home() -> Path:
+    """Where DeepInfer keeps what it builds or caches for the user: $DEEPINFER_HOME, else ~/.cache/deepinfer."""
+    return Path(os.environ.get("DEEPINFER_HOME") or Path.home() / ".cache" / "deepinfer").expanduser()
 
 INDEX_NAME = "model.safetensors.index.json"
 # safetensors dtype codes -> torch dtype names (what error messages and the content hash use)

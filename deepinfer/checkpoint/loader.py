@@ -45,22 +45,23 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu") -> C
         has_mtp, _ = check_tensors(config, reader.headers)
         tensors = {name: reader.get(name) for name in sorted(reader.headers)}
     _check_routing_tables(config, tensors)
-    digest = cached_hash(folder, files)
+    digest = cached_hash(files)
     if digest is None:
         digest = hash_tensors(tensors)
-        store_hash(folder, files, digest)
+        store_hash(files, digest)
     return Checkpoint(folder, config, tensors, has_mtp, digest, _tokenizer(folder))
 
 
-def inspect_checkpoint(folder: str | Path) -> CheckpointInfo:
-    """Validate config and tensor headers; a folder with config.json but no weights is config-only."""
+def inspect_checkpoint(folder: str | Path, *, verify: bool = False) -> CheckpointInfo:
+    """Validate config and tensor headers; a folder with config.json but no weights is config-only.
+    With `verify`, the content hash is computed from the weights' bytes, not taken from the cache."""
     folder = _existing(folder)
     config = load_config(folder)
     has_weights = (folder / INDEX_NAME).is_file() or any(folder.glob("*.safetensors"))
     has_mtp, dtype, digest = False, weight_dtype_name(config), None
     if has_weights:
         has_mtp, dtype = check_tensors(config, read_headers(weight_files(folder)))
-        digest = content_hash(folder)
+        digest = content_hash(folder, trust_cache=not verify)
     return CheckpointInfo(folder, config, has_weights, has_mtp, dtype, digest, _tokenizer(folder))
 
 

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from deepinfer.checkpoint.errors import CheckpointError
-from deepinfer.checkpoint.files import INDEX_NAME, weight_files
+from deepinfer.checkpoint.files import INDEX_NAME, deepinfer_home, weight_files
 from deepinfer.checkpoint.hashing import TensorHasher, store_hash
 from deepinfer.checkpoint.layout import weight_dtype_name
 from deepinfer.checkpoint.presets import CONFIG_ONLY_PRESETS, preset_config
@@ -93,9 +93,9 @@ def create_checkpoint(preset: str, out: str | Path, seed: int, *, device: str | 
             digest = write_weights(tmp, RandomTensors(config, seed, dtype, device), max_shard_bytes)
         build_tokenizer(config.vocab_size).save(str(tmp / "tokenizer.json"))
         (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
-        if digest is not None:
-            store_hash(tmp, weight_files(tmp), digest)
         os.rename(tmp, out)  # atomic; also succeeds onto an empty folder
+        if digest is not None:
+            store_hash(weight_files(out), digest)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(err, OSError):
@@ -103,10 +103,6 @@ def create_checkpoint(preset: str, out: str | Path, seed: int, *, device: str | 
             raise CheckpointError(f"{out}: cannot write checkpoint ({err.strerror or err})") from None
         raise
     return out
-
-
-def deepinfer_home() -> Path:
-    return Path(os.environ.get("DEEPINFER_HOME") or Path.home() / ".cache" / "deepinfer").expanduser()
 
 
 def default_checkpoint_path() -> Path:
