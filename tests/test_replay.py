@@ -193,6 +193,9 @@ class ScriptedEngine:
         self.tokenizer = tokenizer
         self.script = script
 
+    def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_bos=add_bos)
+
     def encode(self, ids: list[int]) -> list[int]:
         return list(ids)
 
