@@ -1,0 +1,113 @@
+"""What one decode step costs on a CUDA device: wall time, kernel launches and host syncs.
+
+    python benchmarks/decode_step_profile.py --out results.json [--preset flash-4l] [--batches 1 64]
+
+For each batch size B the engine gets B requests (64-token prompts, greedy, no stop), steps until
+every one of them is decoding, then:
+- times `--steps` decode steps one by one (synchronised; median and min reported);
+- profiles one decode step with torch.profiler and counts what ran on the GPU (kernels, memcpy,
+  memset) and the host-side launch calls;
+- counts the device->host synchronisations of one decode step with
+  `torch.cuda.set_sync_debug_mode("warn")` (each synchronising call warns once).
+Weights are the preset's seeded random weights built on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from deepinfer import LLM, SamplingParams
+
+PROMPT_TOKENS = 64
+
+
+def decoding_engine(preset: str, dtype: str, batch: int, new_tokens: int) -> LLM:
+    llm = LLM(f"preset:{preset}", device="cuda", dtype=dtype, max_num_seqs=max(batch, 1), max_model_len=1024,
+              max_num_batched_tokens=max(512, batch * PROMPT_TOKENS))
+    gen = torch.Generator().manual_seed(batch)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    for _ in range(batch):
+        llm.add_request(torch.randint(16, 4000, (PROMPT_TOKENS,), generator=gen).tolist(), params)
+    while any(len(seq.output_token_ids) == 0 for seq in llm.scheduler.running) or llm.scheduler.waiting:
+        llm.step()
+    return llm
+
+
+def timed_steps(llm: LLM, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def profiled_step(llm: LLM) -> dict:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.step()
+        torch.cuda.synchronize()
+    kernels = memcpy = memset = launches = 0
+    for event in prof.events():
+        name = event.name
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            if "memcpy" in name.lower():
+                memcpy += 1
+            elif "memset" in name.lower():
+                memset += 1
+            else:
+                kernels += 1
+        elif name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx"):
+            launches += 1
+    return {"gpu_kernels": kernels, "gpu_memcpy": memcpy, "gpu_memset": memset, "host_launch_calls": launches}
+
+
+def synced_step(llm: LLM) -> int:
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            llm.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum(1 for w in caught if "synchroniz" in str(w.message))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--preset", default="flash-4l")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--label", default="")
+    args = parser.parse_args()
+    report = {"command": " ".join(["python"] + sys.argv), "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "preset": args.preset, "dtype": args.dtype, "label": args.label,
+              "prompt_tokens": PROMPT_TOKENS, "runs": []}
+    for batch in args.batches:
+        llm = decoding_engine(args.preset, args.dtype, batch, new_tokens=args.steps + 8)
+        timed_steps(llm, 2)  # warm-up (autotuning, allocator)
+        times = timed_steps(llm, args.steps)
+        run = {"batch": batch, "step_ms_median": round(1e3 * statistics.median(times), 3),
+               "step_ms_min": round(1e3 * min(times), 3), **profiled_step(llm), "host_syncs": synced_step(llm)}
+        report["runs"].append(run)
+        print(json.dumps(run), flush=True)
+        del llm
+        torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
