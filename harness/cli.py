@@ -53,8 +53,10 @@ def add_audit(commands: argparse._SubParsersAction) -> None:
     certify.add_argument("--sign-key", help="Ed25519 private key (PEM) to sign the certificate with")
     certify.add_argument("--allow-errors", action="store_true",
                          help="exit 0 even when requests errored (they are still counted in the verdict)")
-    certify.add_argument("--dtype", default="float32", help="dtype of the default sweep (default: float32)")
-    certify.add_argument("--device", default="cpu", help="device of the default sweep (default: cpu)")
+    certify.add_argument("--dtype", help="dtype of the default sweep (default: float32)")
+    certify.add_argument("--device", help="device of the default sweep (default: cpu)")
+    certify.add_argument("--threads", type=int, help="PyTorch CPU threads of the default sweep's configurations "
+                                                     "(default: the process's; its threads-1 variant keeps 1)")
     _progress_flag(certify)
     certify.set_defaults(run=_cmd_certify)
 
@@ -63,7 +65,10 @@ def add_audit(commands: argparse._SubParsersAction) -> None:
     verify.add_argument("--public-key", help="require a signature by this Ed25519 public key (PEM)")
     verify.add_argument("--rerun", action="store_true", help="also re-execute the reference configuration and "
                                                               "compare roots")
-    verify.add_argument("--model", help="checkpoint folder for --rerun (default: the path the certificate records)")
+    verify.add_argument("--model", help="checkpoint folder for --rerun (default: the one the certificate records, "
+                                        "looked for relative to the certificate's folder, then at its recorded path)")
+    verify.add_argument("--suite", help="suite for --rerun, KIND:PATH or a path (default: the one the certificate "
+                                        "records, looked for like --model's); it must hash as the certified one")
     _progress_flag(verify)
     verify.set_defaults(run=_cmd_verify)
 
@@ -145,9 +150,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, shuffle=args.shuffle, stagger=args.stagger, numerics=args.numerics,
         dtype=args.dtype, device=args.device, threads=args.threads,
     ), "flags")
-    root = record_run(args.model, load_suite(args.suite), variant, Path(args.out), run_seed=args.run_seed,
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():  # before the model loads; the run store says the same
+        raise DeepInferError(f"{out}: cannot create a run: it exists and is not a folder")
+    root = record_run(args.model, load_suite(args.suite), variant, out, run_seed=args.run_seed,
                       resume=args.resume, progress=args.progress)
-    errors = error_counts(read_run(Path(args.out)).streams)
+    errors = error_counts(read_run(out).streams)
     errored = f", {sum(errors.values())} errored ({describe_errors(errors)})" if errors else ""
     print(f"run {args.out}: {root['count']} requests{errored}, logit root {root['logit_root']}")
     return 0
@@ -156,19 +164,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_certify(args: argparse.Namespace) -> int:
     """Exit 0 when the verdict is reproducible and every request was served; 1 when it is DIVERGENT or
     (without --allow-errors) when any request errored; the certificate and report are written either way."""
-    from audit.certificate import DIVERGENT, verdict_summary
+    from audit.certificate import CERTIFICATE, DIVERGENT, verdict_summary
     from harness.certify import certify
-    from harness.sweep import default_sweep, load_sweep
+    from reports import render_report
 
-    sweep = load_sweep(args.sweep) if args.sweep else default_sweep(args.dtype, args.device)
-    result = certify(args.model, args.suite, sweep, Path(args.out), run_seed=args.run_seed, resume=args.resume,
-                     sign_key=Path(args.sign_key) if args.sign_key else None, progress=args.progress)
-    cert = result.certificate
+    sweep = _certify_sweep(args)
+    out = Path(args.out)
+    cert = certify(args.model, args.suite, sweep, out, run_seed=args.run_seed, resume=args.resume,
+                   sign_key=Path(args.sign_key) if args.sign_key else None, progress=args.progress)
+    report_md, report_html = render_report(out)
     print(f"verdict: {verdict_summary(cert)}")
     for control in cert.get("controls", []):
         print(f"control {control['name']}: {control['verdict']} ({_control_counts(control)})")
-    print(f"certificate: {result.certificate_path}")
-    print(f"report: {result.report_paths[0]} and {result.report_paths[1]}")
+    print(f"certificate: {out / CERTIFICATE}")
+    print(f"report: {report_md} and {report_html}")
     counts = cert["verdict_counts"]
     errored = counts["errored"] + counts["requests_errored_differently"]
     if errored and not args.allow_errors:
@@ -177,6 +186,31 @@ def _cmd_certify(args: argparse.Namespace) -> int:
               "served ones (--allow-errors accepts that)", file=sys.stderr)
     failed = cert["verdict"] == DIVERGENT or (errored and not args.allow_errors)
     return EXIT_DIFFERENT if failed else 0
+
+
+def _certify_sweep(args: argparse.Namespace):
+    """The --sweep file, or the default sweep with --dtype, --device and --threads (checked here, before
+    any work); those flags set only the default sweep."""
+    from dataclasses import replace
+
+    from harness.sweep import Sweep, check_variant, default_sweep, load_sweep
+
+    given = [flag for flag in ("dtype", "device", "threads") if getattr(args, flag) is not None]
+    if args.sweep:
+        if given:
+            raise DeepInferError(f"--{given[0]} sets the default sweep only: with --sweep, give {given[0]} in the "
+                                 "sweep file's configurations")
+        return load_sweep(args.sweep)
+    sweep = default_sweep(args.dtype or "float32", args.device or "cpu")
+    if args.threads is not None:
+        def threaded(variant):
+            return variant if variant.threads is not None else replace(variant, threads=args.threads)
+
+        sweep = Sweep(threaded(sweep.reference), tuple(map(threaded, sweep.variants)),
+                      tuple(map(threaded, sweep.controls)))
+    for _, variant in sweep.configurations():
+        check_variant(variant, "flags")
+    return sweep
 
 
 def _control_counts(control: dict) -> str:
@@ -190,10 +224,13 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from audit.certificate import load_certificate, signer_statement, verify_certificate
     from harness.certify import rerun_reference
 
+    overrides = [flag for flag in ("model", "suite") if getattr(args, flag) is not None]
+    if overrides and not args.rerun:
+        raise DeepInferError(f"--{overrides[0]} only applies with --rerun")
     public_key = _read(args.public_key) if args.public_key else None
     problems = verify_certificate(Path(args.certificate), public_key)
     if not problems and args.rerun:
-        problems = rerun_reference(Path(args.certificate), args.model, progress=args.progress)
+        problems = rerun_reference(Path(args.certificate), args.model, args.suite, progress=args.progress)
     for problem in problems:
         print(f"FAIL: {problem}", file=sys.stderr)
     if problems:

@@ -1,4 +1,4 @@
-"""`deepinfer audit eval`: lm-eval tasks at several batch sizes, certified identical (or not).
+"""`deepinfer audit eval`: lm-eval tasks at several batch sizes, certified BITWISE_REPRODUCIBLE (or not).
 
 Registered by `add_eval_command(audit_subcommands)`; lm-eval is imported only when the command runs,
 so the rest of the CLI works without the `eval` extra.
@@ -21,7 +21,10 @@ def add_eval_command(commands: argparse._SubParsersAction) -> None:
         description="Run lm-eval tasks offline through the engine once per batch size, record every request "
                     "into a run, and certify that the metrics and every request's stream hashes are identical "
                     "across batch sizes. Writes OUT/summary.json, OUT/runs/batch-N and OUT/lm_eval/batch-N.json. "
-                    "Exit 0 when identical, 1 when anything moved.",
+                    "Verdicts, in `audit certify`'s words: BITWISE_REPRODUCIBLE (metrics and every stream "
+                    "hash), TOKEN_REPRODUCIBLE (same metrics and tokens, some logprob bits moved), "
+                    "METRICS_REPRODUCIBLE (same metrics, some tokens moved), DIVERGENT (a metric moved). "
+                    "Exit 0 when BITWISE_REPRODUCIBLE, 1 when anything moved.",
     )
     command.add_argument("--tasks", required=True,
                          help="comma-separated tasks of harness/suites/lm_eval (deepinfer_mc, deepinfer_gen, "
@@ -37,22 +40,27 @@ def add_eval_command(commands: argparse._SubParsersAction) -> None:
     command.add_argument("--limit", type=int, help="evaluate only the first N documents of each task")
     command.add_argument("--max-model-len", type=int, help="longest sequence the engine holds (default: the engine's)")
     command.add_argument("--run-seed", type=int, default=0, help="seed from which sampled generations derive theirs")
+    command.add_argument("--threads", type=int, help="PyTorch CPU threads (default: the process's)")
     command.set_defaults(run=_cmd_eval)
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    from audit.certificate import BITWISE
+
     with needs_lm_eval("audit eval"):
         from harness.evaluate import evaluate, parse_batch_sizes
 
     summary = evaluate(args.tasks.split(","), parse_batch_sizes(args.batch_sizes), Path(args.out), model=args.model,
                        numerics=args.numerics, dtype=args.dtype, device=args.device, limit=args.limit,
-                       run_seed=args.run_seed, max_model_len=args.max_model_len, include_path=args.include_path)
+                       run_seed=args.run_seed, max_model_len=args.max_model_len, include_path=args.include_path,
+                       threads=args.threads)
     for run in summary["runs"]:
         print(f"{run['name']}: {run['count']} requests, logit root {run['logit_root']}")
     for comparison in summary["comparisons"]:
         counts = ", ".join(f"{status} {n}" for status, n in comparison["streams"].items() if n)
         metrics = "identical" if comparison["metrics_identical"] else f"{len(comparison['metric_differences'])} moved"
-        print(f"{comparison['name']} vs {summary['reference']}: metrics {metrics}; streams {counts}")
+        print(f"{comparison['name']} vs {summary['reference']}: {comparison['verdict']}, metrics {metrics}; "
+              f"streams {counts}")
     print(f"verdict: {summary['verdict']} ({args.numerics}, {args.dtype})")
     print(f"summary: {Path(args.out) / 'summary.json'}")
-    return 0 if summary["verdict"] == "IDENTICAL" else EXIT_DIFFERENT
+    return 0 if summary["verdict"] == BITWISE else EXIT_DIFFERENT

@@ -7,8 +7,12 @@ manifests carry a content hash over both folders' files, so a changed task is a 
     OUT/lm_eval/batch-N.json   lm-eval's results and per-sample records at batch size N
     OUT/summary.json           per batch size its metrics and roots; each compared with the first
 
-Verdicts: IDENTICAL (metrics and every stream hash), METRICS_IDENTICAL (same metrics, but some
-stream's tokens or logprob bits moved), DIFFERENT (a metric moved).
+Verdicts use `deepinfer audit certify`'s words for the same meaning, per comparison and overall (the
+worst of them):
+    BITWISE_REPRODUCIBLE   every metric's bits and every request's stream hash are the reference's
+    TOKEN_REPRODUCIBLE     same metrics and tokens, but some logprob bits moved (certify's logprob-only drift)
+    METRICS_REPRODUCIBLE   same metrics, but some request's tokens moved (or it errored differently)
+    DIVERGENT              a metric moved
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import struct
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,14 +35,19 @@ import polars as pl  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 from lm_eval.utils import handle_non_serializable  # noqa: E402
 
+from audit.certificate import BITWISE, DIVERGENT, TOKEN  # noqa: E402
 from audit.compare import STATUSES, compare_streams  # noqa: E402
 from audit.files import atomic_write, json_bytes  # noqa: E402
 from audit.store import read_run  # noqa: E402
+from deepinfer.engine.llm import resolve_device, resolve_dtype  # noqa: E402
 from harness.lm_eval_model import DeepInferLM, EvalError  # noqa: E402
+from harness.sweep import cpu_threads  # noqa: E402
 
 SUITES = Path(__file__).parent / "suites" / "lm_eval"
 SUMMARY = "summary.json"
-SUMMARY_FORMAT = "deepinfer-lm-eval/1"
+SUMMARY_FORMAT = "deepinfer-lm-eval/2"  # 2: certify's verdict words, and a verdict per comparison
+METRICS = "METRICS_REPRODUCIBLE"
+VERDICTS = (BITWISE, TOKEN, METRICS, DIVERGENT)  # from best to worst
 BOOTSTRAP_ITERS = 100  # our metrics have closed-form standard errors; this only caps resampling ones
 
 
@@ -108,44 +118,87 @@ def evaluate(
     tasks: Sequence[str], batch_sizes: Sequence[int], out: Path, *, model: str | None = None,
     numerics: str = "batch_invariant", dtype: str = "float32", device: str = "cpu", limit: int | None = None,
     run_seed: int = 0, max_model_len: int | None = None, include_path: str | Path | None = None,
+    threads: int | None = None,
 ) -> dict:
     """Run `tasks` (shipped, or from the task folder `include_path`) once per batch size into `out`
-    (a new or empty folder); returns the summary."""
+    (a new or empty folder) with `threads` PyTorch CPU threads (None: the process's); returns the summary.
+
+    Settings are checked before anything is written, and a start that fails before the first batch size
+    is recorded removes what it wrote, so `out` can be used again."""
     batch_sizes = parse_batch_sizes(",".join(str(size) for size in batch_sizes))
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise EvalError(f"{out}: exists and is not a folder")
+    if out.exists() and any(out.iterdir()):
         raise EvalError(f"{out}: the output folder must be new or empty")
     if limit is not None and (not isinstance(limit, int) or limit < 1):
         raise EvalError(f"--limit must be a positive integer, got {limit!r}")
+    _check_engine(device, dtype, threads)
     include = include_folder(include_path) if include_path is not None else None
     manager = task_manager(include)
     tasks = parse_tasks(",".join(tasks), manager)
     suite = {"kind": "lm-eval", "path": str(SUITES), "include_path": str(include) if include else None,
              "tasks": tasks, "limit": limit, "content_hash": suite_hash(tasks, limit, include)}
-    (out / "lm_eval").mkdir(parents=True, exist_ok=True)
-    runs = []
-    for size in batch_sizes:
-        name = f"batch-{size}"
-        lm = DeepInferLM(model=model, numerics=numerics, dtype=dtype, device=device, batch_size=size,
-                         max_model_len=max_model_len, run_seed=run_seed, run_dir=out / "runs" / name, suite=suite)
-        results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
-                                          bootstrap_iters=BOOTSTRAP_ITERS, log_samples=True)
-        root = lm.finalize()
-        record = {"results": results["results"], "samples": results["samples"]}
-        atomic_write(out / "lm_eval" / f"{name}.json",
-                     json.dumps(record, indent=2, sort_keys=True, default=handle_non_serializable).encode() + b"\n")
-        runs.append({"name": name, "batch_size": size, "run": f"runs/{name}", "count": root["count"],
-                     "token_root": root["token_root"], "logit_root": root["logit_root"],
-                     "metrics": _json_safe(results["results"])})
+    created = not out.exists()
+    runs: list[dict] = []
+    try:
+        with cpu_threads(threads):
+            for size in batch_sizes:
+                runs.append(_evaluate_at(size, tasks, manager, out, model=model, numerics=numerics, dtype=dtype,
+                                         device=device, limit=limit, run_seed=run_seed, max_model_len=max_model_len,
+                                         suite=suite))
+    except BaseException:
+        if not runs:  # a failed start: leave `out` as it was (new or empty)
+            _remove_outputs(out, created)
+        raise
     comparisons = [_compare(out, runs[0], run) for run in runs[1:]]
     summary = {
         "format": SUMMARY_FORMAT, "tasks": tasks, "limit": limit, "suite": suite,
         "engine": {"model": model, "numerics": numerics, "dtype": dtype, "device": device,
-                   "max_model_len": max_model_len, "run_seed": run_seed},
+                   "max_model_len": max_model_len, "run_seed": run_seed, "threads": threads},
         "reference": runs[0]["name"], "runs": runs, "comparisons": comparisons, "verdict": _verdict(comparisons),
     }
     atomic_write(out / SUMMARY, json_bytes(summary))
     return summary
+
+
+def _check_engine(device: str, dtype: str, threads: int | None) -> None:
+    """One-line errors for settings the engine would refuse only after lm-eval indexed the tasks."""
+    resolve_device(device)
+    resolve_dtype(dtype)
+    cores = os.cpu_count() or 1
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or
+                                not 1 <= threads <= cores):
+        raise EvalError(f"--threads must be between 1 and this machine's {cores} CPUs, got {threads!r}")
+
+
+def _evaluate_at(size: int, tasks: list[str], manager: TaskManager, out: Path, *, suite: dict, limit: int | None,
+                 **engine) -> dict:
+    """The tasks at engine batch size `size`: OUT/runs/batch-N, OUT/lm_eval/batch-N.json and its summary entry."""
+    name = f"batch-{size}"
+    lm = DeepInferLM(batch_size=size, run_dir=out / "runs" / name, suite=suite, **engine)
+    results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
+                                      bootstrap_iters=BOOTSTRAP_ITERS, log_samples=True)
+    root = lm.finalize()
+    record = {"results": results["results"], "samples": results["samples"]}
+    (out / "lm_eval").mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "lm_eval" / f"{name}.json",
+                 json.dumps(record, indent=2, sort_keys=True, default=handle_non_serializable).encode() + b"\n")
+    return {"name": name, "batch_size": size, "run": f"runs/{name}", "count": root["count"],
+            "token_root": root["token_root"], "logit_root": root["logit_root"],
+            "metrics": _json_safe(results["results"])}
+
+
+def _remove_outputs(out: Path, created: bool) -> None:
+    """Remove what a failed start wrote into `out` (new or empty before it), and `out` if it made it."""
+    for name in ("runs", "lm_eval"):
+        if (out / name).is_dir() and not (out / name).is_symlink():
+            shutil.rmtree(out / name, ignore_errors=True)
+    if created:
+        try:
+            out.rmdir()
+        except OSError:
+            pass
 
 
 def _compare(out: Path, reference: dict, other: dict) -> dict:
@@ -160,20 +213,30 @@ def _compare(out: Path, reference: dict, other: dict) -> dict:
         for task, metrics in ref_metrics.items() for metric, value in metrics.items()
         if _bits(value) != _bits(other_metrics.get(task, {}).get(metric))
     ]
-    return {
+    same_count = ref_streams.height == other_streams.height
+    result = {
         "name": other["name"],
         "streams": counts,
-        "streams_identical": counts["equal"] == ref_streams.height == other_streams.height,
+        "streams_identical": same_count and counts["equal"] == ref_streams.height,
+        "tokens_identical": same_count and counts["equal"] + counts["logprob_drift"] == ref_streams.height,
         "moved_requests": comparison.filter(pl.col("status") != "equal")["request_id"].to_list(),
         "metrics_identical": not metric_differences and ref_metrics.keys() == other_metrics.keys(),
         "metric_differences": metric_differences,
     }
+    return {**result, "verdict": _comparison_verdict(result)}
+
+
+def _comparison_verdict(comparison: dict) -> str:
+    if not comparison["metrics_identical"]:
+        return DIVERGENT
+    if comparison["streams_identical"]:
+        return BITWISE
+    return TOKEN if comparison["tokens_identical"] else METRICS
 
 
 def _verdict(comparisons: list[dict]) -> str:
-    if not all(c["metrics_identical"] for c in comparisons):
-        return "DIFFERENT"
-    return "IDENTICAL" if all(c["streams_identical"] for c in comparisons) else "METRICS_IDENTICAL"
+    """The worst of the comparisons' verdicts."""
+    return max((c["verdict"] for c in comparisons), key=VERDICTS.index)
 
 
 def _bits(value: object) -> object:

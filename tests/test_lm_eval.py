@@ -30,7 +30,7 @@ from audit.store import check_run, read_run  # noqa: E402
 from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer import cli as engine_cli  # noqa: E402
 from harness.eval_cli import add_eval_command  # noqa: E402
-from harness.evaluate import parse_batch_sizes, suite_hash, task_manager  # noqa: E402
+from harness.evaluate import VERDICTS, parse_batch_sizes, suite_hash, task_manager  # noqa: E402
 from harness.lm_eval_model import FORCED, DeepInferLM, EvalError  # noqa: E402
 
 LIMIT = 4
@@ -155,8 +155,8 @@ def test_simple_evaluate_by_name_records_every_request(tiny_checkpoint, tmp_path
 def test_metrics_and_stream_hashes_identical_across_batch_sizes(certified):
     code, stdout, out = certified
     summary = json.loads((out / "summary.json").read_text())
-    assert code == 0 and "verdict: IDENTICAL (batch_invariant, float32)" in stdout
-    assert summary["verdict"] == "IDENTICAL"
+    assert code == 0 and "verdict: BITWISE_REPRODUCIBLE (batch_invariant, float32)" in stdout
+    assert summary["verdict"] == "BITWISE_REPRODUCIBLE" and summary["format"] == "deepinfer-lm-eval/2"
     assert [run["name"] for run in summary["runs"]] == ["batch-1", "batch-8", "batch-64"]
     reference = summary["runs"][0]
     assert {run["logit_root"] for run in summary["runs"]} == {reference["logit_root"]}
@@ -164,6 +164,8 @@ def test_metrics_and_stream_hashes_identical_across_batch_sizes(certified):
     for comparison in summary["comparisons"]:
         assert comparison["streams"]["equal"] == reference["count"] and comparison["moved_requests"] == []
         assert comparison["metrics_identical"] and comparison["metric_differences"] == []
+        assert comparison["verdict"] == "BITWISE_REPRODUCIBLE" and comparison["tokens_identical"]
+        assert f"{comparison['name']} vs batch-1: BITWISE_REPRODUCIBLE, metrics identical; streams equal " in stdout
     metrics = reference["metrics"]
     assert {"acc,none", "acc_norm,none"} <= set(metrics["deepinfer_mc"])
     assert "exact_match,none" in metrics["deepinfer_gen"] and "word_perplexity,none" in metrics["deepinfer_ppl"]
@@ -178,8 +180,8 @@ def test_a_users_task_folder_next_to_the_shipped_tasks(tiny_checkpoint, tmp_path
     code, stdout, _ = run_cli("--include-path", str(USER_TASKS), "--tasks", ",".join(tasks), "--batch-sizes", "1,8",
                               "--limit", "2", "--model", str(tiny_checkpoint), "--out", str(tmp_path / "out"))
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert code == 0 and "verdict: IDENTICAL (batch_invariant, float32)" in stdout
-    assert summary["verdict"] == "IDENTICAL" and set(summary["runs"][0]["metrics"]) == set(tasks)
+    assert code == 0 and "verdict: BITWISE_REPRODUCIBLE (batch_invariant, float32)" in stdout
+    assert summary["verdict"] == "BITWISE_REPRODUCIBLE" and set(summary["runs"][0]["metrics"]) == set(tasks)
     assert summary["runs"][0]["count"] == 2 * 3 + 2 + 2  # 3 choices per pet question, one generation per document
     manifest = read_run(tmp_path / "out" / "runs" / "batch-8").manifest
     assert manifest["suite"]["include_path"] == str(USER_TASKS.resolve())
@@ -194,7 +196,8 @@ def test_fast_bf16_reports_whether_anything_moved(tiny_checkpoint, tmp_path):
     [comparison] = summary["comparisons"]
     assert summary["engine"]["numerics"] == "fast" and summary["engine"]["dtype"] == "bf16"
     assert comparison["streams_identical"] == (comparison["moved_requests"] == [])
-    assert code == (0 if summary["verdict"] == "IDENTICAL" else 1)
+    assert summary["verdict"] == comparison["verdict"] in VERDICTS
+    assert code == (0 if summary["verdict"] == "BITWISE_REPRODUCIBLE" else 1)
     assert f"verdict: {summary['verdict']} (fast, bf16)" in stdout
 
 
@@ -234,3 +237,66 @@ def test_unknown_task_names_the_users_tasks_too_and_a_missing_folder(tmp_path):
     code, _, err = run_cli("--include-path", str(tmp_path / "nope"), "--tasks", "pets_mc", "--out", str(tmp_path / "o"))
     assert (code, err) == (2, f"error: include path {tmp_path / 'nope'}: no such folder\n")
     assert not (tmp_path / "o").exists()
+
+
+def comparison(metrics: bool, statuses: dict) -> dict:
+    """A comparison as `_compare` builds it, for a reference of 4 requests."""
+    counts = {"equal": 0, "logprob_drift": 0, "diverged": 0, "missing": 0, "error": 0, **statuses}
+    return {"metrics_identical": metrics, "streams_identical": counts["equal"] == 4,
+            "tokens_identical": counts["equal"] + counts["logprob_drift"] == 4}
+
+
+@pytest.mark.parametrize(("metrics", "statuses", "verdict"), [
+    (True, {"equal": 4}, "BITWISE_REPRODUCIBLE"),
+    (True, {"equal": 3, "logprob_drift": 1}, "TOKEN_REPRODUCIBLE"),  # certify's word for logprob-only drift
+    (True, {"equal": 2, "logprob_drift": 1, "diverged": 1}, "METRICS_REPRODUCIBLE"),
+    (True, {"equal": 3, "error": 1}, "METRICS_REPRODUCIBLE"),
+    (False, {"equal": 4}, "DIVERGENT"),
+    (False, {"diverged": 4}, "DIVERGENT"),
+])
+def test_eval_verdicts_are_certifys_words(metrics, statuses, verdict):
+    from audit.certificate import VERDICTS as CERTIFY_VERDICTS
+    from harness.evaluate import _comparison_verdict, _verdict
+
+    assert _comparison_verdict(comparison(metrics, statuses)) == verdict
+    assert set(CERTIFY_VERDICTS) < set(VERDICTS) and VERDICTS[-1] == "DIVERGENT"
+    same = {"verdict": "BITWISE_REPRODUCIBLE"}
+    assert _verdict([same, {"verdict": verdict}, same]) == verdict  # the worst comparison decides
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--threads", "100000"], f"--threads must be between 1 and this machine's {os.cpu_count()} CPUs, got 100000"),
+    (["--threads", "0"], f"--threads must be between 1 and this machine's {os.cpu_count()} CPUs, got 0"),
+    (["--device", "tpu"], "unknown device 'tpu' (expected cpu, cuda or cuda:N)"),
+])
+def test_bad_engine_flags_write_nothing(tmp_path, flags, message):
+    code, out, err = run_cli("--tasks", "deepinfer_mc", "--out", str(tmp_path / "o"), *flags)
+    assert (code, out, err) == (2, "", f"error: {message}\n")
+    assert not (tmp_path / "o").exists()
+
+
+def test_out_naming_a_file(tmp_path):
+    (tmp_path / "file").write_text("mine")
+    code, out, err = run_cli("--tasks", "deepinfer_mc", "--out", str(tmp_path / "file"))
+    assert (code, out, err) == (2, "", f"error: {tmp_path / 'file'}: exists and is not a folder\n")
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_a_failed_start_leaves_out_reusable(tiny_checkpoint, tmp_path, monkeypatch):
+    import harness.evaluate
+
+    def broken_engine(**kwargs):
+        (kwargs["run_dir"] / "parts").mkdir(parents=True)  # as if it failed after starting the run
+        raise EvalError("the engine failed to start")
+
+    argv = ["--tasks", "deepinfer_mc", "--batch-sizes", "1,2", "--limit", "1", "--model", str(tiny_checkpoint),
+            "--threads", "1"]
+    with monkeypatch.context() as patch:
+        patch.setattr(harness.evaluate, "DeepInferLM", broken_engine)
+        assert run_cli(*argv, "--out", str(tmp_path / "new")) == (2, "", "error: the engine failed to start\n")
+        (tmp_path / "empty").mkdir()
+        assert run_cli(*argv, "--out", str(tmp_path / "empty")) == (2, "", "error: the engine failed to start\n")
+    assert not (tmp_path / "new").exists() and list((tmp_path / "empty").iterdir()) == []
+    code, stdout, _ = run_cli(*argv, "--out", str(tmp_path / "empty"))  # the retry
+    summary = json.loads((tmp_path / "empty" / "summary.json").read_text())
+    assert code == 0 and summary["verdict"] == "BITWISE_REPRODUCIBLE" and summary["engine"]["threads"] == 1
