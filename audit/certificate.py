@@ -43,6 +43,8 @@ _TOP_KEYS = {
     "configurations", "verdict", "verdict_counts", "controls", "content_hash",
 }
 _CONFIG_KEYS = {"name", "role", "config", "run", "count", "token_root", "logit_root", "files", "comparison", "errors"}
+_OPTIONAL_CONFIG_KEYS = {"cpu_isa"}  # certificates made before it was added lack it
+_MKL_VARIABLES = (("mkl_enable_instructions", "MKL_ENABLE_INSTRUCTIONS"), ("mkl_cbwr", "MKL_CBWR"))
 _SIGNATURE_KEYS = {"algorithm", "public_key", "value"}
 _LINKED = "is a symbolic link; run folders and their files must be real paths inside the certificate's folder"
 
@@ -131,6 +133,27 @@ def control_verdicts(configurations: list[dict]) -> list[dict]:
     ]
 
 
+def cpu_isa_statement(manifest: dict) -> str:
+    """What a run's manifest records about the instruction sets its CPU kernels could use, in one line
+    that starts "CPU: ": oneDNN's cap and what was in effect (the engine's own summary, e.g. "oneDNN
+    capped at AVX512_CORE_BF16 (AMX available, not used; bf16 matmuls: brg_matmul:avx512_core_bf16)"),
+    then MKL_ENABLE_INSTRUCTIONS and MKL_CBWR where set. Manifests written before the effective ISA was
+    recorded give the cap alone."""
+    environment = manifest.get("environment")
+    cpu = environment.get("torch_cpu") if isinstance(environment, dict) else None
+    if not isinstance(cpu, dict):
+        return "CPU: instruction-set caps not recorded"
+    onednn = cpu.get("onednn")
+    if isinstance(onednn, dict) and isinstance(onednn.get("summary"), str):
+        parts = [onednn["summary"]]
+    elif cpu.get("onednn_max_cpu_isa"):
+        parts = [f"oneDNN capped at {cpu['onednn_max_cpu_isa']} (the ISA in effect was not recorded)"]
+    else:
+        parts = ["oneDNN not capped (the ISA in effect was not recorded)"]
+    parts += [f"{name}={cpu[key]}" for key, name in _MKL_VARIABLES if cpu.get(key)]
+    return "CPU: " + "; ".join(str(part) for part in parts)
+
+
 def _run_dir(base: Path, run: object, where: str) -> Path:
     """The run folder of a configuration: a relative path inside `base`."""
     if not isinstance(run, str) or not run:
@@ -183,6 +206,7 @@ def build_certificate(
             "files": file_digests(run.path),
             "comparison": {key: summary[key] for key in COMPARISON_KEYS},
             "errors": error_counts(run.streams),
+            "cpu_isa": cpu_isa_statement(run.manifest),
         })
     overall, counts = verdict(entries)
     cert = {
@@ -245,10 +269,6 @@ def generate_keypair() -> tuple[bytes, bytes]:
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
     return private_pem, public_pem
-
-
-def _file_bytes(cert: dict) -> bytes:
-    return json_bytes(cert)
 
 
 def write_certificate(path: str | os.PathLike, cert: dict) -> None:
@@ -338,8 +358,9 @@ def _check_structure(cert: object, path: Path) -> None:
     if not isinstance(configurations, list) or not configurations:
         fail("configurations must be a non-empty list")
     for number, c in enumerate(configurations):
-        if not isinstance(c, dict) or set(c) != _CONFIG_KEYS:
-            fail(f"configuration {number} must be an object with exactly {', '.join(sorted(_CONFIG_KEYS))}")
+        if not isinstance(c, dict) or not _CONFIG_KEYS <= set(c) <= _CONFIG_KEYS | _OPTIONAL_CONFIG_KEYS:
+            fail(f"configuration {number} must be an object with exactly {', '.join(sorted(_CONFIG_KEYS))} "
+                 f"(and optionally {', '.join(sorted(_OPTIONAL_CONFIG_KEYS))})")
         where = f"configuration {c['name']!r}"
         if not isinstance(c["name"], str) or c["role"] not in ROLES or not isinstance(c["config"], dict):
             fail(f"configuration {number}: name must be a string, role one of {ROLES}, config an object")
@@ -357,6 +378,8 @@ def _check_structure(cert: object, path: Path) -> None:
         errors = c["errors"]
         if not isinstance(errors, dict) or not all(isinstance(k, str) and _is_count(v) for k, v in errors.items()):
             fail(f"{where}: errors must map error kinds to counts")
+        if not isinstance(c.get("cpu_isa", ""), str):
+            fail(f"{where}: cpu_isa must be a string")
         try:
             _run_dir(path.parent, c["run"], where)
         except AuditError as exc:
@@ -534,12 +557,15 @@ def verify_certificate(cert_path: str | os.PathLike, public_key_pem: bytes | Non
 
 
 def _manifest_problems(cert: dict, configuration: dict, manifest: dict, name: str) -> list[str]:
-    """A run must be of the certified suite and checkpoint, under the configuration it is listed as."""
-    claims = (
+    """A run must be of the certified suite and checkpoint, under the configuration it is listed as, and
+    (where the certificate states it) on the CPU instruction sets it states."""
+    claims = [
         ("suite", (manifest.get("suite") or {}).get("content_hash"), cert["suite"].get("content_hash")),
         ("checkpoint", (manifest.get("checkpoint") or {}).get("content_hash"), cert["checkpoint"].get("content_hash")),
         ("configuration", manifest.get("variant"), configuration["config"]),
-    )
+    ]
+    if "cpu_isa" in configuration:
+        claims.append(("CPU instruction-set statement", cpu_isa_statement(manifest), configuration["cpu_isa"]))
     return [f"{configuration['run']}/{MANIFEST}: its {what} differs from what {name} certifies"
             for what, found, certified in claims if found != certified]
 

@@ -1,121 +1,25 @@
 """The run manifest: what was run, with which code, where.
 
-Every probe of the environment is best effort: a fingerprint field that cannot be read is None rather
-than a failed run, since the manifest documents a run and must never be the reason it fails.
+Pure data: the harness probes the environment, the git state and the engine version
+(harness/environment.py) and passes them in.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
-import os
-import platform
-import re
-import subprocess
-from collections.abc import Callable
 from datetime import datetime, timezone
-from pathlib import Path
 
 MANIFEST_FORMAT = "deepinfer-manifest/1"
-FINGERPRINTED_PACKAGES = ("torch", "triton", "numpy", "polars")
-NVIDIA_DRIVER_VERSION = re.compile(r"\s(\d+\.\d+(?:\.\d+)?)\s")  # in /proc/driver/nvidia/version
 
 
-def _probe(read: Callable[[], object]) -> object:
-    try:
-        return read()
-    except Exception:
-        return None
-
-
-def _package_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except Exception:  # not installed, or broken metadata
-        return None
-
-
-def _cpu_model() -> str | None:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and value.strip():
-                return value.strip()
-    return platform.processor() or None
-
-
-def _nvidia_driver() -> str | None:
-    """The kernel driver version (e.g. "550.54.15"); torch only knows the CUDA runtime it was built with."""
-    version_file = Path("/proc/driver/nvidia/version")
-    if not version_file.is_file():
-        return None
-    match = NVIDIA_DRIVER_VERSION.search(version_file.read_text(errors="replace"))
-    return match.group(1) if match else None
-
-
-def _cuda() -> dict | None:
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    return {
-        "version": torch.version.cuda,
-        "driver": _probe(_nvidia_driver),
-        "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-    }
-
-
-def _torch_cpu() -> dict:
-    """What decides the CPU kernels' code paths: PyTorch's vector ISA, its thread count, MKL's
-    conditional-numerical-reproducibility setting (MKL_CBWR) and oneDNN's ISA cap, if any."""
-    import torch
-
-    return {"capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
-            "mkl_cbwr": os.environ.get("MKL_CBWR"), "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA")}
-
-
-def environment_fingerprint() -> dict:
-    """Hardware and software of this process: Python, OS, CPU, key package versions, CUDA and GPUs."""
-    return {
-        "python": _probe(platform.python_version),
-        "implementation": _probe(platform.python_implementation),
-        "os": _probe(platform.system),
-        "platform": _probe(platform.platform),
-        "machine": _probe(platform.machine),
-        "cpu": _probe(_cpu_model),
-        "cpu_count": _probe(os.cpu_count),
-        "torch_cpu": _probe(_torch_cpu),
-        "packages": {name: _package_version(name) for name in FINGERPRINTED_PACKAGES},
-        "cuda": _probe(_cuda),
-    }
-
-
-def _git(repo_dir: str | os.PathLike, *args: str) -> str | None:
-    try:
-        result = subprocess.run(["git", *args], cwd=repo_dir, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return result.stdout if result.returncode == 0 else None
-
-
-def git_state(repo_dir: str | os.PathLike) -> dict:
-    """{"commit": HEAD sha, "dirty": uncommitted or untracked changes}; None values outside a git checkout."""
-    head = _git(repo_dir, "rev-parse", "HEAD")
-    status = _git(repo_dir, "status", "--porcelain") if head is not None else None
-    return {
-        "commit": head.strip() if head is not None else None,
-        "dirty": bool(status.strip()) if status is not None else None,
-    }
-
-
-def build_manifest(*, engine: dict, checkpoint: dict, suite: dict, seeds: dict, variant: dict) -> dict:
-    """The manifest.json of a run; the git state is that of the checkout this package was loaded from."""
+def build_manifest(*, engine: dict, checkpoint: dict, suite: dict, seeds: dict, variant: dict, environment: dict,
+                   git: dict, engine_version: str) -> dict:
+    """The manifest.json of a run."""
     return {
         "format": MANIFEST_FORMAT,
         "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "engine_version": _package_version("deepinfer") or "unknown",
-        "git": git_state(Path(__file__).resolve().parent.parent),
-        "environment": environment_fingerprint(),
+        "engine_version": engine_version,
+        "git": git,
+        "environment": environment,
         "engine": engine,
         "checkpoint": checkpoint,
         "suite": suite,

@@ -156,6 +156,16 @@ def _environment_differences(data: AuditData) -> list[Block]:
             Bullets(differences)]
 
 
+def cpu_isa_blocks(data: AuditData) -> list[Block]:
+    """The CPU instruction sets each run's kernels could use (audit.certificate.cpu_isa_statement): once
+    when every configuration agrees, else one line per configuration."""
+    statements = {c.name: c.cpu_isa for c in data.configurations}
+    if len(set(statements.values())) == 1:
+        return [Paragraph(f"{next(iter(statements.values()))} (every configuration).")]
+    return [Paragraph("The CPU instruction sets differ between configurations:"),
+            Bullets([f"{name}: {statement}" for name, statement in statements.items()])]
+
+
 def _figure_or_note(png: bytes | None, filename: str, caption: str, empty: str) -> Block:
     return Note(empty) if png is None else Figure(filename, png, caption)
 
@@ -222,6 +232,7 @@ def build_document(data: AuditData) -> Document:
             [
                 Table(tables.configurations_table(data)),
                 Paragraph(f"Settings shared by every configuration: {tables.shared_settings(data) or 'none'}."),
+                *cpu_isa_blocks(data),
                 Paragraph(
                     "Roots are the first 12 hex digits of each run's Merkle roots; counts compare each run with "
                     "the reference run request by request; a divergence is a near-tie when the smaller top-2 "

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import polars as pl
 
-from audit.certificate import CERTIFICATE, check_certificate, digest_problems, run_path_problems
+from audit.certificate import CERTIFICATE, check_certificate, cpu_isa_statement, digest_problems, run_path_problems
 from audit.compare import compare_streams, summarize
 from audit.errors import AuditError
 from audit.store import Run, read_run
@@ -28,6 +28,7 @@ class Configuration:
     token_root: str
     logit_root: str
     run: Run
+    cpu_isa: str  # audit.certificate.cpu_isa_statement of the run's manifest
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,9 @@ def _read_configuration(out_dir: Path, entry: dict) -> Configuration:
     for key in ("token_root", "logit_root"):
         if run.root[key] != entry[key]:
             raise AuditError(f"{where}: root.json {key} does not match the certificate")
+    cpu_isa = cpu_isa_statement(run.manifest)
+    if entry.get("cpu_isa", cpu_isa) != cpu_isa:
+        raise AuditError(f"{where}: the certificate's CPU instruction-set statement does not match its manifest")
     return Configuration(
         name=name,
         role=entry["role"],
@@ -79,6 +83,7 @@ def _read_configuration(out_dir: Path, entry: dict) -> Configuration:
         token_root=entry["token_root"],
         logit_root=entry["logit_root"],
         run=run,
+        cpu_isa=cpu_isa,
     )
 
 

@@ -18,6 +18,7 @@ from audit.certificate import (
     TOKEN,
     build_certificate,
     control_verdicts,
+    cpu_isa_statement,
     generate_keypair,
     load_certificate,
     reference_run,
@@ -36,9 +37,26 @@ SUITE = {"name": "t", "content_hash": "5" * 64}
 CHECKPOINT = {"content_hash": "c" * 64}
 
 
-def make_run(path: Path, tokens: list[list[int]], *, bump: tuple[int, int] | None = None) -> None:
-    """A finished run; `bump` = (request, position) whose logprob gets DRIFTED added."""
-    store = RunStore.create(path, {"variant": {"kernel": path.name}, "suite": SUITE, "checkpoint": CHECKPOINT})
+CAPPED = "oneDNN capped at AVX512_CORE_BF16 (AMX available, not used; bf16 matmuls: brg_matmul:avx512_core_bf16)"
+
+
+def torch_cpu(summary: str | None = CAPPED, **variables) -> dict:
+    """A manifest's environment.torch_cpu; `summary` None: as recorded before the effective ISA was."""
+    cpu = {"capability": "AVX512", "threads": 2, "mkl_cbwr": None, "mkl_enable_instructions": None,
+           "onednn_max_cpu_isa": "AVX512_CORE_BF16", **variables}
+    if summary is not None:
+        cpu["onednn"] = {"requested": "AVX512_CORE_BF16", "amx_used": False, "summary": summary}
+    return cpu
+
+
+def make_run(path: Path, tokens: list[list[int]], *, bump: tuple[int, int] | None = None,
+             cpu: dict | None = None) -> None:
+    """A finished run; `bump` = (request, position) whose logprob gets DRIFTED added; `cpu` the
+    manifest's environment.torch_cpu (none by default)."""
+    manifest = {"variant": {"kernel": path.name}, "suite": SUITE, "checkpoint": CHECKPOINT}
+    if cpu is not None:
+        manifest["environment"] = {"torch_cpu": cpu}
+    store = RunStore.create(path, manifest)
     rows = []
     for i, ids in enumerate(tokens):
         logprobs = [-0.5 - (DRIFTED if bump == (i, p) else 0.0) for p in range(len(ids))]
@@ -407,3 +425,44 @@ def test_verify_rejects_a_run_of_another_suite_checkpoint_or_configuration(out, 
     certify(out, [("ref", "reference"), ("same", "variant")])
     assert verify_certificate(out / "certificate.json") == [
         f"runs/same/manifest.json: its {what} differs from what certificate.json certifies"]
+
+
+@pytest.mark.parametrize(("manifest", "statement"), [
+    ({"environment": {"torch_cpu": torch_cpu()}}, f"CPU: {CAPPED}"),
+    ({"environment": {"torch_cpu": torch_cpu(mkl_enable_instructions="AVX2", mkl_cbwr="AVX2,STRICT")}},
+     f"CPU: {CAPPED}; MKL_ENABLE_INSTRUCTIONS=AVX2; MKL_CBWR=AVX2,STRICT"),
+    ({"environment": {"torch_cpu": torch_cpu(None)}},
+     "CPU: oneDNN capped at AVX512_CORE_BF16 (the ISA in effect was not recorded)"),
+    ({"environment": {"torch_cpu": torch_cpu(None, onednn_max_cpu_isa=None)}},
+     "CPU: oneDNN not capped (the ISA in effect was not recorded)"),
+    ({"environment": {"torch_cpu": None}}, "CPU: instruction-set caps not recorded"),
+    ({}, "CPU: instruction-set caps not recorded"),
+])
+def test_cpu_isa_statement(manifest, statement):
+    assert cpu_isa_statement(manifest) == statement
+
+
+def test_certificates_state_each_runs_cpu_isa_and_verify_checks_the_statement(tmp_path):
+    make_run(tmp_path / "runs" / "ref", REF, cpu=torch_cpu())
+    make_run(tmp_path / "runs" / "same", REF, cpu=torch_cpu(mkl_cbwr="AVX2,STRICT"))
+    cert = certify(tmp_path, [("ref", "reference"), ("same", "variant")])
+    assert [c["cpu_isa"] for c in cert["configurations"]] == [f"CPU: {CAPPED}", f"CPU: {CAPPED}; MKL_CBWR=AVX2,STRICT"]
+    assert verify_certificate(tmp_path) == []
+    forged = json.loads((tmp_path / "certificate.json").read_text())
+    forged["configurations"][1]["cpu_isa"] = f"CPU: {CAPPED}"
+    write_certificate(tmp_path / "certificate.json", seal(forged))
+    assert verify_certificate(tmp_path) == [
+        "runs/same/manifest.json: its CPU instruction-set statement differs from what certificate.json certifies"]
+    forged["configurations"][1]["cpu_isa"] = ["not", "a", "string"]
+    write_certificate(tmp_path / "certificate.json", seal(forged))
+    assert verify_certificate(tmp_path) == [
+        f"{tmp_path / 'certificate.json'}: configuration 'same': cpu_isa must be a string"]
+
+
+def test_certificates_made_before_the_cpu_isa_statement_still_verify(out):
+    cert = certify(out, [("ref", "reference"), ("same", "variant"), ("div", "control")])
+    older = seal({**cert, "configurations": [{k: v for k, v in c.items() if k != "cpu_isa"}
+                                             for c in cert["configurations"]]})
+    write_certificate(out / "certificate.json", older)
+    assert verify_certificate(out) == []
+    assert load_certificate(out) == older

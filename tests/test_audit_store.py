@@ -1,4 +1,4 @@
-"""Tests for audit.store (the run folder) and audit.manifest.
+"""Tests for audit.store (the run folder), audit.manifest and harness.environment.
 
 The store's promise: rows appended in any split, with duplicates, across crashes and resumes, finalize
 to the same streams.parquet content and root as one uninterrupted run; fp32 logprob bits survive;
@@ -25,9 +25,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from audit.errors import AuditError
-from audit.manifest import NVIDIA_DRIVER_VERSION, build_manifest, environment_fingerprint, git_state
+from audit.manifest import build_manifest
 from audit.store import RunStore, check_run, file_digests, make_row, read_run
 from audit.streams import STREAM_SCHEMA, merkle_root
+from harness.environment import NVIDIA_DRIVER_VERSION, engine_version, environment_fingerprint, git_state
 
 REPO = Path(__file__).resolve().parent.parent
 HASHED = ["index", "request_id", "prompt_token_ids", "params", "prompt_hash", "token_ids", "logprobs",
@@ -397,9 +398,11 @@ def test_manifest_is_json_and_survives_the_store(tmp_path):
     assert {"python", "implementation", "os", "platform", "cpu", "cpu_count", "packages", "cuda"} <= set(environment)
     assert environment["packages"]["polars"] == pl.__version__
     manifest = build_manifest(engine={"numerics": "fp32"}, checkpoint={"hash": "ab"}, suite={"name": "s"},
-                              seeds={"base": 0}, variant={"batch": 4})
+                              seeds={"base": 0}, variant={"batch": 4}, environment=environment,
+                              git=git_state(), engine_version=engine_version())
     assert manifest["format"] == "deepinfer-manifest/1" and manifest["engine_version"] != "unknown"
     assert set(manifest["git"]) == {"commit", "dirty"}
+    assert manifest["environment"] is environment
     store = RunStore.create(tmp_path / "run", manifest)
     store.finalize()
     assert read_run(tmp_path / "run").manifest == json.loads(json.dumps(manifest))

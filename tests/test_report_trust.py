@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives import serialization
 
-from audit.certificate import generate_keypair, sign, verdict, verify_certificate, write_certificate
+from audit.certificate import generate_keypair, seal, sign, verdict, verify_certificate, write_certificate
 from audit.files import json_bytes
 from harness.cli import main
 from test_reports import CONFIGURATIONS, _certify_folder
@@ -62,6 +62,22 @@ def test_report_refuses_a_certificate_whose_verdict_was_edited(capsys, layout):
     assert not (folder / "report.md").exists() and not (folder / "report.html").exists()
     assert not (folder / "report_files").exists()
     assert _snapshot(outside) == before
+
+
+def test_report_refuses_a_cpu_isa_statement_its_manifest_does_not_make(capsys, layout):
+    """A re-sealed certificate that claims another CPU instruction set than its run recorded."""
+    folder, _ = layout
+    file = folder / "certificate.json"
+    cert = json.loads(file.read_bytes())
+    cert["configurations"][1]["cpu_isa"] = "CPU: oneDNN capped at AVX2 (AMX available, not used)"
+    write_certificate(file, seal(cert))
+    assert verify_certificate(file) == [
+        "runs/batch-8/manifest.json: its CPU instruction-set statement differs from what certificate.json certifies"]
+    code, out, err = _audit(capsys, "report", folder)
+    assert (code, out) == (2, "")
+    assert err == ("error: configuration 'batch-8' (runs/batch-8): the certificate's CPU instruction-set statement "
+                   "does not match its manifest\n")
+    assert not (folder / "report.md").exists()
 
 
 @pytest.mark.parametrize("target", ["report_files", "report.md", "report_files/invariance.png"])

@@ -54,14 +54,22 @@ def _rows(overrides: dict, request_ids: list[str]) -> list[dict]:
     return rows
 
 
-def _manifest(name: str, config: dict) -> dict:
+CAPPED = "oneDNN capped at AVX512_CORE_BF16 (AMX available, not used; bf16 matmuls: brg_matmul:avx512_core_bf16)"
+
+
+def _torch_cpu(summary: str = CAPPED, **variables) -> dict:
+    return {"capability": "AVX512", "threads": 2, "mkl_cbwr": None, "mkl_enable_instructions": None,
+            "onednn_max_cpu_isa": "AVX512_CORE_BF16", "onednn": {"amx_used": False, "summary": summary}, **variables}
+
+
+def _manifest(name: str, config: dict, torch_cpu: dict | None = None) -> dict:
     return {
         "format": "deepinfer-manifest/1",
         "engine_version": "0.1.0",
         "git": {"commit": "0" * 40, "dirty": False},
         "environment": {"python": "3.11.7", "platform": "Linux-x86_64", "cpu": "Test CPU <fast> & co",
                         "torch": "2.9.0", "triton": None, "cuda": None,
-                        "gpu": ["NVIDIA H200"] if name == "fast" else []},
+                        "gpu": ["NVIDIA H200"] if name == "fast" else [], "torch_cpu": torch_cpu or _torch_cpu()},
         "engine": config,
         "checkpoint": {"name": "tiny", "sha256": "ab" * 32},
         "suite": {"name": "synthetic", "requests": len(REQUEST_IDS)},
@@ -71,11 +79,12 @@ def _manifest(name: str, config: dict) -> dict:
     }
 
 
-def _certify_folder(out: Path, configurations: list[tuple], request_ids: list[str] = REQUEST_IDS) -> Path:
+def _certify_folder(out: Path, configurations: list[tuple], request_ids: list[str] = REQUEST_IDS,
+                    torch_cpu: dict[str, dict] | None = None) -> Path:
     entries = []
     for name, role, config, overrides in configurations:
         config = {"name": name, **config, "dtype": "float32"}
-        store = RunStore.create(out / "runs" / name, _manifest(name, config))
+        store = RunStore.create(out / "runs" / name, _manifest(name, config, (torch_cpu or {}).get(name)))
         rows = _rows(overrides, request_ids)
         store.append(rows[:2])
         store.append(rows[2:])
@@ -180,6 +189,17 @@ def test_tables_show_counts_throughput_and_divergences(rendered):
     assert "Settings shared by every configuration: dtype=float32." in md
     assert "| dtype" not in md and "| name" not in md
     assert "- fast: gpu\n" in md  # the control ran on other hardware than the reference
+    assert f"CPU: {CAPPED} (every configuration)." in md
+
+
+def test_cpu_instruction_sets_are_listed_per_configuration_when_they_differ(tmp_path):
+    amx = "oneDNN uses AMX (ONEDNN_MAX_CPU_ISA=AVX512_CORE_AMX; bf16 matmuls: brg_matmul:avx10_1_512_amx)"
+    out = _certify_folder(tmp_path, CONFIGURATIONS[:3], torch_cpu={
+        "batch-8": _torch_cpu(mkl_cbwr="AVX2,STRICT"), "chunked-prefill": _torch_cpu(amx)})
+    md = render_report(out)[0].read_text(encoding="utf-8")
+    assert ("The CPU instruction sets differ between configurations:\n\n"
+            f"- reference: CPU: {CAPPED}\n- batch-8: CPU: {CAPPED}; MKL_CBWR=AVX2,STRICT\n"
+            f"- chunked-prefill: CPU: {amx}\n") in md
 
 
 def test_ungrouped_ids_get_no_group_section(rendered):

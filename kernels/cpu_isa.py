@@ -1,0 +1,253 @@
+"""oneDNN's CPU instruction set: the cap batch-invariant bf16 needs, and a check that it took effect.
+
+oneDNN's AMX bf16 matmul kernels make a row's bits depend on the number of rows in the call, so
+importing this module (which `kernels.invariant` does) caps oneDNN below AMX: `ONEDNN_MAX_CPU_ISA` is
+set to `ISA_CAP` unless the environment already sets it. oneDNN reads the variable once per process,
+at the first matmul that consults it, and silently ignores it afterwards. Measured on this machine
+(oneDNN 3.12 in PyTorch 2.13's CPU wheel, a Xeon with amx_bf16): an fp32 `F.linear` or `torch.bmm`
+fixes the ISA just like a bf16 matmul does, so a process that ran any matmul before importing
+deepinfer keeps AMX. Hence `check_cpu_isa`, which finds out what oneDNN actually uses.
+
+How: `probe_onednn` runs a few bf16 matmuls with oneDNN's verbose mode on and the C-level stdout
+(file descriptor 1) sent to a temporary file. oneDNN writes the ISA it settled on (an `isa:` info
+line, once per process) and, for every call, the kernel that ran it (`brg_matmul:avx10_1_512_amx`,
+`brg_matmul:avx512_core_bf16`, `gemm:jit:bf16`); AMX in either counts as AMX in use. That is the
+reliable signal. The same matmuls are also a functional check, a backstop for kernels that are not
+AMX but still not invariant: rows 0-1, 0-7 and 0-15 computed alone must equal the same rows of one
+64-row call (PROBE_SHAPE is the small preset's vocabulary projection). It cannot replace the verbose
+check: under AMX, whether a row count's bits differ depends on the data (measured here: with this
+probe's data, 2 rows matched and 4 or more did not; other data differed at 2 rows). Measured here
+with the cap set in time: AVX512_CORE_BF16 (brg_matmul:avx512_core_bf16) and AVX2 (oneDNN runs no
+bf16 matmul at all; PyTorch computes it itself, so no verbose line appears) pass; AVX512_CORE
+(gemm:jit:bf16, no bf16 instructions) fails the functional check with 2 threads (2 rows alone
+differ from the same rows of 64), so a cap below AVX512_CORE_BF16 is no safer for bf16.
+
+The ISA is fixed for the process once a matmul has run, so it is probed once and cached (the
+functional check runs at the thread count of that first call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ISA_VARIABLE = "ONEDNN_MAX_CPU_ISA"
+ISA_CAP = "AVX512_CORE_BF16"
+WAIVER_VARIABLE = "DEEPINFER_ALLOW_VARIANT_BF16"
+# oneDNN's ISA names (it ignores their case) that leave AMX out; any other value (ALL, DEFAULT, a name
+# with AMX, a name oneDNN does not know) lets oneDNN use AMX where the CPU has it.
+BELOW_AMX = frozenset({
+    "SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI", "AVX512_CORE_BF16",
+    "AVX512_CORE_FP16", "AVX10_1_512", "AVX10_2_512",
+})
+PROBE_SHAPE = (8192, 512)  # (out_features, in_features)
+PROBE_ROWS = (2, 8, 16, 64)  # the first ones' rows alone must equal theirs within the last
+VERBOSE_PREFIX = "onednn_verbose"
+
+os.environ.setdefault(ISA_VARIABLE, ISA_CAP)  # no AMX: see the module docstring
+
+_probed: dict | None = None
+
+
+def cpu_has_amx() -> bool | None:
+    """Whether the CPU has AMX bf16 (the `amx_bf16` flag of /proc/cpuinfo); None where that cannot be read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "flags":
+                return "amx_bf16" in value.split()
+    except OSError:
+        pass
+    return None
+
+
+def waived() -> bool:
+    """Whether DEEPINFER_ALLOW_VARIANT_BF16=1 turns check_cpu_isa's refusal into a statement (for
+    measurements such as benchmarks/cpu_isa_pairs.py; manifests record it)."""
+    return os.environ.get(WAIVER_VARIABLE) == "1"
+
+
+def _flush_c_stdio() -> Callable[[], None]:
+    try:
+        libc = ctypes.CDLL(None)
+        return lambda: libc.fflush(None)
+    except (OSError, AttributeError):
+        return lambda: None
+
+
+@contextlib.contextmanager
+def _capture_fd1(into: list[str]):
+    """Everything written to file descriptor 1 meanwhile is appended to `into` as text instead."""
+    flush = _flush_c_stdio()
+    for stream in (sys.stdout, sys.__stdout__):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    flush()
+    saved = os.dup(1)
+    try:
+        with tempfile.TemporaryFile() as sink:
+            os.dup2(sink.fileno(), 1)
+            try:
+                yield
+            finally:
+                flush()
+                os.dup2(saved, 1)
+            sink.seek(0)
+            into.append(sink.read().decode("utf-8", "replace"))
+    finally:
+        os.close(saved)
+
+
+def _verbose_lines(run: Callable[[], None]) -> list[str] | None:
+    """oneDNN's verbose lines while `run` runs; None where verbose mode or the capture is unavailable
+    (then `run` still runs). Lines that are not oneDNN's (another thread's prints) are passed on."""
+    captured: list[str] = []
+    ran = False
+    try:
+        with _capture_fd1(captured), torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+            ran = True
+            run()
+    except (OSError, AssertionError, AttributeError):
+        if ran:
+            raise
+        run()
+        return None
+    lines = captured[0].splitlines(keepends=True) if captured else []
+    other = "".join(line for line in lines if not line.startswith(VERBOSE_PREFIX))
+    if other:
+        with contextlib.suppress(OSError):
+            os.write(1, other.encode("utf-8"))
+    return [line.strip() for line in lines if line.startswith(VERBOSE_PREFIX)]
+
+
+def _parse(lines: list[str]) -> tuple[str | None, list[str]]:
+    """(the `isa:` info line's text, the kernels of the matmul calls) from oneDNN verbose lines."""
+    isa, kernels = None, []
+    for line in lines:
+        fields = line.split(",")
+        if ",info,cpu,isa:" in line:  # the description may hold commas
+            isa = line.split(",info,cpu,isa:", 1)[1].strip()
+        if "exec" in fields:
+            at = fields.index("exec")
+            if len(fields) > at + 3 and fields[at + 2] == "matmul" and fields[at + 3] not in kernels:
+                kernels.append(fields[at + 3])
+    return isa, kernels
+
+
+def probe_onednn() -> dict:
+    """What oneDNN does with bf16 matmuls in this process (probed once, then cached).
+
+    requested: ONEDNN_MAX_CPU_ISA when probed; isa: oneDNN's own description of the ISA it uses
+    (None when it printed none: no bf16 matmul went to oneDNN, or its verbose mode was unavailable or
+    already used); bf16_matmul: the kernel(s) that ran the probe's bf16 matmuls (None: not oneDNN);
+    amx_available: the CPU's amx_bf16 flag; amx_used: AMX in the ISA or in a kernel's name (None:
+    unknown, oneDNN's verbose output could not be read); bf16_rows_invariant: the probe's rows came
+    out the same alone as within a larger call (at the thread count of the first call).
+    """
+    global _probed
+    if _probed is None:
+        generator = torch.Generator().manual_seed(0)
+        weight = torch.randn(PROBE_SHAPE, generator=generator).to(torch.bfloat16)
+        x = torch.randn(PROBE_ROWS[-1], PROBE_SHAPE[1], generator=generator).to(torch.bfloat16)
+        same: list[bool] = []
+
+        def run() -> None:
+            many = F.linear(x, weight)
+            same.extend(torch.equal(F.linear(x[:rows], weight), many[:rows]) for rows in PROBE_ROWS[:-1])
+
+        if torch.backends.mkldnn.is_available():
+            lines = _verbose_lines(run)
+        else:  # no oneDNN in this PyTorch: nothing to cap
+            run()
+            lines = []
+        isa, kernels = _parse(lines or [])
+        amx = "AMX" in (isa or "").upper() or any("amx" in k.lower() for k in kernels)
+        _probed = {
+            "requested": os.environ.get(ISA_VARIABLE),
+            "isa": isa,
+            "bf16_matmul": ", ".join(kernels) or None,
+            "amx_available": cpu_has_amx(),
+            "amx_used": amx if lines is not None or amx else None,
+            "bf16_rows_invariant": all(same),
+        }
+    return dict(_probed)
+
+
+def onednn_state() -> dict:
+    """What manifests record: probe_onednn's findings, `allow_variant_bf16` (DEEPINFER_ALLOW_VARIANT_BF16=1
+    now) and `summary`, the one line `check_cpu_isa` returns."""
+    state = {**probe_onednn(), "allow_variant_bf16": waived()}
+    return {**state, "summary": describe(state)}
+
+
+def isa_problem(state: dict) -> str | None:
+    """Why batch-invariant bf16 cannot run under this oneDNN state (one line), or None when it can."""
+    requested = state["requested"]
+    if state["amx_used"]:
+        if requested is None:
+            why = f"{ISA_VARIABLE} is not set (deepinfer's cap was removed before the first matmul)"
+            fix = f"set {ISA_VARIABLE}={ISA_CAP} before starting Python"
+        elif requested.upper() in BELOW_AMX:
+            why = (f"{ISA_VARIABLE}={requested} was set after the process's first matmul, too late to take "
+                   "effect")
+            fix = (f"import deepinfer before running any matmul (fp32 ones too), or set {ISA_VARIABLE}={ISA_CAP} "
+                   "before starting Python")
+        else:
+            why = f"{ISA_VARIABLE} is set to {requested}, which allows AMX"
+            fix = f"unset {ISA_VARIABLE} or set it to {ISA_CAP}"
+        return f"oneDNN is using AMX bf16 kernels ({why}): bf16 rows would depend on the batch; {fix}"
+    if not state["bf16_rows_invariant"]:
+        where = f"{ISA_VARIABLE}={requested}, " if requested else ""
+        kernel = state["bf16_matmul"] or "PyTorch's own bf16 matmul"
+        fix = ("use dtype float32" if (requested or "").upper() == ISA_CAP
+               else f"unset {ISA_VARIABLE} or set it to {ISA_CAP} (on CPUs with avx512_bf16), or use dtype float32")
+        return f"bf16 matmul rows depend on the batch on this CPU ({where}{kernel}); {fix}"
+    return None
+
+
+def describe(state: dict) -> str:
+    """The oneDNN state in one line, e.g. "oneDNN capped at AVX512_CORE_BF16 (AMX available, not used;
+    bf16 matmuls: brg_matmul:avx512_core_bf16)"."""
+    kernel = f"bf16 matmuls: {state['bf16_matmul']}" if state["bf16_matmul"] else "bf16 matmuls not run by oneDNN"
+    if state["amx_used"]:
+        line = f"oneDNN uses AMX ({ISA_VARIABLE}={state['requested']}; {kernel})"
+    else:
+        if state["amx_used"] is None:  # then only the functional probe speaks
+            available, kernel = "AMX use unknown", "oneDNN's verbose output could not be read"
+        else:
+            available = {True: "AMX available, not used", False: "no AMX on this CPU",
+                         None: "AMX not used"}[state["amx_available"]]
+        cap = f"capped at {state['requested']}" if state["requested"] else "not capped"
+        line = f"oneDNN {cap} ({available}; {kernel})"
+    if state["amx_used"] or not state["bf16_rows_invariant"]:
+        line += ": bf16 rows " + ("may depend" if state["bf16_rows_invariant"] else "depend") + " on the batch"
+        if state.get("allow_variant_bf16"):
+            line += f" (accepted by {WAIVER_VARIABLE}=1)"
+    return line
+
+
+class CpuIsaError(RuntimeError):
+    """oneDNN's kernels would make bf16 rows depend on the batch (the message says why and the fix)."""
+
+
+def check_cpu_isa() -> str:
+    """The effective oneDNN ISA in one line (`describe`); CpuIsaError when bf16 rows would depend on
+    the batch (AMX in use, or the probe's rows differ), unless DEEPINFER_ALLOW_VARIANT_BF16=1 waives it.
+    (Where oneDNN's verbose output cannot be read, only the probe's rows decide, and the line says so.)
+
+    For engines in batch_invariant mode on CPU with dtype bfloat16. The first call runs a few small
+    bf16 matmuls (about 0.1 s); later calls reuse what they found.
+    """
+    state = onednn_state()
+    problem = isa_problem(state)
+    if problem is not None and not state["allow_variant_bf16"]:
+        raise CpuIsaError(problem)
+    return state["summary"]
