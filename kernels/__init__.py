@@ -1,9 +1,9 @@
 """The one dispatch point for the model's numerical primitives.
 
-The model calls `kernels.<op>(...)` for every piece of arithmetic that reduces; the
-implementation comes from the numerics mode and device type in force
-(`with kernels.numerics(mode, device_type):`), so implementations can be swapped without
-touching the model. Modes:
+`kernels.bind(numerics, device)` returns the `Ops` of a numerics mode on a device type: one
+attribute per primitive (`ops.linear(...)`, `ops.sink_attention(...)`, ...). The engine binds
+once and hands the `Ops` to the model when it builds it, so implementations can be swapped
+without touching the model and no call pays for a lookup. Modes:
 
 - `batch_invariant` (default): a row's result never depends on the rest of the batch
   (`kernels/invariant.py` in PyTorch; on CUDA, the Triton kernels of `kernels/triton_ops.py`
@@ -13,64 +13,62 @@ touching the model. Modes:
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable
 from functools import partial
+
+import torch
 
 from kernels import fast, invariant
 
 NUMERICS = ("batch_invariant", "fast")
 OPS = (
-    "clamped_swiglu", "cos_sin", "grouped_linear", "indexer_scores", "linear", "log_softmax", "matmul_layout",
-    "mix_streams", "moe_experts", "ordered_sum", "rms_norm", "rotary", "sigmoid", "sink_attention", "sinkhorn", "softmax", "softplus",
-    "topk_indices", "unweighted_rms_norm", "window_pool",
+    "clamped_swiglu", "cos_sin", "grouped_linear", "indexer_scores", "linear", "log", "log_softmax",
+    "matmul_layout", "mix_streams", "moe_experts", "ordered_sum", "rms_norm", "rotary", "sigmoid",
+    "sink_attention", "sinkhorn", "softmax", "softplus", "topk_indices", "unweighted_rms_norm", "window_pool",
 )
-
-
-def _complete(ops: dict) -> dict:
-    """Add the composite ops, built from the table's own primitives (so the routed experts use
-    whichever matmul the table has, Triton's included)."""
-    ops["moe_experts"] = partial(fast.routed_experts, matmul=ops["linear"], swiglu=ops["clamped_swiglu"])
-    return ops
-
-
 _PRIMITIVES = tuple(name for name in OPS if name != "moe_experts")
-_tables: dict[tuple[str, str], dict] = {
-    ("batch_invariant", "cpu"): _complete({name: getattr(invariant, name) for name in _PRIMITIVES}),
-    ("fast", "cpu"): _complete({name: getattr(fast, name) for name in _PRIMITIVES}),
-}
-_current: contextvars.ContextVar[dict] = contextvars.ContextVar(
-    "deepinfer_kernels", default=_tables[("batch_invariant", "cpu")]
-)
 
 
-def table(mode: str, device_type: str) -> dict:
-    """The implementation of every op for a numerics mode on a device type."""
-    if mode not in NUMERICS:
-        raise ValueError(f"unknown numerics mode {mode!r} (expected one of {', '.join(NUMERICS)})")
-    key = (mode, "cuda" if device_type == "cuda" else "cpu")
-    if key not in _tables:
-        overrides = {}
-        if mode == "batch_invariant":  # Triton is imported only when CUDA first needs it
-            from kernels import triton_ops
+class Ops:
+    """Every primitive of one numerics mode on one device type, as attributes (read-only)."""
 
-            overrides = triton_ops.OPS
-        _tables[key] = _complete({**_tables[(mode, "cpu")], **overrides})
-    return _tables[key]
+    def __init__(self, numerics: str, device_type: str, table: dict[str, Callable]) -> None:
+        self.__dict__.update(table, numerics=numerics, device_type=device_type)
+
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError("Ops are read-only: bind another numerics mode instead")
+
+    def __repr__(self) -> str:
+        return f"Ops({self.numerics!r}, {self.device_type!r})"
 
 
-@contextlib.contextmanager
-def numerics(mode: str, device_type: str = "cpu") -> Iterator[None]:
-    """Run the enclosed model code with the given numerics mode's kernels for `device_type`."""
-    token = _current.set(table(mode, device_type))
-    try:
-        yield
-    finally:
-        _current.reset(token)
+def _complete(table: dict) -> dict:
+    """Add the composite ops, built from the table's own primitives (so the routed experts use
+    whichever matmul the table has), unless the table brings its own."""
+    table.setdefault("moe_experts", partial(fast.routed_experts, matmul=table["linear"],
+                                            swiglu=table["clamped_swiglu"]))
+    return table
 
 
-def __getattr__(name: str):
-    if name in OPS:
-        return _current.get()[name]
-    raise AttributeError(f"module 'kernels' has no attribute {name!r}")
+def _table(numerics: str, device_type: str) -> dict:
+    base = fast if numerics == "fast" else invariant
+    table = {name: getattr(base, name) for name in _PRIMITIVES}
+    if numerics == "batch_invariant" and device_type == "cuda":  # Triton is imported only when CUDA needs it
+        from kernels import triton_ops
+
+        table.update(triton_ops.OPS, moe_experts=triton_ops.moe_experts)
+    return _complete(table)
+
+
+_bound: dict[tuple[str, str], Ops] = {}
+
+
+def bind(numerics: str, device: torch.device | str) -> Ops:
+    """The primitives of a numerics mode on `device`'s type (CUDA, or CPU for anything else)."""
+    if numerics not in NUMERICS:
+        raise ValueError(f"unknown numerics mode {numerics!r} (expected one of {', '.join(NUMERICS)})")
+    device_type = "cuda" if torch.device(device).type == "cuda" else "cpu"
+    key = (numerics, device_type)
+    if key not in _bound:
+        _bound[key] = Ops(numerics, device_type, _table(numerics, device_type))
+    return _bound[key]

@@ -97,6 +97,7 @@ def sink_attention(
     q [T, H, D], kv [T, K, D] (each query's own gathered keys, K = V), valid [T, K] bool,
     sinks [H] fp32. The sink takes part in the softmax normalisation and contributes no value.
     """
+    kv = kv.masked_fill(~valid.unsqueeze(-1), 0)  # invalid rows are stale cache rows, NaN possibly
     scores = torch.einsum("thd,tkd->thk", q, kv.to(q.dtype)) * scale
     scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
     sink = sinks.to(scores.dtype).view(1, -1, 1).expand(q.shape[0], -1, 1)
@@ -144,6 +145,20 @@ def cos_sin(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return angles.cos(), angles.sin()
 
 
+def log(x: torch.Tensor) -> torch.Tensor:
+    return torch.log(x)
+
+
+def sort_by_expert(indices: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (token, rank) slots of indices [T, k] grouped by expert, on the indices' device:
+    `order` [T * k] lists flat slot ids (token * k + rank) by expert, ascending slot ids within one;
+    expert e's slots are order[offsets[e]:offsets[e + 1]] (offsets [E + 1]). No host sync."""
+    flat = indices.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    bounds = torch.arange(n_experts + 1, dtype=flat.dtype, device=flat.device)
+    return order, torch.searchsorted(flat[order], bounds)
+
+
 def routed_experts(
     x: torch.Tensor,
     indices: torch.Tensor,
@@ -157,20 +172,30 @@ def routed_experts(
     """Routed experts with a per-token combine in top-k rank order.
 
     x [T, H]; indices/weights [T, k]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I].
-    Each (token, rank) output lands in its own slot, then slots are summed rank by rank, so a
-    token's result does not depend on which other tokens the experts served (given a `matmul`
-    whose rows do not depend on each other).
+    Slots are grouped by expert (`sort_by_expert`) and each expert's rows go through `matmul`
+    together; each (token, rank) output lands in its own slot, then slots are summed rank by rank,
+    so a token's result does not depend on which other tokens the experts served (given a `matmul`
+    whose rows do not depend on each other). The per-expert loop reads the group sizes on the host:
+    free on CPU, one sync on CUDA (the batch-invariant CUDA table has a grouped Triton kernel instead).
     """
     tokens, top_k = indices.shape
-    slots = x.new_zeros(tokens, top_k, x.shape[-1])
-    flat = indices.reshape(-1)
-    for expert in torch.unique(flat).tolist():
-        hit = (flat == expert).nonzero().squeeze(1)
-        token_idx, rank = hit // top_k, hit % top_k
-        gate, up = matmul(x[token_idx], w13[expert]).chunk(2, dim=-1)
+    order, offsets = sort_by_expert(indices, w13.shape[0])
+    slots = x.new_zeros(tokens * top_k, x.shape[-1])
+    flat_weights = weights.reshape(-1)
+    bounds = offsets.tolist()
+    for expert in range(w13.shape[0]):
+        if bounds[expert] == bounds[expert + 1]:
+            continue
+        hit = order[bounds[expert]:bounds[expert + 1]]
+        gate, up = matmul(x[hit // top_k], w13[expert]).chunk(2, dim=-1)
         out = matmul(swiglu(gate, up, limit), w2[expert])
-        slots[token_idx, rank] = out * weights[token_idx, rank, None].to(out.dtype)
+        slots[hit] = out * flat_weights[hit, None].to(out.dtype)
+    return combine_ranks(slots.view(tokens, top_k, -1))
+
+
+def combine_ranks(slots: torch.Tensor) -> torch.Tensor:
+    """slots [T, k, H] summed over k in rank order."""
     combined = slots[:, 0]
-    for rank in range(1, top_k):
+    for rank in range(1, slots.shape[1]):
         combined = combined + slots[:, rank]
     return combined

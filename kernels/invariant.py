@@ -33,9 +33,24 @@ with MKL_CBWR=AVX2,STRICT (set before the process's first MKL call): MKL's stric
 mode, under which tests/test_invariant_kernels.py and tests/test_invariance.py pass on both code
 paths and AVX2 and AVX-512 machines compute the same fp32 bits (at about 3/4 of the AVX-512 speed).
 oneDNN's AMX bf16 kernels (CPUs with amx_bf16) make a row's bits depend on the batch, so importing
-this module caps oneDNN at AVX-512 BF16 (`ONEDNN_MAX_CPU_ISA`, unless already set; oneDNN reads it at
-its first bf16 primitive, so it must be set before any bf16 matmul runs in the process). The cap is
-process-wide (fast mode runs without AMX too) and manifests record it.
+this module caps oneDNN at AVX-512 BF16 (`ONEDNN_MAX_CPU_ISA`, unless already set: kernels/cpu_isa.py).
+oneDNN reads the variable at the process's first matmul, fp32 ones included (an fp32 F.linear or bmm
+fixes the ISA as a bf16 matmul does), and ignores it afterwards; `check_cpu_isa` finds out from
+oneDNN's verbose output which ISA and bf16 kernel it actually uses and refuses batch-invariant bf16
+when that is AMX (or when its probe's rows depend on the batch). The cap is process-wide (fast mode
+runs without AMX too); manifests record the cap and what was in effect, certificates state it.
+Measured through the engine (benchmarks/results/cpu_isa_pairs.json: small preset, 8 requests of 1 to
+130 prompt tokens and 12 generated, max_num_seqs 1 vs 8, one thread, a Xeon with amx_bf16, oneDNN
+3.12): fp32 is batch-invariant under every cap, and its bits depend only on MKL's code path, not on
+oneDNN's cap (fp32 matmuls are MKL's): AVX2 (MKL_ENABLE_INSTRUCTIONS=AVX2, MKL_CBWR=AVX2,STRICT) and
+the default cap with MKL_CBWR=AVX2,STRICT alone give the same bits, AVX512_CORE, AVX512_CORE_BF16 and
+AMX give the same bits, and the two groups differ in logprob bits (not tokens) on every request.
+bf16 is batch-invariant under AVX2 (PyTorch's own bf16 matmul: oneDNN runs none), AVX512_CORE
+(gemm:jit:bf16) and AVX512_CORE_BF16 (brg_matmul:avx512_core_bf16), but not under AMX (6 of 8
+requests' logprobs and 4 of their token sequences differ between batch 1 and 8); and no two of those
+settings give the same bf16 bits, MKL_CBWR included (attention's fp32 matmuls are MKL's), so bf16
+results repeat only under the same oneDNN cap and MKL code path. (AVX512_CORE's gemm:jit:bf16 also
+failed the kernel probe with 2 threads: 2 rows alone differed from the same rows of 64.)
 
 Ops whose CPU kernels already reduce each row on its own, in order (norms, softmax over a row,
 rotary, Sinkhorn's sums over hc_mult elements, stream mixing: one small matmul per token with
@@ -45,12 +60,12 @@ replace the reductions.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_isa import check_cpu_isa  # noqa: F401  (importing it caps oneDNN below AMX)
 from kernels.fast import (  # noqa: F401  (re-exported: already row-invariant)
     log_softmax,
     mix_streams,
@@ -60,8 +75,6 @@ from kernels.fast import (  # noqa: F401  (re-exported: already row-invariant)
     softmax,
     unweighted_rms_norm,
 )
-
-os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")  # no AMX: see the module docstring
 
 K_BLOCK = 512
 ROW_TILE = 256
@@ -88,6 +101,10 @@ def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> to
     else:
         out = torch.cat([fn(flat[i:i + POINTWISE_PIECE]) for i in range(0, flat.numel(), POINTWISE_PIECE)])
     return (out[:n] if pad else out).view(x.shape)
+
+
+def log(x: torch.Tensor) -> torch.Tensor:
+    return pointwise(torch.log, x)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
@@ -196,10 +213,11 @@ def sink_attention(
     not depend on K); the max is exact in any order; exp runs on whole padded blocks; each block's
     sum and its value matmul (K <= KV_BLOCK, trailing keys of probability 0 add exact zeros) are
     added in block order after the sink's term. Keys past a token's own list (the batch's longer
-    lists) have probability 0, so they add nothing.
+    lists) have probability 0 and are zeroed (they are whatever the cache row held), so they add nothing.
     """
     tokens, heads, _ = q.shape
     keys, valid = _at_least(kv.float(), valid)
+    keys = keys.masked_fill(~valid.unsqueeze(-1), 0)  # a stale row may hold NaN, and 0 * NaN is NaN
     width = keys.shape[1]
     blocks = -(-width // KV_BLOCK)
     scores = torch.bmm(q.float(), keys.transpose(1, 2)) * scale

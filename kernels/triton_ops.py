@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import fast, invariant
+
 BLOCK_M = 64
 BLOCK_N = 64
 BLOCK_K = 32
@@ -83,6 +85,75 @@ def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
     )
     return out
+
+
+@triton.jit
+def _expert_matmul_kernel(
+    x_ptr, rows_ptr, offsets_ptr, w_ptr, out_ptr, N, K, stride_xm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[s, :] = x[rows[s], :] @ w[e].T for every slot s of expert e = program_id(1), column
+    tile program_id(0). Expert e's slots are offsets[e] .. offsets[e + 1] (read on the device);
+    the program walks them in row tiles, each computed exactly as `_matmul_kernel` computes a
+    tile, so a slot's bits are those of its row through `linear` with w[e].
+
+    x: [*, K] with row stride stride_xm; rows: int64 [S]; offsets: int64 [E + 1]; w: [E, N, K]
+    contiguous; out: [S, N] contiguous.
+    """
+    expert = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    w_cols = w_ptr + expert.to(tl.int64) * N * K + cols.to(tl.int64)[None, :] * K
+    start = tl.load(offsets_ptr + expert)
+    end = tl.load(offsets_ptr + expert + 1)
+    for first in range(start, end, BLOCK_M):
+        slots = first + tl.arange(0, BLOCK_M)
+        slot_ok = slots < end
+        src = tl.load(rows_ptr + slots, mask=slot_ok, other=0)
+        x_rows = x_ptr + src.to(tl.int64)[:, None] * stride_xm
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            a = tl.load(x_rows + ks[None, :], mask=slot_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_cols + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        out = out_ptr + slots.to(tl.int64)[:, None] * N + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=slot_ok[:, None] & col_ok[None, :])
+
+
+def expert_matmul(x: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Per expert e, x[rows[s]] @ weight[e].T for its slots s in offsets[e] .. offsets[e + 1]:
+    x [*, K], rows int64 [S], offsets int64 [E + 1], weight [E, N, K] -> [S, N] in weight's dtype.
+    Experts with no slot cost one empty program per column tile; nothing is read back to the host."""
+    x = x.to(weight.dtype).contiguous()
+    weight = weight.contiguous()
+    experts, width, depth = weight.shape
+    out = torch.empty(rows.shape[0], width, dtype=weight.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    grid = (triton.cdiv(width, BLOCK_N), experts)
+    _expert_matmul_kernel[grid](
+        x, rows, offsets, weight, out, width, depth, x.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+    )
+    return out
+
+
+def moe_experts(
+    x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, limit: float
+) -> torch.Tensor:
+    """`kernels.fast.routed_experts` with the invariant matmul and SwiGLU, as two grouped launches
+    over the slots sorted by expert on the device: the same bits, no host sync."""
+    top_k = indices.shape[1]
+    order, offsets = fast.sort_by_expert(indices, w13.shape[0])
+    hidden = expert_matmul(x, order // top_k, offsets, w13)
+    gate, up = hidden.chunk(2, dim=-1)
+    act = invariant.clamped_swiglu(gate, up, limit)
+    out = expert_matmul(act, torch.arange(order.shape[0], device=x.device), offsets, w2)
+    out = out * weights.reshape(-1)[order, None].to(out.dtype)
+    slots = torch.empty_like(out).index_copy_(0, order, out)
+    return fast.combine_ranks(slots.view(indices.shape[0], top_k, -1))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The kernels dispatch: one table of implementations per (numerics mode, device type)."""
+"""The kernels dispatch: `kernels.bind` gives one read-only table of implementations per
+(numerics mode, device type)."""
 
 from __future__ import annotations
 
@@ -9,32 +10,38 @@ from kernels import fast, invariant
 
 
 def test_modes_pick_their_implementations():
-    with kernels.numerics("fast"):
-        assert kernels.linear is fast.linear
-    with kernels.numerics("batch_invariant"):
-        assert kernels.linear is invariant.linear
-        with kernels.numerics("fast"):
-            assert kernels.sink_attention is fast.sink_attention
-        assert kernels.sink_attention is invariant.sink_attention
+    assert kernels.bind("fast", "cpu").linear is fast.linear
+    ops = kernels.bind("batch_invariant", "cpu")
+    assert ops.linear is invariant.linear and ops.log is invariant.log
+    assert kernels.bind("fast", "cpu").sink_attention is fast.sink_attention
+    assert ops.sink_attention is invariant.sink_attention
+    assert kernels.bind("batch_invariant", "cpu") is ops  # bound once
 
 
 def test_routed_experts_use_the_tables_own_matmul():
     for mode, module in (("fast", fast), ("batch_invariant", invariant)):
-        assert kernels.table(mode, "cpu")["moe_experts"].keywords["matmul"] is module.linear
-    assert kernels.table("fast", "cuda")["linear"] is fast.linear
+        assert kernels.bind(mode, "cpu").moe_experts.keywords["matmul"] is module.linear
+    assert kernels.bind("fast", "cuda").linear is fast.linear
 
 
 def test_cuda_batch_invariant_table_takes_the_triton_kernels():
     triton_ops = pytest.importorskip("kernels.triton_ops")
-    cuda = kernels.table("batch_invariant", "cuda")
+    cuda = kernels.bind("batch_invariant", "cuda")
     for name, op in triton_ops.OPS.items():
-        assert cuda[name] is op
-    assert cuda["moe_experts"].keywords["matmul"] is triton_ops.OPS["linear"]
-    assert cuda["topk_indices"] is invariant.topk_indices  # not covered by Triton: PyTorch invariant
+        assert getattr(cuda, name) is op
+    assert cuda.moe_experts is triton_ops.moe_experts  # grouped over experts on the device
+    assert cuda.topk_indices is invariant.topk_indices  # not covered by Triton: PyTorch invariant
+
+
+def test_every_op_is_bound_and_ops_are_read_only():
+    ops = kernels.bind("batch_invariant", "cpu")
+    assert all(callable(getattr(ops, name)) for name in kernels.OPS)
+    with pytest.raises(AttributeError, match="Ops are read-only"):
+        ops.linear = fast.linear
 
 
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="unknown numerics mode 'exact'"):
-        kernels.table("exact", "cpu")
+        kernels.bind("exact", "cpu")
     with pytest.raises(AttributeError, match="no attribute 'matmul'"):
-        kernels.matmul  # noqa: B018
+        kernels.bind("fast", "cpu").matmul  # noqa: B018

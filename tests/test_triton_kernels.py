@@ -31,18 +31,23 @@ ROWS = (1, 3, 17, 40)
 FEW = settings(max_examples=10, deadline=None)
 
 
-def _patch_interpreter() -> None:
-    """Work around two gaps of Triton 3.6's interpreter (test-only; compiled kernels are unaffected).
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter_patches():
+    """Work around two gaps of Triton's interpreter while this module's tests run, and undo them after
+    (test-only; compiled kernels are unaffected). Written against Triton 3.6 and checked against the
+    Triton 3.9.0 of the dev environment:
 
-    - With NumPy >= 2.4, `range(0, K, BLOCK)` over a runtime K fails: the interpreter converts a
-      1-element array to int implicitly (triton-lang/triton#9171);
-    - `tl.dot` multiplies bfloat16 operands as their raw uint16 storage; widen them to fp32 first
-      (exact: bf16 products fit fp32, which is how the tensor cores treat them too).
+    - `tl.dot` multiplies bfloat16 operands as their raw uint16 storage (still so in 3.9.0); widen them
+      to fp32 first (exact: bf16 products fit fp32, which is how the tensor cores treat them too);
+    - with NumPy >= 2.4, `range(0, K, BLOCK)` over a runtime K failed in 3.6: its interpreter converted
+      a 1-element array to int implicitly (triton-lang/triton#9171). 3.9.0 converts it itself; the
+      replacement below gives the same int there, so it is kept for older Tritons.
     """
+    if not INTERPRETED:
+        yield
+        return
     from triton.runtime import interpreter
 
-    if getattr(interpreter, "_deepinfer_patched", False):
-        return
     patch_tensor = interpreter._patch_lang_tensor
     dot = interpreter.InterpreterBuilder.create_dot
 
@@ -58,13 +63,10 @@ def _patch_interpreter() -> None:
     def patched_dot(self, a, b, d, *args):
         return dot(self, widen(self, a), widen(self, b), d, *args)
 
-    interpreter._patch_lang_tensor = patched_tensor
-    interpreter.InterpreterBuilder.create_dot = patched_dot
-    interpreter._deepinfer_patched = True
-
-
-if INTERPRETED:
-    _patch_interpreter()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(interpreter, "_patch_lang_tensor", patched_tensor)
+        patch.setattr(interpreter.InterpreterBuilder, "create_dot", patched_dot)
+        yield
 
 
 def _randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

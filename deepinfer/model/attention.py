@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
 from deepinfer.config import CSA, HCA, ModelConfig
 from deepinfer.model.batch import CompressorStep, StepBatch
 from deepinfer.model.layers import Linear, RMSNorm, empty
 from deepinfer.model.rope import RotaryTable
+from kernels import Ops
 
 
 class Compressor(nn.Module):
@@ -26,14 +26,15 @@ class Compressor(nn.Module):
     series over window w - 1 and the second series over window w.
     """
 
-    def __init__(self, config: ModelConfig, ratio: int, dim: int, overlap: bool, dtype, device) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, ratio: int, dim: int, overlap: bool, dtype, device) -> None:
         super().__init__()
+        self.ops = ops
         self.ratio, self.dim, self.overlap = ratio, dim, overlap
         width = 2 * dim if overlap else dim
-        self.wkv = Linear(config.hidden_size, width, dtype, device)
-        self.wgate = Linear(config.hidden_size, width, dtype, device)
+        self.wkv = Linear(config.hidden_size, width, ops, dtype, device)
+        self.wgate = Linear(config.hidden_size, width, ops, dtype, device)
         self.ape = empty(ratio, width, dtype=torch.float32, device=device)
-        self.norm = RMSNorm(dim, config.rms_norm_eps, device)
+        self.norm = RMSNorm(dim, config.rms_norm_eps, ops, device)
 
     @property
     def state_width(self) -> int:
@@ -56,7 +57,7 @@ class Compressor(nn.Module):
             bias = self.ape
         gate = gate.float().masked_fill(~valid.unsqueeze(-1), float("-inf"))
         kv = kv.masked_fill(~valid.unsqueeze(-1), 0)
-        return self.norm(kernels.window_pool(kv, gate, bias))
+        return self.norm(self.ops.window_pool(kv, gate, bias))
 
     def update(
         self, x: torch.Tensor, step: CompressorStep, state: torch.Tensor, entries: torch.Tensor,
@@ -68,18 +69,19 @@ class Compressor(nn.Module):
             return
         pooled = self.pool(state[step.close_read][..., state_cols], step.close_valid)
         cos, sin = rope(step.close_position)
-        entries[step.close_write, entry_cols] = kernels.rotary(pooled, cos, sin).to(entries.dtype)
+        entries[step.close_write, entry_cols] = self.ops.rotary(pooled, cos, sin).to(entries.dtype)
 
 
 class Indexer(nn.Module):
     """Lightning indexer: scores compressed entries per query and keeps the top-k."""
 
-    def __init__(self, config: ModelConfig, dtype, device) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, dtype, device) -> None:
         super().__init__()
+        self.ops = ops
         self.n_heads, self.head_dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
-        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, dtype, device)
-        self.weights_proj = Linear(config.hidden_size, self.n_heads, dtype, device)
-        self.compressor = Compressor(config, config.compress_rates[CSA], self.head_dim, True, dtype, device)
+        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, ops, dtype, device)
+        self.weights_proj = Linear(config.hidden_size, self.n_heads, ops, dtype, device)
+        self.compressor = Compressor(config, ops, config.compress_rates[CSA], self.head_dim, True, dtype, device)
 
     def select(
         self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -87,34 +89,35 @@ class Indexer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions (into each query's entry list) of the chosen entries, and their validity."""
         q = self.wq_b(q_residual).view(x.shape[0], self.n_heads, self.head_dim)
-        q = kernels.rotary(q, cos, sin)
+        q = self.ops.rotary(q, cos, sin)
         head_weights = self.weights_proj(x).float() * self.n_heads**-0.5
-        scores = kernels.indexer_scores(q, keys, head_weights, valid, self.head_dim**-0.5)
-        chosen = kernels.topk_indices(scores, min(self.topk, scores.shape[-1]))
+        scores = self.ops.indexer_scores(q, keys, head_weights, valid, self.head_dim**-0.5)
+        chosen = self.ops.topk_indices(scores, min(self.topk, scores.shape[-1]))
         return chosen, valid.gather(1, chosen)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_type: str, dtype, device) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, layer_type: str, dtype, device) -> None:
         super().__init__()
+        self.ops = ops
         self.layer_type = layer_type
         self.n_heads, self.head_dim = config.num_attention_heads, config.head_dim
         self.o_groups = config.o_groups
         self.eps = config.rms_norm_eps
         h = config.hidden_size
-        self.wq_a = Linear(h, config.q_lora_rank, dtype, device)
-        self.q_norm = RMSNorm(config.q_lora_rank, self.eps, device)
-        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, dtype, device)
-        self.wkv = Linear(h, self.head_dim, dtype, device)
-        self.norm = RMSNorm(self.head_dim, self.eps, device)
-        self.wo_a = Linear(self.n_heads * self.head_dim // self.o_groups, self.o_groups * config.o_lora_rank, dtype, device)
-        self.wo_b = Linear(self.o_groups * config.o_lora_rank, h, dtype, device)
+        self.wq_a = Linear(h, config.q_lora_rank, ops, dtype, device)
+        self.q_norm = RMSNorm(config.q_lora_rank, self.eps, ops, device)
+        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, ops, dtype, device)
+        self.wkv = Linear(h, self.head_dim, ops, dtype, device)
+        self.norm = RMSNorm(self.head_dim, self.eps, ops, device)
+        self.wo_a = Linear(self.n_heads * self.head_dim // self.o_groups, self.o_groups * config.o_lora_rank, ops, dtype, device)
+        self.wo_b = Linear(self.o_groups * config.o_lora_rank, h, ops, dtype, device)
         self.attn_sink = empty(self.n_heads, dtype=torch.float32, device=device)
         if layer_type == CSA:
-            self.compressor = Compressor(config, config.compress_rates[CSA], self.head_dim, True, dtype, device)
-            self.indexer = Indexer(config, dtype, device)
+            self.compressor = Compressor(config, ops, config.compress_rates[CSA], self.head_dim, True, dtype, device)
+            self.indexer = Indexer(config, ops, dtype, device)
         elif layer_type == HCA:
-            self.compressor = Compressor(config, config.compress_rates[HCA], self.head_dim, False, dtype, device)
+            self.compressor = Compressor(config, ops, config.compress_rates[HCA], self.head_dim, False, dtype, device)
 
     def cache_widths(self) -> dict[str, int]:
         """Row widths this layer needs in each pool (the cache manager sizes pools from these)."""
@@ -135,8 +138,8 @@ class Attention(nn.Module):
         cos, sin = rope
         q_residual = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_residual).view(tokens, self.n_heads, self.head_dim)
-        q = kernels.rotary(kernels.unweighted_rms_norm(q, self.eps), cos, sin)
-        kv = kernels.rotary(self.norm(self.wkv(x)), cos, sin)
+        q = self.ops.rotary(self.ops.unweighted_rms_norm(q, self.eps), cos, sin)
+        kv = self.ops.rotary(self.norm(self.wkv(x)), cos, sin)
 
         window = cache["window"]
         window[batch.window_write] = kv.to(window.dtype)
@@ -147,11 +150,11 @@ class Attention(nn.Module):
             entry_keys, entry_valid = self._compressed_entries(x, q_residual, step, cache, rope, compress_rope)
             keys.append(entry_keys)
             valid.append(entry_valid)
-        out = kernels.sink_attention(
+        out = self.ops.sink_attention(
             q, torch.cat(keys, dim=1), torch.cat(valid, dim=1), self.attn_sink, self.head_dim**-0.5
         )
-        out = kernels.rotary(out, cos, -sin)
-        grouped = kernels.grouped_linear(out.reshape(tokens, self.o_groups, -1), self.wo_a.weight, self.o_groups)
+        out = self.ops.rotary(out, cos, -sin)
+        grouped = self.ops.grouped_linear(out.reshape(tokens, self.o_groups, -1), self.wo_a.weight, self.o_groups)
         return self.wo_b(grouped.flatten(1))
 
     def _compressed_entries(

@@ -8,9 +8,11 @@ row 0 and are masked out).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 
 import torch
+
+from deepinfer.transfer import upload
 
 
 @dataclass
@@ -32,9 +34,6 @@ class CompressorStep:
     entry_read: torch.Tensor
     entry_valid: torch.Tensor
 
-    def to(self, device: torch.device) -> "CompressorStep":
-        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)})
-
 
 @dataclass
 class StepBatch:
@@ -48,10 +47,16 @@ class StepBatch:
     compressors: dict[str, CompressorStep] = field(default_factory=dict)
     sample_index: torch.Tensor | None = None
 
-    def to(self, device: torch.device) -> "StepBatch":
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        for name, value in moved.items():
-            if isinstance(value, torch.Tensor):
-                moved[name] = value.to(device)
-        moved["compressors"] = {k: step.to(device) for k, step in self.compressors.items()}
-        return StepBatch(**moved)
+    def to(self, device: torch.device, extra: dict[str, torch.Tensor] | None = None
+           ) -> tuple["StepBatch", dict[str, torch.Tensor]]:
+        """This batch, and the `extra` host tensors, on `device` in one copy (`deepinfer.transfer`)."""
+        flat = {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+        for kind, step in self.compressors.items():
+            flat.update({f"{kind}/{f.name}": getattr(step, f.name) for f in fields(step)})
+        extra = extra or {}
+        flat.update({f"extra/{name}": tensor for name, tensor in extra.items()})
+        moved = upload(flat, device)
+        compressors = {kind: CompressorStep(**{f.name: moved[f"{kind}/{f.name}"] for f in fields(CompressorStep)})
+                       for kind in self.compressors}
+        own = {f.name: moved.get(f.name) for f in fields(self) if f.name != "compressors"}
+        return StepBatch(**own, compressors=compressors), {name: moved[f"extra/{name}"] for name in extra}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from kernels import Ops
 
-import kernels
 
 
 def empty(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -13,25 +13,27 @@ def empty(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Par
 
 
 class Linear(nn.Module):
-    """A bias-free projection; the arithmetic goes through `kernels.linear`."""
+    """A bias-free projection; the arithmetic goes through `ops.linear`."""
 
     MATMUL_WEIGHTS = ("weight",)
 
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device) -> None:
+    def __init__(self, in_features: int, out_features: int, ops: Ops, dtype: torch.dtype, device) -> None:
         super().__init__()
+        self.ops = ops
         self.weight = empty(out_features, in_features, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight)
+        return self.ops.linear(x, self.weight)
 
 
 class RMSNorm(nn.Module):
     """RMSNorm whose weight is kept in fp32 (as V4 checkpoints store it)."""
 
-    def __init__(self, dim: int, eps: float, device) -> None:
+    def __init__(self, dim: int, eps: float, ops: Ops, device) -> None:
         super().__init__()
+        self.ops = ops
         self.eps = eps
         self.weight = empty(dim, dtype=torch.float32, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
+        return self.ops.rms_norm(x, self.weight, self.eps)

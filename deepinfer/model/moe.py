@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
 from deepinfer.config import ModelConfig
 from deepinfer.model.layers import Linear, empty
+from kernels import Ops
 
 SCORE_FUNCS = {
-    "sqrtsoftplus": lambda logits: kernels.softplus(logits).sqrt(),
-    "softmax": lambda logits: kernels.softmax(logits).to(logits.dtype),
-    "sigmoid": lambda logits: kernels.sigmoid(logits),
+    "sqrtsoftplus": lambda ops, logits: ops.softplus(logits).sqrt(),
+    "softmax": lambda ops, logits: ops.softmax(logits).to(logits.dtype),
+    "sigmoid": lambda ops, logits: ops.sigmoid(logits),
 }
 
 
@@ -21,8 +21,9 @@ class Gate(nn.Module):
 
     MATMUL_WEIGHTS = ("weight",)
 
-    def __init__(self, config: ModelConfig, hashed: bool, dtype, device) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, hashed: bool, dtype, device) -> None:
         super().__init__()
+        self.ops = ops
         self.hashed = hashed
         self.top_k = config.num_experts_per_tok
         self.scale = config.routed_scaling_factor
@@ -34,13 +35,13 @@ class Gate(nn.Module):
             self.bias = empty(config.n_routed_experts, dtype=torch.float32, device=device)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = self.score(kernels.linear(x, self.weight))
+        scores = self.score(self.ops, self.ops.linear(x, self.weight))
         if self.hashed:
             indices = self.tid2eid[input_ids]
         else:
-            indices = kernels.topk_indices(scores + self.bias, self.top_k)
+            indices = self.ops.topk_indices(scores + self.bias, self.top_k)
         weights = scores.gather(1, indices)
-        weights = weights / (kernels.ordered_sum(weights, dim=-1).unsqueeze(-1) + 1e-20)
+        weights = weights / (self.ops.ordered_sum(weights, dim=-1).unsqueeze(-1) + 1e-20)
         return indices, weights * self.scale
 
 
@@ -49,36 +50,38 @@ class Experts(nn.Module):
 
     MATMUL_WEIGHTS = ("w13", "w2")
 
-    def __init__(self, config: ModelConfig, dtype, device) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, dtype, device) -> None:
         super().__init__()
+        self.ops = ops
         e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
         self.limit = config.swiglu_limit
         self.w13 = empty(e, 2 * i, h, dtype=dtype, device=device)
         self.w2 = empty(e, h, i, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return kernels.moe_experts(x, indices, weights, self.w13, self.w2, self.limit)
+        return self.ops.moe_experts(x, indices, weights, self.w13, self.w2, self.limit)
 
 
 class SharedExpert(nn.Module):
-    def __init__(self, config: ModelConfig, dtype, device) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, dtype, device) -> None:
         super().__init__()
+        self.ops = ops
         h, i = config.hidden_size, config.moe_intermediate_size
         self.limit = config.swiglu_limit
-        self.w1 = Linear(h, i, dtype, device)
-        self.w2 = Linear(i, h, dtype, device)
-        self.w3 = Linear(h, i, dtype, device)
+        self.w1 = Linear(h, i, ops, dtype, device)
+        self.w2 = Linear(i, h, ops, dtype, device)
+        self.w3 = Linear(h, i, ops, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(kernels.clamped_swiglu(self.w1(x), self.w3(x), self.limit))
+        return self.w2(self.ops.clamped_swiglu(self.w1(x), self.w3(x), self.limit))
 
 
 class MoE(nn.Module):
-    def __init__(self, config: ModelConfig, mlp_type: str, dtype, device) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, mlp_type: str, dtype, device) -> None:
         super().__init__()
-        self.gate = Gate(config, mlp_type == "hash_moe", dtype, device)
-        self.experts = Experts(config, dtype, device)
-        self.shared_experts = SharedExpert(config, dtype, device)
+        self.gate = Gate(config, ops, mlp_type == "hash_moe", dtype, device)
+        self.experts = Experts(config, ops, dtype, device)
+        self.shared_experts = SharedExpert(config, ops, dtype, device)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         indices, weights = self.gate(x, input_ids)

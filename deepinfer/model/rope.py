@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import torch
 
-import kernels
-
 from deepinfer.config import ModelConfig
+from kernels import Ops
 
 
 class RotaryTable:
-    """cos/sin of interleaved RoPE at absolute positions, computed in fp32."""
+    """cos/sin of interleaved RoPE at absolute positions, computed in fp32. The inverse frequencies
+    live where the model does (`to`), so a step copies nothing to the device for them."""
 
-    def __init__(self, config: ModelConfig, label: str) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, label: str) -> None:
+        self.ops = ops
         self.inv_freq, self.scale = config.rope_inv_freq(label)
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
-        cos, sin = kernels.cos_sin(freqs)
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq
+        cos, sin = self.ops.cos_sin(freqs)
         return cos * self.scale, sin * self.scale
+
+    def to(self, device: torch.device | str) -> None:
+        self.inv_freq = self.inv_freq.to(device)

@@ -6,12 +6,8 @@ writes), so loading is a name-for-name copy except for the routed experts, which
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
-
-import kernels
 
 from deepinfer.config import SLIDING, ModelConfig
 from deepinfer.model.attention import Attention
@@ -20,68 +16,68 @@ from deepinfer.model.hyper import HyperHead, HyperMix, expand
 from deepinfer.model.layers import Linear, RMSNorm, empty
 from deepinfer.model.moe import MoE
 from deepinfer.model.rope import RotaryTable
+from kernels import Ops
 
 
 class Block(nn.Module):
     MATMUL_WEIGHTS = ("hc_attn_fn", "hc_ffn_fn")
 
-    def __init__(self, config: ModelConfig, layer_idx: int, dtype, device) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, layer_idx: int, dtype, device) -> None:
         super().__init__()
+        self.ops = ops
         n, h = config.hc_mult, config.hidden_size
         mix = (2 + n) * n
-        self.attn = Attention(config, config.layer_types[layer_idx], dtype, device)
-        self.ffn = MoE(config, config.mlp_layer_types[layer_idx], dtype, device)
-        self.attn_norm = RMSNorm(h, config.rms_norm_eps, device)
-        self.ffn_norm = RMSNorm(h, config.rms_norm_eps, device)
+        self.attn = Attention(config, ops, config.layer_types[layer_idx], dtype, device)
+        self.ffn = MoE(config, ops, config.mlp_layer_types[layer_idx], dtype, device)
+        self.attn_norm = RMSNorm(h, config.rms_norm_eps, ops, device)
+        self.ffn_norm = RMSNorm(h, config.rms_norm_eps, ops, device)
         for site in ("attn", "ffn"):
             setattr(self, f"hc_{site}_fn", empty(mix, n * h, dtype=torch.float32, device=device))
             setattr(self, f"hc_{site}_base", empty(mix, dtype=torch.float32, device=device))
             setattr(self, f"hc_{site}_scale", empty(3, dtype=torch.float32, device=device))
-        self.mix = HyperMix(config)
+        self.mix = HyperMix(config, ops)
 
     def forward(
         self, streams: torch.Tensor, batch: StepBatch, cache: dict[str, torch.Tensor],
         rope: tuple[torch.Tensor, torch.Tensor], compress_rope: RotaryTable,
     ) -> torch.Tensor:
         post, comb, x = self.mix(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
-        streams = expand(post, comb, self.attn(self.attn_norm(x), batch, cache, rope, compress_rope), streams)
+        streams = expand(self.ops, post, comb, self.attn(self.attn_norm(x), batch, cache, rope, compress_rope), streams)
         post, comb, x = self.mix(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
-        return expand(post, comb, self.ffn(self.ffn_norm(x), batch.input_ids), streams)
+        return expand(self.ops, post, comb, self.ffn(self.ffn_norm(x), batch.input_ids), streams)
 
 
 class Backbone(nn.Module):
-    def __init__(self, config: ModelConfig, dtype, device) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, dtype, device) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(Block(config, i, dtype, device) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device)
-        self.hc_head = HyperHead(config, device)
+        self.layers = nn.ModuleList(Block(config, ops, i, dtype, device) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, device)
+        self.hc_head = HyperHead(config, ops, device)
 
 
 class DeepseekV4(nn.Module):
-    """Stateless over the paged caches it is handed: `forward` returns the sampled rows' logits."""
+    """Stateless over the paged caches it is handed: `forward` returns the hidden states of the rows
+    the step samples or scores, `logits` turns hidden states into fp32 logits."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu") -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, dtype: torch.dtype = torch.float32, device="cpu") -> None:
         super().__init__()
+        self.ops = ops
         self.config = config
         self.hc_mult = config.hc_mult
-        self.model = Backbone(config, dtype, device)
-        self.head = Linear(config.hidden_size, config.vocab_size, dtype, device)
-        self.main_rope = RotaryTable(config, "main")
-        self.compress_rope = RotaryTable(config, "compress")
-
-    @property
-    def layer_types(self) -> list[str]:
-        return self.config.layer_types
+        self.model = Backbone(config, ops, dtype, device)
+        self.head = Linear(config.hidden_size, config.vocab_size, ops, dtype, device)
+        self.main_rope = RotaryTable(config, ops, "main")
+        self.compress_rope = RotaryTable(config, ops, "compress")
 
     def cache_widths(self) -> list[dict[str, int]]:
         return [dict(block.attn.cache_widths(), window=self.config.head_dim) for block in self.model.layers]
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, caches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """Runs every token of the step through the layers (writing their cache rows) and returns
-        fp32 logits for the rows listed in `batch.sample_index` (all rows when it is None)."""
+        """Runs every token of the step through the layers (writing their cache rows) and returns the
+        final hidden states [R, hidden] of the rows listed in `batch.sample_index` (all when None)."""
         x = self.model.embed_tokens(batch.input_ids)
         streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
         ropes = {"main": self.main_rope(batch.positions), "compress": self.compress_rope(batch.positions)}
@@ -90,22 +86,25 @@ class DeepseekV4(nn.Module):
             streams = block(streams, batch, cache, rope, self.compress_rope)
         if batch.sample_index is not None:
             streams = streams[batch.sample_index]
-        hidden = self.model.norm(self.model.hc_head(streams))
+        return self.model.norm(self.model.hc_head(streams))
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden).float()
 
     def load_tensors(
-        self, tensors: dict[str, torch.Tensor], device: torch.device | str,
-        matmul_layout: Callable[[torch.Tensor], torch.Tensor] = kernels.fast.matmul_layout,
-    ) -> None:
+        self, tensors: dict[str, torch.Tensor], device: torch.device | str) -> None:
         """Take checkpoint tensors by name (stacking `ffn.experts.{e}.w{1,2,3}` per layer) as the
         model's parameters on `device`. The weights that modules list in `MATMUL_WEIGHTS` pass
-        through `matmul_layout` (the numerics mode's preferred storage order; values unchanged).
+        through `ops.matmul_layout` (the numerics mode's preferred storage order; values unchanged).
 
         The model may be built on the meta device: parameters are replaced, not copied into.
         Tensors are popped from `tensors` as they are consumed, so a caller that hands over its
         only reference keeps peak memory near one model's worth.
         """
         n_experts = self.config.n_routed_experts
+        self.main_rope.to(device)
+        self.compress_rope.to(device)
         entries = [(name, p, True) for name, p in self.named_parameters()]
         entries += [(name, b, False) for name, b in self.named_buffers()]
         for name, current, is_param in entries:
@@ -122,7 +121,7 @@ class DeepseekV4(nn.Module):
             value = value.to(device=device, dtype=current.dtype)
             module = self.get_submodule(prefix) if prefix else self
             if attr in getattr(module, "MATMUL_WEIGHTS", ()):
-                value = matmul_layout(value)
+                value = self.ops.matmul_layout(value)
             if is_param:
                 module._parameters[attr] = nn.Parameter(value, requires_grad=False)
             else:

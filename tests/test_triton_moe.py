@@ -1,0 +1,51 @@
+"""The grouped Triton experts (`kernels.triton_ops.moe_experts`): the same bits as the per-expert
+loop over the invariant Triton matmul, with no host sync, and a token's output independent of the
+batch. Compiled kernels only (the per-expert loop under the interpreter is covered in
+tests/test_triton_kernels.py's matmul tests)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from kernels import fast, invariant, triton_ops  # noqa: E402
+
+EXPERTS, TOP_K, HIDDEN, INTER = 16, 4, 256, 128
+
+
+def _routing(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    indices = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(tokens)])
+    return indices.cuda(), torch.rand(tokens, TOP_K, generator=gen).cuda()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 70])
+def test_grouped_experts_match_the_per_expert_loop_bitwise(dtype, tokens):
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, HIDDEN, generator=gen).to("cuda", dtype)
+    w13 = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen) / 16).to("cuda", dtype)
+    w2 = (torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) / 16).to("cuda", dtype)
+    indices, weights = _routing(tokens, tokens)
+    loop = fast.routed_experts(x, indices, weights, w13, w2, 7.0, matmul=triton_ops.linear,
+                               swiglu=invariant.clamped_swiglu)
+    triton_ops.moe_experts(x, indices, weights, w13, w2, 7.0)  # compile first: compiling may synchronise
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            grouped = triton_ops.moe_experts(x, indices, weights, w13, w2, 7.0)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    assert not syncs
+    assert torch.equal(grouped, loop)
+    alone = torch.cat([triton_ops.moe_experts(x[i:i + 1], indices[i:i + 1], weights[i:i + 1], w13, w2, 7.0)
+                       for i in range(tokens)])
+    assert torch.equal(alone, grouped)
