@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -71,7 +72,8 @@ def profiled_step(llm: LLM) -> dict:
     return {"gpu_kernels": kernels, "gpu_memcpy": memcpy, "gpu_memset": memset, "host_launch_calls": launches}
 
 
-def synced_step(llm: LLM) -> int:
+def synced_step(llm: LLM) -> list[str]:
+    """Where (file:line of the Python call) each synchronisation of one decode step happened."""
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -80,7 +82,8 @@ def synced_step(llm: LLM) -> int:
             llm.step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum(1 for w in caught if "synchroniz" in str(w.message))
+    root = str(Path(__file__).resolve().parent.parent) + "/"
+    return [f"{w.filename.replace(root, '')}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
 
 
 def main() -> None:
@@ -92,7 +95,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--label", default="")
     args = parser.parse_args()
-    report = {"command": " ".join(["python"] + sys.argv), "device": torch.cuda.get_device_name(),
+    command = [arg if arg != args.out else Path(args.out).name for arg in sys.argv]
+    report = {"command": " ".join(["python"] + command), "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "preset": args.preset, "dtype": args.dtype, "label": args.label,
               "prompt_tokens": PROMPT_TOKENS, "runs": []}
     for batch in args.batches:
@@ -100,7 +104,9 @@ def main() -> None:
         timed_steps(llm, 2)  # warm-up (autotuning, allocator)
         times = timed_steps(llm, args.steps)
         run = {"batch": batch, "step_ms_median": round(1e3 * statistics.median(times), 3),
-               "step_ms_min": round(1e3 * min(times), 3), **profiled_step(llm), "host_syncs": synced_step(llm)}
+               "step_ms_min": round(1e3 * min(times), 3), **profiled_step(llm)}
+        sites = synced_step(llm)
+        run.update(host_syncs=len(sites), host_sync_sites=sites)
         report["runs"].append(run)
         print(json.dumps(run), flush=True)
         del llm

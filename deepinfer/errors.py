@@ -7,7 +7,8 @@ it was read from, so two runs of it compare equal.
 
 from __future__ import annotations
 
-ERROR_KINDS = ("malformed", "unsupported_content", "prompt_too_long", "invalid_request")
+# The last one is raised by the engine mid-request (NaN weights, say), not at intake.
+ERROR_KINDS = ("malformed", "unsupported_content", "prompt_too_long", "invalid_request", "non_finite_logits")
 
 
 class DeepInferError(Exception):

@@ -14,7 +14,9 @@ class RequestOutput:
     `prompt_token_ids[i + 1]` given the tokens before it and `prompt_top_logprobs[i]` the
     max(`logprobs`, 1) most likely pairs there (so its first entry is the greedy choice).
     `first_token_time` is `time.perf_counter()` when the first output token was sampled: timing,
-    not output, so `==` ignores it."""
+    not output, so `==` ignores it. A request the engine could not finish (non-finite logits, as
+    NaN weights give) has `finish_reason="error"`, says why in `error` and classifies it in `error_kind`
+    (`deepinfer.errors.ERROR_KINDS`); the tokens before it stay."""
 
     request_id: int
     prompt_token_ids: list[int]
@@ -29,3 +31,5 @@ class RequestOutput:
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     first_token_time: float | None = field(default=None, compare=False)
+    error: str | None = None
+    error_kind: str | None = None

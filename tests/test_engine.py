@@ -22,11 +22,12 @@ from hypothesis import strategies as st
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint import CheckpointError
 from deepinfer.engine.llm import PromptTooLongError, RequestError
-from deepinfer.engine.sampler import filtered_logits, first_argmax, sample, uniform_noise
+from deepinfer.engine.sampler import first_argmax, uniform_noise
 from deepinfer.errors import DeepInferError
 from deepinfer.recipe.chat import ChatFormatError, encode_chat, parse_completion
 from deepinfer.recipe.tokenizer import TextTokenizer
 from deepinfer.sampling_params import SUITE_SEEDS, SamplingParamsError, derive_seed
+from sampling import filter_one, sample_one
 
 VOCAB = 1024  # the tiny preset's vocabulary
 EOS_ID = 1
@@ -452,7 +453,7 @@ temperatures = st.floats(0.25, 2.0)
 def kept(logits: list[float], **kwargs) -> tuple[set[int], torch.Tensor, np.ndarray]:
     params = SamplingParams(**kwargs)
     t = torch.tensor(logits, dtype=torch.float32)
-    out = filtered_logits(t, params)
+    out = filter_one(t, params)
     scaled = fp32_scaled(logits, params.temperature)
     keep = set(torch.isfinite(out).nonzero().flatten().tolist())
     # kept tokens keep their temperature-scaled logit, the rest are -inf
@@ -506,15 +507,15 @@ def test_filters_always_keep_the_top_token(logits, temperature, top_k, top_p, mi
 def test_sampled_token_is_never_a_filtered_one(logits, seed, position, top_k):
     params = SamplingParams(temperature=1.0, top_k=top_k)
     t = torch.tensor(logits, dtype=torch.float32)
-    token = sample(t, params, seed, position)
-    assert bool(torch.isfinite(filtered_logits(t, params)[token]))
-    assert token == sample(t, params, seed, position)
+    token = sample_one(t, params, seed, position)
+    assert bool(torch.isfinite(filter_one(t, params)[token]))
+    assert token == sample_one(t, params, seed, position)
 
 
 def test_gumbel_sampling_follows_the_distribution():
     logits = torch.tensor([0.0, math.log(3.0), float("-inf"), -30.0])
     params = SamplingParams(temperature=1.0)
-    draws = [sample(logits, params, seed=11, position=p) for p in range(4000)]
+    draws = [sample_one(logits, params, seed=11, position=p) for p in range(4000)]
     assert set(draws) <= {0, 1, 3}
     assert draws.count(1) / len(draws) == pytest.approx(0.75, abs=0.03)
 
@@ -522,11 +523,11 @@ def test_gumbel_sampling_follows_the_distribution():
 def test_greedy_takes_the_lowest_index_among_tied_maxima():
     logits = torch.tensor([0.5, 2.0, -1.0, 2.0, 2.0])
     greedy = SamplingParams(temperature=0)
-    assert sample(logits, greedy, seed=1, position=0) == 1
-    assert sample(logits, greedy, seed=2, position=9) == 1
-    assert first_argmax(torch.tensor([3.0, 3.0])) == 0
+    assert sample_one(logits, greedy, seed=1, position=0) == 1
+    assert sample_one(logits, greedy, seed=2, position=9) == 1
+    assert first_argmax(torch.tensor([[3.0, 3.0], [1.0, 2.0]])).tolist() == [0, 1]
     # top_k=1 keeps the lowest id among tied maxima too
-    assert torch.isfinite(filtered_logits(logits, SamplingParams(top_k=1))).nonzero().flatten().tolist() == [1]
+    assert torch.isfinite(filter_one(logits, SamplingParams(top_k=1))).nonzero().flatten().tolist() == [1]
 
 
 # ---------------------------------------------------------------------------------- scheduler/cache

@@ -74,9 +74,9 @@ def engine_logits(llm: LLM, ids: list[int], chunk: int) -> torch.Tensor:
     for start in range(0, len(ids), chunk):
         piece = ScheduledChunk(seq, start, min(chunk, len(ids) - start))
         llm.cache.grow(seq.blocks, piece.end)
-        batch = llm.runner.build_batch([piece])
+        batch, _ = llm.runner.build_batch([piece])
         batch.sample_index = None
-        rows.append(llm.model(batch, llm.cache.layer_views))
+        rows.append(llm.model.logits(llm.model(batch, llm.cache.layer_views)))
         llm.cache.release_behind(seq.blocks, piece.end)
     llm.cache.free(seq.blocks)
     return torch.cat(rows)

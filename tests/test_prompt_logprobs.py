@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, RequestOutput, SamplingParams
-from deepinfer.engine.runner import scored_positions
-from deepinfer.engine.scheduler import ScheduledChunk
+from deepinfer.engine.scheduler import scored_positions
 from deepinfer.engine.sequence import Sequence
 from deepinfer.sampling_params import SamplingParamsError
 
@@ -96,12 +95,12 @@ def test_bitwise_identical_across_batching_chunking_and_preemption(tiny_checkpoi
 
 def test_recomputed_chunks_do_not_score_the_prompt_twice():
     seq = Sequence(0, list(range(2, 12)), SamplingParams(prompt_logprobs=True), seed=0)
-    assert scored_positions(ScheduledChunk(seq, 0, 4)) == range(0, 4)
+    assert scored_positions(seq, 0, 4) == range(0, 4)
     seq.prompt_logprobs = [-1.0] * 6  # scored up to position 5, then preempted: recomputation restarts at 0
-    assert scored_positions(ScheduledChunk(seq, 0, 4)) == range(0, 0)
-    assert scored_positions(ScheduledChunk(seq, 4, 6)) == range(6, 9)  # the last prompt token scores nothing
+    assert scored_positions(seq, 0, 4) == range(0, 0)
+    assert scored_positions(seq, 4, 10) == range(6, 9)  # the last prompt token scores nothing
     seq.token_ids.append(7)  # a generated token is never scored as prompt
-    assert scored_positions(ScheduledChunk(seq, 9, 2)) == range(9, 9)
+    assert scored_positions(seq, 9, 11) == range(9, 9)
 
 
 def test_refed_greedy_continuation_scores_exactly_as_generated(tiny_checkpoint):

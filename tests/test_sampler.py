@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from deepinfer.engine.sampler import filtered_logits, sample
 from deepinfer.sampling_params import SamplingParams
+from sampling import filter_one, sample_one
 
 
 def chi_square_critical(df: int, z: float = 3.09) -> float:
@@ -29,12 +29,12 @@ def chi_square_critical(df: int, z: float = 3.09) -> float:
 )
 def test_sampled_frequencies_match_the_filtered_softmax(params):
     logits = torch.randn(16, generator=torch.Generator().manual_seed(5)) * 1.5
-    kept = filtered_logits(logits, params)
+    kept = filter_one(logits, params)
     expected = torch.softmax(kept, dim=0)
     draws = 12_000
     counts = torch.zeros(16)
     for position in range(draws):
-        counts[sample(logits, params, seed=2024, position=position)] += 1
+        counts[sample_one(logits, params, seed=2024, position=position)] += 1
     support = expected > 0
     assert counts[~support].sum() == 0, "a filtered-out token was sampled"
     observed, wanted = counts[support], expected[support] * draws

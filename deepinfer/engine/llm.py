@@ -1,23 +1,28 @@
 """The user-facing engine: `LLM(...).generate(prompts, params)`.
 
-Data flows one way: request -> scheduler -> runner -> model -> sampler -> output.
+Data flows one way: request -> scheduler -> runner -> model -> sampler -> output. `LLM` owns
+intake and the loop; one step is `Scheduler.schedule()`, `ModelRunner.execute()`, then
+`Scheduler.update()` (the scheduler owns every change to a queued sequence).
 """
 
 from __future__ import annotations
 
 import itertools
-import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 import kernels
+from kernels.cpu_isa import CpuIsaError, check_cpu_isa
 from deepinfer.checkpoint import default_checkpoint, load_checkpoint, preset_config, random_tensors
 from deepinfer.config import ModelConfig
 from deepinfer.engine.cache import CacheManager, cache_memory, default_max_model_len, pool_specs, step_budget
+from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.output import OutputProcessor
 from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.scheduler import Scheduler
-from deepinfer.engine.sequence import Sequence, Status
+from deepinfer.engine.sequence import Sequence
 from deepinfer.errors import DeepInferError
 from deepinfer.model import DeepseekV4
 from deepinfer.outputs import RequestOutput
@@ -25,18 +30,12 @@ from deepinfer.recipe.chat import ChatFormatError, encode_messages, parse_comple
 from deepinfer.recipe.tokenizer import TextTokenizer, build_tokenizer
 from deepinfer.sampling_params import (
     CONTENT_SEEDS,
-    UNSEEDED_SEEDS,
     SamplingParams,
     derive_seed,
     request_content_hash,
 )
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
 PRESET_PREFIX = "preset:"
-# The engine defaults that the CLIs and the harness's `Variant` share (max_model_len: see `LLM`).
-DEFAULT_MAX_NUM_SEQS = 32
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 
 
 class RequestError(DeepInferError, ValueError):
@@ -49,30 +48,9 @@ class PromptTooLongError(RequestError):
     kind = "prompt_too_long"
 
 
-def resolve_device(device: str | torch.device) -> torch.device:
-    """`cpu`, `cuda` or `cuda:N` as a torch.device; a one-line error for anything else or for CUDA on a
-    machine without it (checked before any work, so a failed start writes nothing)."""
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError):
-        resolved = None
-    if resolved is None or resolved.type not in ("cpu", "cuda"):
-        raise DeepInferError(f"unknown device {device!r} (expected cpu, cuda or cuda:N)")
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise DeepInferError(f"device {device!r} requested but CUDA is not available")
-    return resolved
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise DeepInferError(f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
-    return DTYPES[dtype]
-
-
 class LLM:
-    """An offline engine over one checkpoint.
+    """An offline engine over one checkpoint, run as an `EngineConfig` says (`config=`, or its fields
+    as keyword arguments).
 
     `model` is a checkpoint folder, None for the embedded `tiny` default, or `"preset:NAME"` for
     seeded random weights of a preset built directly on `device` (nothing written to disk).
@@ -95,76 +73,57 @@ class LLM:
     (`RequestOutput.seed`), so any output can be reproduced by passing it back.
     """
 
-    def __init__(
-        self,
-        model: str | Path | None = None,
-        *,
-        device: str = "cpu",
-        dtype: str | torch.dtype = "float32",
-        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        max_model_len: int | None = None,
-        num_cache_blocks: int | None = None,
-        block_size: int = 16,
-        enable_chunked_prefill: bool = True,
-        numerics: str = "batch_invariant",
-        seed: int = 0,
-        unseeded_seeds: str = "request_order",
-    ) -> None:
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("block_size", block_size)):
-            if not isinstance(value, int) or value < 1:
-                raise DeepInferError(f"{name} must be a positive integer, got {value!r}")
-        if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 1):
-            raise DeepInferError(f"max_model_len must be a positive integer, got {max_model_len!r}")
-        if numerics not in kernels.NUMERICS:
-            raise DeepInferError(f"unknown numerics {numerics!r} (expected one of {', '.join(kernels.NUMERICS)})")
-        if unseeded_seeds not in UNSEEDED_SEEDS:
+    def __init__(self, model: str | Path | None = None, config: EngineConfig | None = None, **settings) -> None:
+        if config is not None and settings:
+            raise DeepInferError(f"pass engine settings either as config= or as keywords, not both "
+                                 f"(got config and {', '.join(sorted(settings))})")
+        if config is None:
+            config = EngineConfig.from_dict(settings, where="LLM")
+        self.device, self.dtype = config.torch_device, config.torch_dtype
+        self.numerics, self.seed, self.unseeded_seeds = config.numerics, config.seed, config.unseeded_seeds
+        if config.numerics == "batch_invariant" and self.device.type == "cpu" and self.dtype != torch.float32:
+            try:
+                check_cpu_isa()  # oneDNN's AMX kernels would make bf16 rows depend on the batch
+            except CpuIsaError as err:
+                raise DeepInferError(str(err)) from None
+        model_config, tensors, self.tokenizer, self.model_id = self._load(model)
+        self.config: ModelConfig = model_config
+        if config.max_model_len is not None and config.max_model_len > model_config.max_position_embeddings:
             raise DeepInferError(
-                f"unknown unseeded_seeds {unseeded_seeds!r} (expected one of {', '.join(UNSEEDED_SEEDS)})"
+                f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
+                f"{model_config.max_position_embeddings}"
             )
-        self.numerics = numerics
-        self.unseeded_seeds = unseeded_seeds
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype)
-        self.seed = seed
-        config, tensors, self.tokenizer, self.model_id = self._load(model)
-        self.config: ModelConfig = config
-        if max_model_len is not None and max_model_len > config.max_position_embeddings:
-            raise DeepInferError(
-                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-                f"{config.max_position_embeddings}"
-            )
-        self.model = DeepseekV4(config, self.dtype, device="meta")
-        self.model.load_tensors(tensors, self.device, kernels.table(numerics, self.device.type)["matmul_layout"])
-        self.has_mtp = any(name.startswith("mtp.") for name in tensors)
+        self.model = DeepseekV4(model_config, kernels.bind(config.numerics, self.device), self.dtype, device="meta")
+        self.model.load_tensors(tensors, self.device)
         del tensors
-        self.chunked_prefill = enable_chunked_prefill
-        if max_model_len is None:
-            max_model_len = self._default_max_model_len(max_num_seqs, max_num_batched_tokens, block_size)
-        self.max_model_len = max_model_len
-        self.max_num_batched_tokens = step_budget(max_num_batched_tokens, self.max_model_len, enable_chunked_prefill)
+        if config.max_model_len is None:
+            config = replace(config, max_model_len=self._default_max_model_len(config))
+        self.engine_config = config
+        self.max_model_len = config.max_model_len
+        self.max_num_batched_tokens = step_budget(config.max_num_batched_tokens, self.max_model_len,
+                                                  config.enable_chunked_prefill)
         self.cache = CacheManager(
-            config, self.model.cache_widths(), max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
-            max_step_tokens=self.max_num_batched_tokens, num_blocks=num_cache_blocks, block_size=block_size,
-            dtype=self.dtype, device=self.device,
+            model_config, self.model.cache_widths(), max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len, max_step_tokens=self.max_num_batched_tokens,
+            num_blocks=config.num_cache_blocks, block_size=config.block_size, dtype=self.dtype, device=self.device,
         )
+        self.output = OutputProcessor(self.tokenizer, model_config.eos_token_ids, self.max_model_len, config.numerics)
         self.scheduler = Scheduler(
-            self.cache, max_num_seqs=max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-            chunked_prefill=enable_chunked_prefill,
+            self.cache, self.output.stop, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, chunked_prefill=config.enable_chunked_prefill,
         )
-        self.runner = ModelRunner(self.model, self.cache, self.device, numerics)
+        self.runner = ModelRunner(self.model, self.cache, self.device)
         self._next_id = 0
 
-    def _default_max_model_len(self, max_num_seqs: int, max_num_batched_tokens: int, block_size: int) -> int:
+    def _default_max_model_len(self, config: EngineConfig) -> int:
         """See the class docstring; called once the weights are loaded (they count against memory)."""
         weights = itertools.chain(self.model.parameters(), self.model.buffers())
         weight_bytes = sum(t.numel() * t.element_size() for t in weights)
         return default_max_model_len(
             pool_specs(self.config, self.model.cache_widths()), self.config.max_position_embeddings,
-            cache_memory(self.device, weight_bytes), max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, chunked_prefill=self.chunked_prefill,
-            block_size=block_size, itemsize=self.dtype.itemsize,
+            cache_memory(self.device, weight_bytes), max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, chunked_prefill=config.enable_chunked_prefill,
+            block_size=config.block_size, itemsize=self.dtype.itemsize,
         )
 
     def _load(self, model: str | Path | None):
@@ -246,67 +205,10 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the requests that finished in it."""
-        chunks = self.scheduler.schedule()
-        finished = []
-        outputs = self.runner.step(chunks)
-        now = time.perf_counter()
-        for out in outputs:
-            seq = out.chunk.seq
-            seq.prompt_logprobs.extend(out.prompt_logprobs)
-            seq.prompt_top_logprobs.extend(out.prompt_top_logprobs)
-            if out.token is None:
-                continue
-            seq.token_ids.append(out.token)
-            seq.logprobs.append(out.logprob)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            if out.top is not None:
-                seq.top_logprobs.append(out.top)
-            if self._check_finished(seq, out.token):
-                seq.status = Status.FINISHED
-                finished.append(seq)
-        self.scheduler.finish_step(chunks)
-        return [self._output(seq) for seq in finished]
-
-    def _check_finished(self, seq: Sequence, token: int) -> bool:
-        params = seq.params
-        if (token in self.config.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            seq.finish_reason = "stop"
-            return True
-        if params.stop:
-            text = self.tokenizer.decode(seq.output_token_ids)
-            hits = [text.find(s) for s in params.stop if s in text]
-            if hits:
-                seq.text = text[: min(hits)]
-                seq.finish_reason = "stop"
-                return True
-        if len(seq.output_token_ids) >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
-            seq.finish_reason = "length"
-            return True
-        return False
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        text = seq.text
-        if text is None and self.tokenizer is not None:
-            ids = seq.output_token_ids
-            if seq.finish_reason == "stop" and ids and (ids[-1] in seq.params.stop_token_ids
-                                                        or ids[-1] in self.config.eos_token_ids):
-                ids = ids[:-1]
-            text = self.tokenizer.decode(ids)
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=list(seq.prompt_token_ids),
-            token_ids=list(seq.output_token_ids),
-            text=text,
-            finish_reason=seq.finish_reason,
-            seed=seq.seed,
-            numerics=self.numerics,
-            logprobs=list(seq.logprobs),
-            top_logprobs=[list(t) for t in seq.top_logprobs] if seq.params.logprobs else None,
-            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs else None,
-            prompt_top_logprobs=[list(t) for t in seq.prompt_top_logprobs] if seq.params.prompt_logprobs else None,
-            first_token_time=seq.first_token_time,
-        )
+        scheduled = self.scheduler.schedule()
+        result = self.runner.execute(scheduled).result(scheduled)
+        finished = self.scheduler.update(scheduled, result)
+        return [self.output.request_output(seq) for seq in finished]
 
     # batch APIs ---------------------------------------------------------------------------------
 

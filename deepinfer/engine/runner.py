@@ -1,89 +1,120 @@
-"""Turns a scheduled step into cache addresses, runs the model, and samples the new tokens."""
+"""Turns a scheduled step into cache addresses, runs the model, and samples the new tokens.
+
+`execute` keeps everything on the device: the step's metadata goes up in one copy, the model,
+the sampler, logprobs and top-k run there, and the `RunnerOutput` holds device tensors.
+`RunnerOutput.result` brings what the host needs down in one copy (the step's only sync).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 
 import torch
 
 from deepinfer.config import CSA, HCA, ModelConfig
 from deepinfer.engine.cache import POOL_PREFIX, CacheManager
-from deepinfer.engine.sampler import sample, top_logprobs
-from deepinfer.engine.scheduler import ScheduledChunk
-from deepinfer.engine.sequence import Sequence
+from deepinfer.engine.sampler import SamplingBatch, sample, top_logprobs
+from deepinfer.engine.scheduler import ScheduledChunk, SchedulerOutput, StepResult
 from deepinfer.model import CompressorStep, DeepseekV4, StepBatch
-import kernels
+from deepinfer.transfer import download
 
 
 @dataclass
-class ChunkOutput:
-    """What one scheduled chunk produced: the logprobs of the prompt tokens it scored for the first
-    time (see `scored_positions`) and, when the chunk samples, the new token."""
+class RunnerOutput:
+    """One step's results on the device. Rows [S] follow the sampling chunks in order; prompt rows
+    [P] follow the scoring chunks' `scored` positions in order.
 
-    chunk: ScheduledChunk
-    prompt_logprobs: list[float] = field(default_factory=list)
-    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    token: int | None = None
-    logprob: float | None = None
-    top: list[tuple[int, float]] | None = None
+    token_ids / logprobs [S, 1 + k]: the sampled token (and, with speculation, accepted drafts);
+    num_accepted [S]: how many of those columns count (1 today); finite [S]: whether the row's
+    logits were all finite; hidden [S, hidden]: the last hidden states (a drafter's input);
+    top_ids / top_logprobs [S, K]: the K most likely tokens when any row asked for logprobs;
+    prompt_logprobs [P] and prompt_top_ids / prompt_top_logprobs [P, Kp] when any chunk scored.
+    """
 
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    num_accepted: torch.Tensor
+    finite: torch.Tensor
+    hidden: torch.Tensor
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+    prompt_logprobs: torch.Tensor | None = None
+    prompt_top_ids: torch.Tensor | None = None
+    prompt_top_logprobs: torch.Tensor | None = None
 
-def scored_positions(chunk: ScheduledChunk) -> range:
-    """Positions of the chunk whose logits score a prompt token (position p scores token p + 1) not
-    scored before: a sequence recomputed after preemption does not score its prompt twice."""
-    seq = chunk.seq
-    if not seq.params.prompt_logprobs:
-        return range(0)
-    return range(max(chunk.start, len(seq.prompt_logprobs)), min(chunk.end, len(seq.prompt_token_ids) - 1))
+    def result(self, scheduled: SchedulerOutput) -> StepResult:
+        """Everything but `hidden`, on the host in one copy, sliced per chunk."""
+        wanted = {f.name: getattr(self, f.name) for f in fields(self)
+                  if f.name != "hidden" and getattr(self, f.name) is not None}
+        host = {name: tensor.tolist() for name, tensor in download(wanted).items()}
+        sampling = scheduled.sampling
+        top = []
+        for row, chunk in enumerate(sampling):
+            k = chunk.seq.params.logprobs
+            top.append(list(zip(host["top_ids"][row][:k], host["top_logprobs"][row][:k])) if k else None)
+        prompt_logprobs, prompt_top, offset = [], [], 0
+        for chunk in scheduled.chunks:
+            if not chunk.scored:
+                continue
+            rows = slice(offset, offset + len(chunk.scored))
+            k = max(chunk.seq.params.logprobs or 0, 1)
+            prompt_logprobs.append(host["prompt_logprobs"][rows])
+            prompt_top.append([list(zip(ids[:k], values[:k])) for ids, values in
+                               zip(host["prompt_top_ids"][rows], host["prompt_top_logprobs"][rows])])
+            offset += len(chunk.scored)
+        return StepResult(
+            tokens=[ids[0] for ids in host["token_ids"]], logprobs=[values[0] for values in host["logprobs"]],
+            top=top, finite=host["finite"], prompt_logprobs=prompt_logprobs, prompt_top=prompt_top,
+        )
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV4, cache: CacheManager, device: torch.device | str, numerics: str) -> None:
+    def __init__(self, model: DeepseekV4, cache: CacheManager, device: torch.device | str) -> None:
         self.model = model
-        self.numerics = numerics
+        self.ops = model.ops
         self.config: ModelConfig = model.config
         self.cache = cache
         self.device = torch.device(device)
 
-    def step(self, chunks: list[ScheduledChunk]) -> list[ChunkOutput]:
-        """Forward the chunks; return what each produced: prompt logprobs and/or a new token."""
-        batch = self.build_batch(chunks)
-        with kernels.numerics(self.numerics, self.device.type):
-            logits = self.model(batch, self.cache.layer_views)
-            outputs, row = [], 0
-            for chunk in chunks:
-                out = ChunkOutput(chunk)
-                scored = scored_positions(chunk)
-                if scored:
-                    out.prompt_logprobs, out.prompt_top_logprobs = self._score(chunk.seq, scored,
-                                                                               logits[row:row + len(scored)])
-                    row += len(scored)
-                if chunk.samples:
-                    out.token, out.logprob, out.top = self._sample(chunk.seq, logits[row])
-                    row += 1
-                outputs.append(out)
-            return outputs
+    def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
+        """Forward the scheduled chunks, sample each sampling chunk's next token and score the
+        prompt positions asked for; nothing is read back to the host."""
+        chunks, sampling = scheduled.chunks, scheduled.sampling
+        host_batch, rows = self.build_batch(chunks)
+        rows.update(SamplingBatch.host_tensors([(c.seq.params, c.seq.seed, len(c.seq.token_ids)) for c in sampling]))
+        batch, rows = host_batch.to(self.device, rows)  # the step's one upload
+        params = SamplingBatch.from_tensors(rows)
+        hidden = self.model(batch, self.cache.layer_views)
+        sampled_hidden = hidden[rows["sample_rows"]]
+        logits = self.model.logits(sampled_hidden)
+        logprobs = self.ops.log_softmax(logits)
+        token_ids = sample(logits, params, self.ops)
+        out = RunnerOutput(
+            token_ids=token_ids.unsqueeze(1),
+            logprobs=logprobs.gather(1, token_ids.unsqueeze(1)),
+            num_accepted=torch.ones_like(token_ids),
+            finite=torch.isfinite(logits).all(dim=-1),
+            hidden=sampled_hidden,
+        )
+        k = max((c.seq.params.logprobs or 0 for c in sampling), default=0)
+        if k:
+            out.top_ids, out.top_logprobs = top_logprobs(logprobs, k)
+        scoring = [c for c in chunks if c.scored]
+        if scoring:
+            prompt = self.ops.log_softmax(self.model.logits(hidden[rows["score_rows"]]))
+            out.prompt_logprobs = prompt.gather(1, rows["score_targets"].unsqueeze(1)).squeeze(1)
+            kp = max(max(c.seq.params.logprobs or 0, 1) for c in scoring)
+            out.prompt_top_ids, out.prompt_top_logprobs = top_logprobs(prompt, kp)
+        return out
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> tuple[int, float, list | None]:
-        token = sample(logits, seq.params, seq.seed, len(seq.token_ids))
-        logprobs = kernels.log_softmax(logits)
-        k = seq.params.logprobs
-        return token, float(logprobs[token]), top_logprobs(logprobs, k) if k else None
-
-    def _score(self, seq: Sequence, positions: range, logits: torch.Tensor) -> tuple[list, list]:
-        """Logprob of prompt token p + 1 at each position p, and the max(k, 1) most likely there
-        (ties to the lower id, as in greedy sampling). log_softmax and sort are row-local."""
-        logprobs = kernels.log_softmax(logits)
-        targets = torch.tensor(seq.prompt_token_ids[positions.start + 1:positions.stop + 1], device=logits.device)
-        chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
-        k = max(seq.params.logprobs or 0, 1)
-        values, ids = torch.sort(logprobs, dim=-1, descending=True, stable=True)
-        top = [list(zip(i, v)) for i, v in zip(ids[:, :k].tolist(), values[:, :k].tolist())]
-        return chosen, top
-
-    def build_batch(self, chunks: list[ScheduledChunk]) -> StepBatch:
+    def build_batch(self, chunks: list[ScheduledChunk]) -> tuple[StepBatch, dict[str, torch.Tensor]]:
+        """The step's model input on the host, and the rows of the model's output that each sampling
+        chunk samples from (`sample_rows`) and each scored position scores (`score_rows`, with the
+        prompt token it scores in `score_targets`). The model returns, per chunk, its scored
+        positions' rows, then its sampled row."""
         cache, window = self.cache, self.config.sliding_window
         ids, positions, window_write, window_read, window_valid, sample_index = [], [], [], [], [], []
+        sample_rows, score_rows, score_targets = [], [], []
         offset = 0
         for chunk in chunks:
             seq = chunk.seq
@@ -95,9 +126,12 @@ class ModelRunner:
             valid = rows >= 0
             window_read.append(cache.slots(seq.blocks, "window", torch.where(valid, rows, pos.unsqueeze(1))))
             window_valid.append(valid)
-            sample_index.extend(offset + p - chunk.start for p in scored_positions(chunk))
+            score_rows.extend(range(len(sample_index), len(sample_index) + len(chunk.scored)))
+            score_targets.extend(seq.prompt_token_ids[chunk.scored.start + 1:chunk.scored.stop + 1])
+            sample_index.extend(offset + p - chunk.start for p in chunk.scored)
             offset += chunk.num_tokens
             if chunk.samples:
+                sample_rows.append(len(sample_index))
                 sample_index.append(offset - 1)
         positions_t = torch.cat(positions)
         batch = StepBatch(
@@ -111,7 +145,9 @@ class ModelRunner:
         for layer_type in (CSA, HCA):
             if layer_type in self.config.layer_types:
                 batch.compressors[layer_type] = self._compressor_step(chunks, layer_type, positions_t)
-        return batch.to(self.device)
+        rows = {name: torch.tensor(values, dtype=torch.long) for name, values in
+                (("sample_rows", sample_rows), ("score_rows", score_rows), ("score_targets", score_targets))}
+        return batch, rows
 
     def _compressor_step(
         self, chunks: list[ScheduledChunk], layer_type: str, positions: torch.Tensor

@@ -1,16 +1,23 @@
-"""Token choice from logits: greedy, or Gumbel-max with counter-based noise.
+"""Token choice for a whole step at once: greedy, or Gumbel-max with counter-based noise.
 
 The noise for (seed, position, token id) comes from an integer hash evaluated in int64
 arithmetic, so it is the same on every device and independent of batch composition, arrival
 order or preemption: a request's draw at a position never depends on anything but itself.
+Every row-wise step (temperature, sort, softmax, cumulative sum, log) treats each row on its own,
+so a row's choice is the same bits whether it is sampled alone or with others.
+
+`SamplingBatch` carries each row's settings as tensors on the device; `sample` makes one pass
+over the batch and never reads anything back to the host.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-import kernels
 from deepinfer.sampling_params import SamplingParams
+from kernels import Ops
 
 MASK32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B1
@@ -25,55 +32,105 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform_noise(seed: int, position: int, vocab: int, device) -> torch.Tensor:
-    """Uniforms strictly inside (0, 1), one per token id, for one (seed, position).
+def noise_keys(seed_low: torch.Tensor, seed_high: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One 32-bit key per row from the seed's two 32-bit halves and the token position (int64 [R])."""
+    key = mix32(seed_low ^ mix32(seed_high))
+    return mix32((key + positions * GOLDEN) & MASK32)
+
+
+def uniforms(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniforms strictly inside (0, 1), [R, vocab], one per (row key, token id).
 
     23 hash bits plus one half give values (k + 0.5) / 2**23, exactly representable in fp32 (24
     significant bits), never 0 or 1. (With 24 bits, k + 0.5 would need 25 bits and round: half the
     values would not be of that form and k = 2**24 - 1 would give exactly 1.0, an infinite Gumbel draw.)
     """
-    key = mix32(torch.tensor([seed & MASK32], dtype=torch.long) ^ mix32(torch.tensor([seed >> 32], dtype=torch.long)))
-    key = mix32((key + position * GOLDEN) & MASK32).to(device)
-    ids = torch.arange(vocab, dtype=torch.long, device=device)
-    bits = mix32(((ids * GOLDEN) & MASK32) ^ key) >> 9
+    ids = torch.arange(vocab, dtype=torch.long, device=keys.device)
+    bits = mix32(((ids * GOLDEN) & MASK32).unsqueeze(0) ^ keys.unsqueeze(1)) >> 9
     return (bits.float() + 0.5) / float(1 << 23)
 
 
-def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature-scaled logits [V] with tokens outside top-k / top-p / min-p set to -inf."""
-    scaled = logits / params.temperature
-    order = torch.sort(scaled, descending=True, stable=True).indices
-    keep = torch.ones_like(scaled, dtype=torch.bool)
-    ranked_keep = torch.ones(scaled.shape[0], dtype=torch.bool, device=scaled.device)
-    if params.top_k:
-        ranked_keep[params.top_k:] = False
-    probs = kernels.softmax(scaled[order])
-    if params.top_p < 1.0:
-        before = torch.cumsum(probs, dim=0) - probs
-        ranked_keep &= before < params.top_p
-    if params.min_p > 0.0:
-        ranked_keep &= probs >= params.min_p * probs[0]
-    ranked_keep[0] = True
-    keep[order] = ranked_keep
+def uniform_noise(seed: int, position: int, vocab: int, device) -> torch.Tensor:
+    """The uniforms [vocab] of one (seed, position)."""
+    low, high, pos = (torch.tensor([v], dtype=torch.long, device=device)
+                      for v in (seed & MASK32, seed >> 32, position))
+    return uniforms(noise_keys(low, high, pos), vocab)[0]
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings as device tensors [R] (R rows sampled this step)."""
+
+    temperature: torch.Tensor  # fp32; 0 = greedy
+    top_k: torch.Tensor  # int64; 0 = off
+    top_p: torch.Tensor  # fp32; 1 = off
+    min_p: torch.Tensor  # fp32; 0 = off
+    seed_low: torch.Tensor  # int64: seed & 0xFFFFFFFF
+    seed_high: torch.Tensor  # int64: seed >> 32
+    position: torch.Tensor  # int64: the index the new token will have in its sequence
+
+    @staticmethod
+    def host_tensors(rows: list[tuple[SamplingParams, int, int]]) -> dict[str, torch.Tensor]:
+        """The settings of (params, seed, position) per row as two host tensors, to upload with the
+        step's other metadata (`from_tensors` reads them back on the device)."""
+        longs = torch.tensor([[p.top_k, seed & MASK32, seed >> 32, position] for p, seed, position in rows],
+                             dtype=torch.long).reshape(len(rows), 4)
+        floats = torch.tensor([[p.temperature, p.top_p, p.min_p] for p, _, _ in rows],
+                              dtype=torch.float32).reshape(len(rows), 3)
+        return {"sampling_longs": longs, "sampling_floats": floats}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "SamplingBatch":
+        longs, floats = tensors["sampling_longs"], tensors["sampling_floats"]
+        return cls(temperature=floats[:, 0], top_k=longs[:, 0], top_p=floats[:, 1], min_p=floats[:, 2],
+                   seed_low=longs[:, 1], seed_high=longs[:, 2], position=longs[:, 3])
+
+    @classmethod
+    def of(cls, params: SamplingParams, seed: int, position: int) -> "SamplingBatch":
+        """One row's settings on the CPU."""
+        return cls.from_tensors(cls.host_tensors([(params, seed, position)]))
+
+
+def first_argmax(values: torch.Tensor) -> torch.Tensor:
+    """Per row of [R, V], the index of the maximum, ties to the lowest index (int64 [R]). A row
+    holding NaN has no maximum and gives 0 (the runner reports such rows as non-finite)."""
+    vocab = values.shape[-1]
+    ids = torch.arange(vocab, device=values.device).expand_as(values)
+    top = values.max(dim=-1, keepdim=True).values
+    return torch.where(values == top, ids, vocab).min(dim=-1).values % vocab
+
+
+def filtered_logits(logits: torch.Tensor, batch: SamplingBatch, ops: Ops) -> torch.Tensor:
+    """Temperature-scaled logits [R, V] with each row's tokens outside its top-k / top-p / min-p
+    set to -inf (rows with temperature 0 are scaled by 1)."""
+    temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0).unsqueeze(1)
+    scaled = logits / temperature
+    order = torch.sort(scaled, dim=-1, descending=True, stable=True).indices
+    probs = ops.softmax(scaled.gather(1, order))
+    ranks = torch.arange(scaled.shape[-1], device=scaled.device).unsqueeze(0)
+    top_k = batch.top_k.unsqueeze(1)
+    ranked_keep = (top_k == 0) | (ranks < top_k)
+    top_p = batch.top_p.unsqueeze(1)
+    before = torch.cumsum(probs, dim=-1) - probs
+    ranked_keep &= (top_p >= 1.0) | (before < top_p)
+    min_p = batch.min_p.unsqueeze(1)
+    ranked_keep &= (min_p <= 0.0) | (probs >= min_p * probs[:, :1])
+    ranked_keep[:, 0] = True
+    keep = torch.empty_like(ranked_keep).scatter_(1, order, ranked_keep)
     return scaled.masked_fill(~keep, float("-inf"))
 
 
-def first_argmax(values: torch.Tensor) -> int:
-    """Index of the maximum, ties to the lowest index."""
-    return int((values == values.max()).nonzero()[0, 0])
+def sample(logits: torch.Tensor, batch: SamplingBatch, ops: Ops) -> torch.Tensor:
+    """The token chosen in each row of fp32 logits [R, V] (int64 [R], on the logits' device)."""
+    greedy = first_argmax(logits)
+    scaled = filtered_logits(logits, batch, ops)
+    u = uniforms(noise_keys(batch.seed_low, batch.seed_high, batch.position), logits.shape[-1])
+    gumbel = -ops.log(-ops.log(u))
+    drawn = first_argmax(scaled + gumbel)
+    return torch.where(batch.temperature > 0, drawn, greedy)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:
-    """Choose the token at `position` (the index the token will have in the sequence)."""
-    if params.temperature == 0:
-        return first_argmax(logits)
-    scaled = filtered_logits(logits, params)
-    u = uniform_noise(seed, position, logits.shape[0], logits.device)
-    gumbel = -torch.log(-torch.log(u))
-    return first_argmax(scaled + gumbel)
-
-
-def top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
-    """The k most likely tokens, ties to the lower id."""
-    order = torch.sort(logprobs, descending=True, stable=True).indices[:k]
-    return [(int(i), float(logprobs[i])) for i in order]
+def top_logprobs(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens of each row of [R, V], ties to the lower id: (ids, logprobs) [R, k]."""
+    values, ids = torch.sort(logprobs, dim=-1, descending=True, stable=True)
+    return ids[:, :k], values[:, :k]

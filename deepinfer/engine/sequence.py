@@ -31,6 +31,8 @@ class Sequence:
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     text: str | None = None
+    error: str | None = None
+    error_kind: str | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None
 
@@ -45,3 +47,12 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
+
+    def finish(self, reason: str, text: str | None = None, error: str | None = None,
+               error_kind: str | None = None) -> None:
+        """Mark the sequence done: `reason` "stop", "length" or "error"; `text` the output text when a
+        stop string cut it; `error` what went wrong and `error_kind` its kind (deepinfer.errors.ERROR_KINDS)."""
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.text = text
+        self.error, self.error_kind = error, error_kind

@@ -1,0 +1,146 @@
+"""`EngineConfig`: every engine setting once, with its one default, validated once.
+
+`LLM(model, config=EngineConfig(...))` builds an engine from it (keyword arguments to `LLM` build
+one). The command lines generate their engine flags from its fields (`add_engine_flags`,
+`config_from_flags`), the harness's sweep configurations hold one, and runs record
+`asdict(llm.engine_config)`: the configuration as resolved (`max_model_len` filled in).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+
+from deepinfer.errors import DeepInferError
+from deepinfer.sampling_params import UNSEEDED_SEEDS
+from kernels import NUMERICS
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def _setting(default, help: str, **flag):
+    return field(default=default, metadata={"help": help, **flag})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an engine runs a model (not which model: that is `LLM`'s first argument)."""
+
+    device: str = _setting("cpu", "cpu, cuda or cuda:N")
+    dtype: str = _setting("float32", "float32 or bfloat16 (float16 too)", choices=tuple(DTYPES))
+    numerics: str = _setting("batch_invariant", "batch_invariant (bitwise reproducible) or fast", choices=NUMERICS)
+    max_num_seqs: int = _setting(32, "most sequences in one step")
+    max_num_batched_tokens: int = _setting(512, "token budget of one step")
+    max_model_len: int | None = _setting(None, "context length (default: the model's, capped to fit the memory)")
+    num_cache_blocks: int | None = _setting(None, "cache blocks per pool (default: room for max_num_seqs "
+                                                  "sequences of max_model_len)")
+    block_size: int = _setting(16, "tokens per cache block")
+    enable_chunked_prefill: bool = _setting(True, "split long prompts over steps")
+    seed: int = _setting(0, "seed from which unseeded requests derive theirs")
+    unseeded_seeds: str = _setting("request_order", "how unseeded requests get a seed: request_order (the engine's "
+                                   "request counter) or content (a hash of the request)", choices=UNSEEDED_SEEDS)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            _check_positive(name, getattr(self, name))
+        for name in ("max_model_len", "num_cache_blocks"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name))
+        if self.seed is None or isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise DeepInferError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise DeepInferError(f"enable_chunked_prefill must be true or false, got {self.enable_chunked_prefill!r}")
+        _check_choice("numerics", self.numerics, NUMERICS)
+        _check_choice("unseeded_seeds", self.unseeded_seeds, UNSEEDED_SEEDS)
+        if isinstance(self.dtype, torch.dtype):  # accepted from Python callers, recorded by name
+            names = [name for name, dtype in DTYPES.items() if dtype == self.dtype]
+            if not names:
+                raise DeepInferError(f"unknown dtype {self.dtype!r} (expected one of {', '.join(DTYPES)})")
+            object.__setattr__(self, "dtype", names[0])
+        _check_choice("dtype", self.dtype, tuple(DTYPES))
+        parse_device(self.device)  # whether this machine has it is checked when an engine starts
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        return resolve_device(self.device)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict, where: str = "engine configuration") -> "EngineConfig":
+        """From a JSON object of fields (unknown names are refused, with the valid ones named)."""
+        if not isinstance(values, dict):
+            raise DeepInferError(f"{where}: expected an object of engine settings, got {type(values).__name__}")
+        unknown = sorted(set(values) - {f.name for f in fields(cls)})
+        if unknown:
+            raise DeepInferError(f"{where}: unknown engine setting {unknown[0]!r} (expected one of "
+                                 f"{', '.join(f.name for f in fields(cls))})")
+        return cls(**values)
+
+
+def _check_positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise DeepInferError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise DeepInferError(f"unknown {name} {value!r} (expected one of {', '.join(choices)})")
+
+
+def parse_device(device: str | torch.device) -> torch.device:
+    """`cpu`, `cuda` or `cuda:N` as a torch.device; a one-line error for anything else."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        resolved = None
+    if resolved is None or resolved.type not in ("cpu", "cuda"):
+        raise DeepInferError(f"unknown device {device!r} (expected cpu, cuda or cuda:N)")
+    return resolved
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """`parse_device`, and a one-line error for CUDA on a machine without it (checked before any work,
+    so a failed start writes nothing)."""
+    resolved = parse_device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise DeepInferError(f"device {device!r} requested but CUDA is not available")
+    return resolved
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per `EngineConfig` field not in `skip`: `--max-num-seqs` and so on, `--run-seed` for
+    `seed`, `--no-chunked-prefill` for `enable_chunked_prefill`; defaults are the fields' defaults."""
+    for f in fields(EngineConfig):
+        if f.name in skip:
+            continue
+        help_text = f"{f.metadata['help']} (default: {f.default})"
+        if f.name == "enable_chunked_prefill":
+            parser.add_argument("--no-chunked-prefill", dest=f.name, action="store_false", default=f.default,
+                                help="never split a prompt over steps (the step budget grows to max_model_len)")
+        elif f.name == "seed":
+            parser.add_argument("--run-seed", dest="run_seed", type=int, default=f.default, help=help_text)
+        else:
+            kind = int if f.type.startswith("int") else str  # values are checked by EngineConfig: one-line errors
+            choices = f.metadata.get("choices")
+            parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default,
+                                help=help_text + (f"; one of {', '.join(choices)}" if choices else ""))
+
+
+def config_from_flags(args: argparse.Namespace, **given) -> EngineConfig:
+    """The `EngineConfig` of parsed `add_engine_flags` flags; `given` supplies skipped fields."""
+    values = {f.name: getattr(args, _dest(f.name)) for f in fields(EngineConfig) if hasattr(args, _dest(f.name))}
+    return EngineConfig(**{**values, **given})
+
+
+def _dest(name: str) -> str:
+    """Where argparse keeps a field's flag (`--run-seed` for `seed`: commands have a request `--seed`)."""
+    return "run_seed" if name == "seed" else name

@@ -1,0 +1,54 @@
+"""Host <-> device copies of a step's small tensors, packed so each direction is one transfer.
+
+The step metadata goes up as one pinned, non-blocking copy (no host sync); the runner's results
+come down as one copy, the step's only synchronisation. Packing goes through int64: fp32 values
+travel as their bit patterns, so nothing is rounded on the way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_PACKABLE = (torch.int64, torch.int32, torch.bool, torch.float32)
+
+
+def _as_int64(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dtype not in _PACKABLE:
+        raise TypeError(f"cannot pack a {tensor.dtype} tensor")
+    flat = tensor.reshape(-1)
+    return flat.view(torch.int32).long() if tensor.dtype == torch.float32 else flat.long()
+
+
+def _restore(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    if like.dtype == torch.float32:
+        flat = flat.int().view(torch.float32)
+    else:
+        flat = flat.to(like.dtype)
+    return flat.view(like.shape)
+
+
+def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([_as_int64(t) for t in tensors]) if tensors else torch.empty(0, dtype=torch.long)
+
+
+def _unpack(packed: torch.Tensor, likes: list[torch.Tensor]) -> list[torch.Tensor]:
+    pieces = packed.split([t.numel() for t in likes])
+    return [_restore(piece, like) for piece, like in zip(pieces, likes)]
+
+
+def upload(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Host tensors moved to `device` in one copy (pinned and non-blocking on CUDA)."""
+    if device.type == "cpu":
+        return dict(tensors)
+    packed = _pack(list(tensors.values())).pin_memory()
+    moved = _unpack(packed.to(device, non_blocking=True), list(tensors.values()))
+    return dict(zip(tensors, moved))
+
+
+def download(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Device tensors brought to the host in one copy (one synchronisation)."""
+    if all(t.device.type == "cpu" for t in tensors.values()):
+        return dict(tensors)
+    likes = list(tensors.values())
+    host = _unpack(_pack(likes).cpu(), likes)
+    return dict(zip(tensors, host))
