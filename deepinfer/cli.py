@@ -10,12 +10,10 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import kernels
 from deepinfer.checkpoint import PRESETS, create_checkpoint, inspect_checkpoint, parameter_counts
 from deepinfer.config import CSA, HCA
-from deepinfer.engine.llm import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from deepinfer.engine.config import add_engine_flags, config_from_flags
 from deepinfer.errors import DeepInferError
-from deepinfer.sampling_params import UNSEEDED_SEEDS
 
 EXIT_USER_ERROR = 2
 
@@ -75,6 +73,8 @@ def _add_checkpoint(commands: argparse._SubParsersAction) -> None:
     create.add_argument("--device", default="cpu",
                         help="where to generate the weights, e.g. cuda for big presets; the bits do not "
                              "depend on it (default: cpu)")
+    create.add_argument("--no-progress", dest="progress", action="store_false",
+                        help="no progress (default: a bar on a terminal, a status line every 10 s when piped)")
     create.set_defaults(run=_cmd_checkpoint_create)
 
     info = sub.add_parser(
@@ -89,7 +89,7 @@ def _add_checkpoint(commands: argparse._SubParsersAction) -> None:
 
 
 def _cmd_checkpoint_create(args: argparse.Namespace) -> int:
-    out = create_checkpoint(args.preset, args.out, args.seed, device=args.device)
+    out = create_checkpoint(args.preset, args.out, args.seed, device=args.device, progress=args.progress)
     info = inspect_checkpoint(out)
     if not info.has_weights:
         total = sum(parameter_counts(info.config, include_mtp=False).values())
@@ -163,25 +163,8 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--seed", type=int, default=None,
                      help="sampling seed for every request (default: derived per request from --run-seed, "
                           "see --unseeded-seeds; each output line reports its seed)")
-    gen.add_argument("--run-seed", type=int, default=0, help="seed from which unseeded requests derive theirs")
-    gen.add_argument("--unseeded-seeds", default="request_order", choices=UNSEEDED_SEEDS,
-                     help="what an unseeded request's seed derives from besides --run-seed: request_order "
-                          "(default: its position among the requests served) or content (its prompt and "
-                          "sampling params, so the same request samples the same wherever it appears)")
     gen.add_argument("--logprobs", type=int, default=None, help="also return the top-k logprobs per token")
-    gen.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    gen.add_argument("--dtype", default="float32", help="float32 or bfloat16 (default: float32)")
-    gen.add_argument("--numerics", default="batch_invariant", choices=kernels.NUMERICS,
-                     help="batch_invariant (default): outputs do not depend on batching; fast: plain "
-                          "library kernels, no such promise")
-    gen.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
-                     help=f"sequences decoded together (default: {DEFAULT_MAX_NUM_SEQS})")
-    gen.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                     help="token budget per engine step; longer prompts are prefilled in chunks "
-                          f"(default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
-    gen.add_argument("--max-model-len", type=int, default=None,
-                     help="longest prompt + output (default: the model's max_position_embeddings, capped so "
-                          "the cache fits in memory)")
+    add_engine_flags(gen)
     gen.set_defaults(run=_cmd_generate)
 
 
@@ -193,6 +176,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     base = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                 min_p=args.min_p, seed=args.seed, logprobs=args.logprobs)
     SamplingParams(**base)  # bad flags are reported as such, not against the first request
+    config = config_from_flags(args)
     if args.out:
         _check_new_file(Path(args.out))
     if args.prompt is not None:
@@ -200,9 +184,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     else:
         requests = read_prompts_file(args.prompts_file)
     params = [request.params(base) for request in requests]
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-              numerics=args.numerics, seed=args.run_seed, unseeded_seeds=args.unseeded_seeds)
+    llm = LLM(args.model, config)
     prompts = [request.prompt_ids(llm) for request in requests]
     outputs = llm.generate(prompts, params)
     try:
@@ -217,6 +199,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                    "logprobs": output.logprobs}
             if output.top_logprobs is not None:
                 row["top_logprobs"] = output.top_logprobs
+            if output.error is not None:
+                row["error"] = output.error
             if request.source == "messages":
                 row["message"] = parse_completion(output.text)
             sink.write(json.dumps(row) + "\n")

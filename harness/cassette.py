@@ -22,7 +22,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from audit.files import atomic_write
-from audit.manifest import build_manifest
 from deepinfer import LLM
 from deepinfer.errors import DeepInferError
 from harness.replay import (
@@ -36,8 +35,9 @@ from harness.replay import (
     prefill_cost,
     replay,
 )
+from harness.run_writer import run_manifest
 from harness.suites import file_hash
-from harness.sweep import Variant, check_variant
+from harness.sweep import Variant, variant_from_dict
 from harness.traces import Episode, Recording, TraceError, load_traces, parse_trace_lines
 
 CASSETTE_FORMAT = "deepinfer-cassette/1"
@@ -95,14 +95,10 @@ def record_cassette(llm: LLM, traces: str | Path, out: str | Path, *, mode: str,
         "traces": {"path": str(traces), "content_hash": traces_hash},
         "errors": [{"line": e.line, "message": e.message} for e in errors],
         "prefill": {"prompt_tokens": cost.prompt_tokens, "unique_tokens": cost.unique_tokens},
-        "manifest": build_manifest(
-            engine={"max_num_seqs": variant.max_num_seqs, "max_num_batched_tokens": llm.max_num_batched_tokens,
-                    "max_model_len": llm.max_model_len, "numerics": variant.numerics, "dtype": variant.dtype,
-                    "device": variant.device},
-            checkpoint={"path": checkpoint_path, "content_hash": llm.model_id},
-            suite={"kind": "traces", "path": str(traces), "content_hash": traces_hash,
-                   "count": len(episodes)},
-            seeds={"run_seed": run_seed}, variant=variant.to_dict(),
+        "manifest": run_manifest(
+            llm, checkpoint_path, suite={"kind": "traces", "path": str(traces), "content_hash": traces_hash,
+                                         "count": len(episodes)},
+            run_seed=run_seed, variant=variant.to_dict(),
         ),
     }
     lines = [_json_line(header)] + [_json_line(e.to_json()) for e in recorded]
@@ -148,13 +144,15 @@ def cassette_engine(cassette: Cassette, model: str | None = None, **overrides: s
     `device`, `dtype` or `numerics` overridden where given, e.g. to check a cassette on other hardware."""
     manifest = cassette.header["manifest"]
     try:
-        variant = replace(Variant(**manifest["variant"]), max_model_len=manifest["engine"]["max_model_len"])
+        recorded, max_model_len = manifest["variant"], manifest["engine"]["max_model_len"]
     except (KeyError, TypeError):
         raise DeepInferError(f"{cassette.path}: the header's manifest has no valid variant and engine") from None
-    variant = check_variant(replace(variant, **{k: v for k, v in overrides.items() if v is not None}),
-                            f"{cassette.path}: variant")
+    if not isinstance(recorded, dict):
+        raise DeepInferError(f"{cassette.path}: the header's manifest has no valid variant and engine")
+    changes = {key: value for key, value in overrides.items() if value is not None}
+    variant = variant_from_dict({**recorded, **changes, "max_model_len": max_model_len}, f"{cassette.path}: variant")
     model = model if model is not None else manifest["checkpoint"]["path"]
-    return LLM(model, seed=cassette.header["run_seed"], **variant.engine_kwargs())
+    return LLM(model, replace(variant.engine, seed=cassette.header["run_seed"]))
 
 
 def _verify_episode(run: EpisodeRun, llm: LLM) -> EpisodeResult:

@@ -23,7 +23,6 @@ import json
 import os
 import sys
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 from audit.certificate import (CERTIFICATE, build_certificate, load_certificate, reference_run, seal, sign,
@@ -35,7 +34,7 @@ from deepinfer.engine.llm import PRESET_PREFIX
 from deepinfer.errors import DeepInferError
 from harness.record import record_run
 from harness.suites import Suite, load_suite
-from harness.sweep import Sweep, Variant, check_variant
+from harness.sweep import Sweep, Variant, check_variant, variant_from_dict
 
 SWEEP_FILE = "sweep.json"
 RUNS = "runs"
@@ -135,7 +134,7 @@ def rerun_reference(certificate_path: Path, model: str | Path | None = None, sui
     certified = next(c for c in certificate["configurations"] if c["name"] == certificate["reference"])
     # the max_model_len the reference ran with, not a default this machine might resolve differently
     recorded = reference_run(file).manifest["engine"]["max_model_len"]
-    reference = replace(reference, max_model_len=recorded)
+    reference = reference.derive(reference.name, max_model_len=recorded)
     with tempfile.TemporaryDirectory(prefix="deepinfer-rerun-") as scratch:
         run_dir = Path(scratch) / "run"
         root = record_run(checkpoint_path, loaded, reference, run_dir, run_seed=rerun["run_seed"], progress=progress)
@@ -204,9 +203,9 @@ def _rerun_variant(rerun: dict, certificate_path: Path) -> Variant:
         raise DeepInferError(f"{where}.from_certificate: not an object of model and suite paths or nulls "
                              "(cannot re-run)")
     try:
-        return check_variant(Variant(**rerun["reference"]), f"{where}.reference")
-    except TypeError:
-        raise DeepInferError(f"{where}.reference: not a configuration (cannot re-run)") from None
+        return variant_from_dict(rerun["reference"], f"{where}.reference")
+    except DeepInferError as err:
+        raise DeepInferError(f"{err} (cannot re-run)") from None
 
 
 def _check_out(out_dir: Path, sweep: Sweep, resume: bool) -> bool:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from audit.errors import AuditError
 from deepinfer import cli as engine_cli
-from deepinfer.engine.llm import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from deepinfer.engine.config import add_engine_flags, config_from_flags
 from deepinfer.errors import DeepInferError
 from harness.eval_cli import add_eval_command
 from harness.lm_eval_cli import add_lm_eval_command
@@ -107,23 +107,9 @@ def _model_and_suite(parser: argparse.ArgumentParser) -> None:
 
 def _variant_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default="run", help="configuration name recorded in the manifest")
-    parser.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
-                        help=f"sequences decoded together (default: {DEFAULT_MAX_NUM_SEQS})")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                        help=f"token budget per engine step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
-    parser.add_argument("--no-chunked-prefill", action="store_true",
-                        help="never split a prompt (the step budget grows to max_model_len)")
-    parser.add_argument("--num-cache-blocks", type=int, default=None,
-                        help="blocks per cache pool, raised to one sequence's worth (default: room for "
-                             "--max-num-seqs sequences)")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="longest prompt + output (default: the model's, capped to fit memory; the run "
-                             "records the value used)")
+    add_engine_flags(parser, skip=("seed",))  # --run-seed comes with the suite
     parser.add_argument("--shuffle", action="store_true", help="submit requests in a seeded random order")
     parser.add_argument("--stagger", type=int, default=0, help="admit one request every K engine steps")
-    parser.add_argument("--numerics", default="batch_invariant", choices=("batch_invariant", "fast"))
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="PyTorch CPU threads for the run")
     _progress_flag(parser)
 
@@ -144,12 +130,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from harness.suites import load_suite
     from harness.sweep import Variant, check_variant
 
-    variant = check_variant(Variant(
-        args.name, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_chunked_prefill=not args.no_chunked_prefill, num_cache_blocks=args.num_cache_blocks,
-        max_model_len=args.max_model_len, shuffle=args.shuffle, stagger=args.stagger, numerics=args.numerics,
-        dtype=args.dtype, device=args.device, threads=args.threads,
-    ), "flags")
+    try:
+        engine = config_from_flags(args)
+    except DeepInferError as err:
+        raise DeepInferError(f"flags: {err}") from None
+    variant = check_variant(Variant(args.name, engine, shuffle=args.shuffle, stagger=args.stagger,
+                                    threads=args.threads), "flags")
     out = Path(args.out)
     if out.exists() and not out.is_dir():  # before the model loads; the run store says the same
         raise DeepInferError(f"{out}: cannot create a run: it exists and is not a folder")
@@ -201,7 +187,10 @@ def _certify_sweep(args: argparse.Namespace):
             raise DeepInferError(f"--{given[0]} sets the default sweep only: with --sweep, give {given[0]} in the "
                                  "sweep file's configurations")
         return load_sweep(args.sweep)
-    sweep = default_sweep(args.dtype or "float32", args.device or "cpu")
+    try:
+        sweep = default_sweep(args.dtype, args.device)
+    except DeepInferError as err:
+        raise DeepInferError(f"flags: {err}") from None
     if args.threads is not None:
         def threaded(variant):
             return variant if variant.threads is not None else replace(variant, threads=args.threads)

@@ -39,7 +39,7 @@ from audit.certificate import BITWISE, DIVERGENT, TOKEN  # noqa: E402
 from audit.compare import STATUSES, compare_streams  # noqa: E402
 from audit.files import atomic_write, json_bytes  # noqa: E402
 from audit.store import read_run  # noqa: E402
-from deepinfer.engine.llm import resolve_device, resolve_dtype  # noqa: E402
+from deepinfer.engine.config import EngineConfig, resolve_device  # noqa: E402
 from harness.lm_eval_model import DeepInferLM, EvalError  # noqa: E402
 from harness.sweep import cpu_threads  # noqa: E402
 
@@ -164,8 +164,7 @@ def evaluate(
 
 def _check_engine(device: str, dtype: str, threads: int | None) -> None:
     """One-line errors for settings the engine would refuse only after lm-eval indexed the tasks."""
-    resolve_device(device)
-    resolve_dtype(dtype)
+    resolve_device(EngineConfig(device=device, dtype=dtype).device)
     cores = os.cpu_count() or 1
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or
                                 not 1 <= threads <= cores):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 import struct
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from deepinfer import LLM, RequestOutput, SamplingParams
@@ -17,16 +17,16 @@ from harness.serve import serve
 from harness.sweep import Variant
 
 STANDARD_VARIANTS = (
-    Variant("all-at-once"),
-    Variant("batch-1", max_num_seqs=1),
-    Variant("batch-3", max_num_seqs=3),
-    Variant("batch-8", max_num_seqs=8),
-    Variant("shuffled", shuffle=True),
-    Variant("staggered", stagger=2),
-    Variant("chunk-16", max_num_batched_tokens=16),
-    Variant("chunk-64", max_num_batched_tokens=64),
-    Variant("chunk-off", enable_chunked_prefill=False),
-    Variant("preemption", max_num_batched_tokens=64, num_cache_blocks=14),
+    Variant.of("all-at-once"),
+    Variant.of("batch-1", max_num_seqs=1),
+    Variant.of("batch-3", max_num_seqs=3),
+    Variant.of("batch-8", max_num_seqs=8),
+    Variant.of("shuffled", shuffle=True),
+    Variant.of("staggered", stagger=2),
+    Variant.of("chunk-16", max_num_batched_tokens=16),
+    Variant.of("chunk-64", max_num_batched_tokens=64),
+    Variant.of("chunk-off", enable_chunked_prefill=False),
+    Variant.of("preemption", max_num_batched_tokens=64, num_cache_blocks=14),
 )
 
 
@@ -69,10 +69,10 @@ def run_variant(
 ) -> list[RequestOutput]:
     """Serve `requests` under `variant` (with this dtype, numerics and device); outputs come back in
     request order."""
-    variant = replace(variant, dtype=dtype, numerics=numerics, device=device, max_model_len=512)
-    llm = LLM(model, **variant.engine_kwargs())
+    variant = variant.derive(variant.name, dtype=dtype, numerics=numerics, device=device, max_model_len=512)
+    llm = LLM(model, variant.engine)
     outputs = {done.index: done.output for done in serve(llm, [(r.prompt, r.params) for r in requests], variant)}
-    if variant.num_cache_blocks is not None and llm.scheduler.num_preemptions == 0:
+    if variant.engine.num_cache_blocks is not None and llm.scheduler.num_preemptions == 0:
         raise AssertionError(f"variant {variant.name} was meant to force preemption but none happened")
     return [outputs[i] for i in range(len(requests))]
 

@@ -24,6 +24,7 @@ import inspect
 import re
 import time
 import weakref
+from dataclasses import fields
 from pathlib import Path
 
 import lm_eval.models  # noqa: F401  lm-eval's own models: get_model adds them only to an empty registry
@@ -33,17 +34,20 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import simple_parse_args_string
 
-from audit.manifest import build_manifest
-from audit.store import RunStore, make_row
 from deepinfer import LLM
-from deepinfer.engine.llm import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from deepinfer.engine.config import EngineConfig
 from harness.lm_eval_requests import (FORCED, EvalError, Generation, LmEvalText, RequestNames, Scoring, request_params,
                                       score)
+from harness.run_writer import RunWriter, open_run, run_manifest
 
 __all__ = ["FORCED", "DeepInferLM", "EvalError"]
 
 # lm-eval's own settings that reach the model next to model_args; its CLI always passes both
 LM_EVAL_FLAGS = {"batch_size": "--batch_size, default 1", "device": "--device, default cuda:0"}
+
+
+# EngineConfig settings lm-eval's model_args may set (max_num_seqs is batch_size, seed is run_seed).
+ENGINE_ARGS = tuple(f.name for f in fields(EngineConfig) if f.name not in ("max_num_seqs", "seed"))
 
 
 def _positive_int(value: object, name: str) -> int:
@@ -67,7 +71,8 @@ def model_arguments(model_args: dict, lm_eval_settings: dict) -> dict:
     """DeepInferLM's keyword arguments from lm-eval's `model_args` and the settings lm-eval adds
     (`batch_size`, `max_batch_size`, `device`; None when not given). A setting also given in
     model_args must have the same value: lm-eval's CLI always passes batch_size and device."""
-    known = [name for name in inspect.signature(DeepInferLM.__init__).parameters if name != "self"]
+    known = [name for name in inspect.signature(DeepInferLM.__init__).parameters if name not in ("self", "engine")]
+    known += [name for name in ENGINE_ARGS if name not in known]
     settings = {key: value for key, value in lm_eval_settings.items() if value is not None}
     if "max_batch_size" in settings or "max_batch_size" in model_args:
         raise EvalError("max_batch_size only applies to batch_size auto, which deepinfer does not use: "
@@ -95,41 +100,36 @@ def model_arguments(model_args: dict, lm_eval_settings: dict) -> dict:
 class DeepInferLM(TemplateLM):
     """The DeepInfer engine behind lm-eval's three request types.
 
-    `model` is a checkpoint folder (None: the embedded tiny checkpoint); `numerics`, `dtype`,
-    `device`, `max_model_len` and `max_num_batched_tokens` go to `LLM`; `batch_size` is the
-    engine's `max_num_seqs`; `run_seed` seeds sampled generations (per request id, so not by
+    `model` is a checkpoint folder (None: the embedded tiny checkpoint); `engine` takes any other
+    `EngineConfig` setting (numerics, dtype, device, max_model_len, ...); `batch_size` is the engine's
+    `max_num_seqs` (None: its default); `run_seed` seeds sampled generations (per request id, so not by
     arrival); `run_dir` (a new folder) receives the run; `suite` describes the tasks in its manifest.
     lm-eval builds it from `model_args` plus its own `batch_size` and `device` (`model_arguments`).
     """
 
     def __init__(
-        self, model: str | None = None, numerics: str = "batch_invariant", dtype: str = "float32",
-        device: str = "cpu", batch_size: int = DEFAULT_MAX_NUM_SEQS, max_model_len: int | None = None,
-        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, run_seed: int = 0, run_dir: str | Path | None = None,
-        suite: dict | None = None,
+        self, model: str | None = None, batch_size: int | None = None, run_seed: int = 0,
+        run_dir: str | Path | None = None, suite: dict | None = None, **engine,
     ) -> None:
         super().__init__()
-        self.batch_size = _positive_int(batch_size, "batch_size")
+        if batch_size is not None:
+            engine["max_num_seqs"] = _positive_int(batch_size, "batch_size")
         self.run_seed = run_seed
-        engine = dict(device=device, dtype=dtype, numerics=numerics, max_num_seqs=self.batch_size,
-                      max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
-        self.llm = LLM(model, seed=run_seed, **engine)
+        self.llm = LLM(model, EngineConfig.from_dict({**engine, "seed": run_seed}, where="model_args"))
+        self.batch_size = self.llm.engine_config.max_num_seqs
         self.text = LmEvalText(self.llm, str(model))
         self._next_index = 0
         self._names = RequestNames()
         self._started = time.perf_counter()
-        self.store: RunStore | None = None
+        self.writer: RunWriter | None = None
         if run_dir is not None:
-            manifest = build_manifest(
-                engine={**engine, "max_model_len": self.llm.max_model_len,
-                        "max_num_batched_tokens": self.llm.max_num_batched_tokens},
-                checkpoint={"path": str(model) if model is not None else None, "content_hash": self.llm.model_id},
-                suite=suite or {"kind": "lm-eval"}, seeds={"run_seed": run_seed},
-                variant={"name": f"batch-{self.batch_size}", "batch_size": self.batch_size},
-            )
-            self.store = RunStore.create(run_dir, manifest)
+            manifest = run_manifest(self.llm, model, suite=suite or {"kind": "lm-eval"},
+                                    run_seed=run_seed,
+                                    variant={"name": f"batch-{self.batch_size}", "batch_size": self.batch_size})
+            # no stats.json: an lm-eval run folder holds the manifest and the streams only
+            self.writer = open_run(run_dir, manifest, self.llm, stats=False)
             # A run left open when the process exits normally is still sealed.
-            self._finalizer = weakref.finalize(self, self.store.finalize)
+            self._finalizer = weakref.finalize(self, self.writer.finalize)
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> DeepInferLM:
@@ -144,7 +144,7 @@ class DeepInferLM(TemplateLM):
     def finalize(self) -> dict | None:
         """Seal the run (streams.parquet and root.json) and return its root; None without a run_dir
         or when already sealed."""
-        return self._finalizer() if self.store is not None else None
+        return self._finalizer() if self.writer is not None else None
 
     # what TemplateLM needs ------------------------------------------------------------------------
 
@@ -210,14 +210,14 @@ class DeepInferLM(TemplateLM):
         outputs = self.llm.generate([r.prompt for r in requests], [r.params for r in requests])
         finish = self._now()
         served = [r.row_fields(out) for r, out in zip(requests, outputs)]
-        rows = []
-        for request, fields, output in zip(requests, served, outputs):
-            rows.append(make_row(index=self._next_index, request_id=request.request_id, **fields, error=None,
-                                 arrival_s=arrival, first_token_s=output.first_token_time - self._started,
-                                 finish_s=finish))
+        for request, row, output in zip(requests, served, outputs):
+            if self.writer is not None:
+                self.writer.served(self._next_index, request.request_id, row, arrival_s=arrival,
+                                   first_token_s=None if output.first_token_time is None else output.first_token_time - self._started,
+                                   finish_s=finish)
             self._next_index += 1
-        if self.store is not None:
-            self.store.append(rows)
+        if self.writer is not None:
+            self.writer.flush()  # one part file per batch lm-eval sends
         return served
 
     def _now(self) -> float:

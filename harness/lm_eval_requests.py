@@ -20,7 +20,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from deepinfer import LLM, RequestOutput, SamplingParams
 from deepinfer.errors import DeepInferError
-from harness.suites import TOP_LOGPROBS, generated_fields, request_seed
+from harness.suite_base import TOP_LOGPROBS, failed_fields, generated_fields, request_seed
 
 if TYPE_CHECKING:
     from lm_eval.api.instance import Instance
@@ -105,6 +105,8 @@ class Scoring:
 
     def row_fields(self, output: RequestOutput) -> dict:
         """make_row's prompt, params and stream fields: the continuation and its prompt logprobs."""
+        if output.error is not None:
+            return failed_fields(self.context, typed_params(self.request_type, self.params), output)
         start = len(self.context) - 1  # prompt_logprobs[i] scores prompt token i + 1
         top = output.prompt_top_logprobs[start:]
         return dict(prompt_token_ids=self.context, params=typed_params(self.request_type, self.params),

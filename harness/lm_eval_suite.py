@@ -28,7 +28,7 @@ from deepinfer import LLM, RequestOutput, SamplingParams
 from harness import evaluate  # keeps lm-eval and `datasets` offline (neither has loaded `datasets` yet)
 from harness.lm_eval_requests import (EvalError, Generation, LmEvalText, RequestNames, Scoring, request_params,
                                       typed_params, window_id)
-from harness.suites import Suite, SuiteRequest
+from harness.suite_base import Suite, SuiteRequest
 
 KIND = "lm-eval"
 QUERY_KEYS = ("include_path", "limit")

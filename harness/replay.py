@@ -16,6 +16,9 @@ replay (`against_recording`: the first turn, token and top-2 margins where the t
 
 The engine has no prefix cache, so every turn's prompt is prefilled in full although it extends the
 previous turn's prompt; `prefill_cost` measures what that costs.
+
+Progress (deepinfer.progress; `progress=False` silences it) counts teacher-forced turns and
+free-running episodes as they finish: a bar on a terminal, a status line every 10 s when piped.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ from audit.compare import compare_streams
 from audit.streams import STREAM_SCHEMA, stream_hashes
 from deepinfer import LLM, RequestOutput, SamplingParams
 from deepinfer.errors import DeepInferError
+from deepinfer.progress import Progress
 from deepinfer.recipe.chat import encode_chat, encode_messages, parse_completion
-from harness.suites import generated_fields
+from harness.suite_base import generated_fields
 from harness.traces import Episode, RecordedTurn, Recording, ToolResult, canonical_arguments, turn_request_id
 
 MODES = ("teacher-forced", "free-running")
@@ -131,15 +135,15 @@ class ToolStub:
         return None, why + (f": its {used} recorded answer(s) were already used" if used else "")
 
 
-def replay(llm: LLM, episodes: list[Episode], mode: str, run_seed: int = 0) -> list[EpisodeRun]:
+def replay(llm: LLM, episodes: list[Episode], mode: str, run_seed: int = 0, progress: bool = True) -> list[EpisodeRun]:
     if mode not in MODES:
         raise DeepInferError(f"unknown replay mode {mode!r} (expected one of {', '.join(MODES)})")
-    return (teacher_forced if mode == "teacher-forced" else free_running)(llm, episodes, run_seed)
+    return (teacher_forced if mode == "teacher-forced" else free_running)(llm, episodes, run_seed, progress)
 
 
-def teacher_forced(llm: LLM, episodes: list[Episode], run_seed: int = 0) -> list[EpisodeRun]:
+def teacher_forced(llm: LLM, episodes: list[Episode], run_seed: int = 0, progress: bool = True) -> list[EpisodeRun]:
     """Regenerate every assistant turn from its recorded history. A turn whose prompt the engine
-    refuses ends its episode there (later turns only have longer prompts)."""
+    refuses ends its episode there (later turns only have longer prompts). Progress counts turns."""
     runs = [EpisodeRun(e, "teacher-forced", []) for e in episodes]
     jobs: list[tuple[EpisodeRun, int, list[int], SamplingParams, list[int]]] = []
     for run in runs:
@@ -155,7 +159,8 @@ def teacher_forced(llm: LLM, episodes: list[Episode], run_seed: int = 0) -> list
             full = encode_chat(llm.tokenizer, episode.messages[: position + 1], episode.tools,
                                add_generation_prompt=False)
             jobs.append((run, turn, prompt, request.params(run_seed), full[len(prompt):]))
-    outputs = llm.generate([job[2] for job in jobs], [job[3] for job in jobs]) if jobs else []
+    with Progress("replay teacher-forced", len(jobs), enabled=progress, unit="turns") as bar:
+        outputs = _generate(llm, [(job[2], job[3]) for job in jobs], bar, count_outputs=True)
     for (run, turn, prompt, params, target), output in zip(jobs, outputs):
         run.turns.append(TurnRun(prompt, _record(turn, prompt, params, output), target))
     return runs
@@ -172,7 +177,8 @@ class _Running:
     answered: int = 0  # tool calls the stub answered
 
 
-def free_running(llm: LLM, episodes: list[Episode], run_seed: int = 0) -> list[EpisodeRun]:
+def free_running(llm: LLM, episodes: list[Episode], run_seed: int = 0, progress: bool = True) -> list[EpisodeRun]:
+    """Progress counts episodes as they end (their number of turns is not known ahead)."""
     states = [_Running(EpisodeRun(e, "free-running", []), ToolStub(e.tool_results), deque(_user_blocks(e)))
               for e in episodes]
     for state in states:
@@ -180,17 +186,37 @@ def free_running(llm: LLM, episodes: list[Episode], run_seed: int = 0) -> list[E
             state.prompt = state.run.episode.request(1).prompt_ids(llm)
         except DeepInferError as err:
             state.run.ending = _refused(state.run.episode, 1, err)
-    while active := [s for s in states if s.run.ending is None]:
-        jobs = []
-        for state in active:
-            turn = len(state.run.turns) + 1
-            jobs.append((state, turn, state.prompt, state.run.episode.params(turn, run_seed)))
-        outputs = llm.generate([job[2] for job in jobs], [job[3] for job in jobs])
-        for (state, turn, prompt, params), output in zip(jobs, outputs):
-            record = _record(turn, prompt, params, output)
-            state.run.turns.append(TurnRun(prompt, record))
-            _feed_forward(llm, state, turn, output.token_ids, record.message)
+    with Progress("replay free-running", len(states), enabled=progress, unit="episodes") as bar:
+        while active := [s for s in states if s.run.ending is None]:
+            bar.update(len(states) - len(active) - bar.done)  # the episodes that ended since the last round
+            jobs = []
+            for state in active:
+                turn = len(state.run.turns) + 1
+                jobs.append((state, turn, state.prompt, state.run.episode.params(turn, run_seed)))
+            outputs = _generate(llm, [(job[2], job[3]) for job in jobs], bar, count_outputs=False)
+            for (state, turn, prompt, params), output in zip(jobs, outputs):
+                record = _record(turn, prompt, params, output)
+                state.run.turns.append(TurnRun(prompt, record))
+                _feed_forward(llm, state, turn, output.token_ids, record.message)
+        bar.update(len(states) - bar.done)
     return [s.run for s in states]
+
+
+def _generate(llm: LLM, jobs: list[tuple[list[int], SamplingParams]], bar: Progress,
+              count_outputs: bool) -> list[RequestOutput]:
+    """`llm.generate` for (prompt ids, params) jobs, outputs in job order, stepped here so that `bar`
+    counts each finished request (with `count_outputs`) and can print a status line between steps
+    while a long batch runs."""
+    if llm.has_unfinished():
+        raise DeepInferError("replay needs an idle engine: finish requests queued with add_request() via step()")
+    ids = [llm.add_request(prompt, params) for prompt, params in jobs]
+    done: dict[int, RequestOutput] = {}
+    while llm.has_unfinished():
+        finished = llm.step()
+        for output in finished:
+            done[output.request_id] = output
+        bar.update(len(finished) if count_outputs else 0)
+    return [done[i] for i in ids]
 
 
 def _feed_forward(llm: LLM, state: _Running, turn: int, token_ids: list[int], message: dict) -> None:

@@ -1,6 +1,6 @@
 """Drive one engine over a list of prompts the way a variant says: arrival order and staggering.
 
-Batch size, chunking and preemption are engine settings (see `Variant.engine_kwargs`); what this
+Batch size, chunking and preemption are engine settings (a variant's `EngineConfig`); what this
 module adds is *when* each request reaches the engine.
 """
 
@@ -20,12 +20,12 @@ SHUFFLE_SEED = 1
 @dataclass
 class Finished:
     """A served request: `index` is its position in the job list; times are seconds since `serve` began
-    (`first_token_s`: when its first output token was sampled)."""
+    (`first_token_s`: when its first output token was sampled; None when it errored first)."""
 
     index: int
     output: RequestOutput
     arrival_s: float
-    first_token_s: float
+    first_token_s: float | None
     finish_s: float
 
 
@@ -59,5 +59,6 @@ def serve(llm: LLM, jobs: list[tuple[list[int], SamplingParams]], variant: Varia
             submit(pending.pop(0))
         for output in llm.step():
             index = index_of[output.request_id]
-            yield Finished(index, output, arrival[index], output.first_token_time - start, time.perf_counter() - start)
+            first = None if output.first_token_time is None else output.first_token_time - start  # None: errored
+            yield Finished(index, output, arrival[index], first, time.perf_counter() - start)
         steps += 1

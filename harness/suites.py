@@ -5,88 +5,50 @@ file); each kind turns its file into `SuiteRequest`s with stable ids, in a fixed
 `traces`: agent episodes (harness/traces.py), one request per assistant turn, teacher-forced.
 `lm-eval`: `lm-eval:TASKS[?limit=N]` names shipped lm-eval tasks, not a file (harness/lm_eval_suite.py):
 every request lm-eval would send a model, scoring requests teacher-forced.
+
+This module is the registry of kinds (`register_kind`) and reads specs (`load_suite`). The types the
+kinds build on live in harness/suite_base.py (re-exported here), which the kind modules import
+instead of this one: the registry imports the kinds, never the reverse.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-from deepinfer import LLM, RequestOutput, SamplingParams
 from deepinfer.errors import DeepInferError
-from deepinfer.prompts_file import PromptRequest, read_prompts_file
-from deepinfer.sampling_params import SUITE_SEEDS, derive_seed
+from deepinfer.prompts_file import read_prompts_file
 from harness.lm_eval_cli import needs_lm_eval
+from harness.suite_base import TOP_LOGPROBS, Suite, SuiteRequest, file_hash, generated_fields, request_seed
+from harness.traces import load_traces_suite
+
+__all__ = ["KINDS", "SHIPPED", "TOP_LOGPROBS", "Suite", "SuiteKind", "SuiteRequest", "file_hash", "generated_fields",
+           "load_suite", "register_kind", "request_seed"]
 
 SHIPPED = Path(__file__).parent / "suites"
-TOP_LOGPROBS = 2  # every stored stream keeps the top-2 logprobs, for margins at divergences
 
 
-@dataclass
-class SuiteRequest:
-    """One request of a suite; `prompt_ids` and `params` resolve it against an engine, `row_fields`
-    says what its stored row holds. Kinds that do not read a `PromptRequest` (request None) override them."""
+@dataclass(frozen=True)
+class SuiteKind:
+    """A kind of suite: `KIND:TARGET` loads `load(TARGET)`. A file kind gets TARGET as a resolved path to
+    an existing file (or the shipped suite of that name); a named kind (`reads_file=False`) gets the
+    text after `KIND:` as it is, e.g. lm-eval's task list."""
 
-    request_id: str
-    request: PromptRequest | None
-
-    def prompt_ids(self, llm: LLM) -> list[int]:
-        return self.request.prompt_ids(llm)
-
-    def params(self, run_seed: int) -> SamplingParams:
-        """The request's params with a seed always set (derived from the run seed and the request id
-        when the suite gives none, so it does not depend on arrival order) and top-2 logprobs."""
-        params = self.request.params()
-        seed = params.seed if params.seed is not None else request_seed(run_seed, self.request_id)
-        return replace(params, seed=seed, logprobs=max(params.logprobs or 0, TOP_LOGPROBS))
-
-    def row_params(self, params: SamplingParams) -> dict:
-        """The params as the stored row records them."""
-        return params.to_dict(skip_defaults=True)
-
-    def row_fields(self, llm: LLM, params: SamplingParams, output: RequestOutput) -> dict:
-        """The row's prompt, params and stream (`make_row`'s fields) for the engine's `output`: the
-        generated stream here; a scoring request stores its teacher-forced continuation instead."""
-        return generated_fields(self.row_params(params), output)
+    name: str
+    load: Callable[..., Suite]
+    reads_file: bool = True
 
 
-def generated_fields(params: dict, output: RequestOutput) -> dict:
-    """`make_row`'s prompt, params and stream fields for a generated stream."""
-    top = output.top_logprobs or []
-    return dict(prompt_token_ids=output.prompt_token_ids, params=params, token_ids=output.token_ids,
-                logprobs=output.logprobs, top_token_ids=[[i for i, _ in row] for row in top],
-                top_logprobs=[[lp for _, lp in row] for row in top], text=output.text,
-                finish_reason=output.finish_reason)
+KINDS: dict[str, SuiteKind] = {}  # in registration order, which error messages list them in
 
 
-@dataclass
-class Suite:
-    kind: str
-    path: Path
-    content_hash: str
-    requests: list[SuiteRequest]
-    target: str | None = None  # what follows `KIND:` when it is not the path (lm-eval: the task list)
-
-    @property
-    def spec(self) -> str:
-        return f"{self.kind}:{self.path if self.target is None else self.target}"
-
-    def describe(self) -> dict:
-        described = {"kind": self.kind, "path": str(self.path), "content_hash": self.content_hash,
-                     "count": len(self.requests)}
-        return described if self.target is None else {**described, "target": self.target}
-
-
-def request_seed(run_seed: int, request_id: str) -> int:
-    """The seed of a suite request without one: derived from its id, so it does not depend on the
-    order the engine numbers requests in (which the variant's arrival order decides)."""
-    return derive_seed(run_seed, request_id, SUITE_SEEDS)
-
-
-def file_hash(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def register_kind(kind: SuiteKind) -> SuiteKind:
+    """Make `KIND:` specs load through `kind`; a name can be registered once."""
+    if kind.name in KINDS:
+        raise ValueError(f"suite kind {kind.name!r} is already registered")
+    KINDS[kind.name] = kind
+    return kind
 
 
 def load_native(path: Path) -> Suite:
@@ -96,38 +58,34 @@ def load_native(path: Path) -> Suite:
     return Suite("native", path, file_hash(path), requests)
 
 
-def load_traces(path: Path) -> Suite:
-    from harness.traces import load_traces_suite  # harness.traces builds on this module's Suite
-
-    return load_traces_suite(path)
-
-
 def load_lm_eval(target: str) -> Suite:
+    """lm-eval is optional and slow to import: harness.lm_eval_suite loads on the first lm-eval spec."""
     with needs_lm_eval("an lm-eval suite"):
-        from harness.lm_eval_suite import load_lm_eval_suite  # imports lm-eval
+        from harness.lm_eval_suite import load_lm_eval_suite
     return load_lm_eval_suite(target)
 
 
-SUITE_KINDS: dict[str, Callable[[Path], Suite]] = {"native": load_native, "traces": load_traces}
-NAMED_KINDS: dict[str, Callable[[str], Suite]] = {"lm-eval": load_lm_eval}  # `KIND:` names what to load, not a file
+register_kind(SuiteKind("native", load_native))
+register_kind(SuiteKind("traces", load_traces_suite))
+register_kind(SuiteKind("lm-eval", load_lm_eval, reads_file=False))
 
 
 def load_suite(spec: str) -> Suite:
     """`KIND:PATH`, `KIND:NAMES` for a named kind, a bare path (native), or the name of a shipped native
     suite (e.g. `smoke`)."""
-    kind, sep, rest = spec.partition(":")
-    if sep and kind in NAMED_KINDS:
-        return NAMED_KINDS[kind](rest)
-    if sep and kind in SUITE_KINDS:
-        loader, target = SUITE_KINDS[kind], rest
+    name, sep, rest = spec.partition(":")
+    kind = KINDS.get(name) if sep else None
+    if kind is not None and not kind.reads_file:
+        return kind.load(rest)
+    if kind is not None:
+        target = rest
     elif sep and not Path(spec).exists():
-        known = ", ".join([*SUITE_KINDS, *NAMED_KINDS])
-        raise DeepInferError(f"unknown suite kind {kind!r} in {spec!r} (known: {known})")
+        raise DeepInferError(f"unknown suite kind {name!r} in {spec!r} (known: {', '.join(KINDS)})")
     else:
-        loader, target = load_native, spec
+        kind, target = KINDS["native"], spec
     path = Path(target)
     if not path.exists() and (SHIPPED / f"{target}.jsonl").exists():
         path = SHIPPED / f"{target}.jsonl"
     if not path.is_file():
         raise DeepInferError(f"suite {spec!r}: no such file")
-    return loader(path.resolve())
+    return kind.load(path.resolve())

@@ -2,8 +2,9 @@
 covers (compared with the reference), and controls that are reported but do not decide the verdict.
 
 A sweep file is JSON: {"reference": {...}, "variants": [{...}, ...], "controls": [{...}, ...]} where
-each configuration is an object of `Variant` fields (`name` required). Fields left out take the
-reference's values, so a variant names only what it changes.
+each configuration is a flat object: `name` (required), any `EngineConfig` setting but `seed` (the
+suite gives the run seed), and `shuffle`, `stagger`, `threads`. Fields left out take the reference's
+values, so a variant names only what it changes.
 """
 
 from __future__ import annotations
@@ -12,48 +13,49 @@ import contextlib
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
 
-import kernels
-from deepinfer.engine.llm import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, resolve_device, resolve_dtype
+from deepinfer.engine.config import EngineConfig, parse_device, resolve_device
 from deepinfer.errors import DeepInferError
 
 ROLES = ("reference", "variant", "control")
+RUN_FIELDS = ("shuffle", "stagger", "threads")
+# The run seed comes from the suite, so a configuration does not set the engine's seed.
+ENGINE_FIELDS = tuple(f.name for f in fields(EngineConfig) if f.name != "seed")
 
 
 @dataclass(frozen=True)
 class Variant:
-    """One engine configuration; engine fields default to `LLM`'s (`max_model_len=None`: the engine
-    derives it from the model, and runs record the resolved value). `stagger=k` starts with k
-    requests and admits one more every k steps, so requests join while others decode; `shuffle`
-    submits in a seeded random order; `threads` sets PyTorch's CPU thread count for the run (None:
-    the process's)."""
+    """One configuration of a sweep: a name, an `EngineConfig`, and how requests reach the engine.
+    `stagger=k` starts with k requests and admits one more every k steps, so requests join while
+    others decode; `shuffle` submits in a seeded random order; `threads` sets PyTorch's CPU thread
+    count for the run (None: the process's). In files and certificates a configuration is one flat
+    object: `name`, the engine settings and the run fields."""
 
     name: str
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
-    enable_chunked_prefill: bool = True
-    num_cache_blocks: int | None = None
-    max_model_len: int | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
     shuffle: bool = False
     stagger: int = 0
-    numerics: str = "batch_invariant"
-    dtype: str = "float32"
-    device: str = "cpu"
     threads: int | None = None
 
-    def engine_kwargs(self) -> dict:
-        """Keyword arguments for `LLM(...)`."""
-        return dict(device=self.device, dtype=self.dtype, numerics=self.numerics, max_num_seqs=self.max_num_seqs,
-                    max_num_batched_tokens=self.max_num_batched_tokens,
-                    enable_chunked_prefill=self.enable_chunked_prefill, num_cache_blocks=self.num_cache_blocks,
-                    max_model_len=self.max_model_len)
+    @classmethod
+    def of(cls, name: str, **settings) -> "Variant":
+        """From flat settings: engine fields and run fields by name."""
+        run = {key: settings.pop(key) for key in RUN_FIELDS if key in settings}
+        return cls(name, EngineConfig(**settings), **run)
+
+    def derive(self, name: str, **settings) -> "Variant":
+        """This configuration under another name with some flat settings changed."""
+        run = {key: settings.pop(key) for key in RUN_FIELDS if key in settings}
+        return replace(self, name=name, engine=replace(self.engine, **settings), **run)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        engine = asdict(self.engine)
+        return {"name": self.name, **{key: engine[key] for key in ENGINE_FIELDS},
+                **{key: getattr(self, key) for key in RUN_FIELDS}}
 
 
 @contextlib.contextmanager
@@ -84,24 +86,25 @@ class Sweep:
                 "controls": [v.to_dict() for v in self.controls]}
 
 
-def default_sweep(dtype: str = "float32", device: str = "cpu") -> Sweep:
+def default_sweep(dtype: str | None = None, device: str | None = None) -> Sweep:
     """The sweep `make certify` runs: batch sizes 1/8/32, shuffled, staggered, chunk 32, forced
     preemption, on CPU one thread, and a `fast` numerics control. The preemption variant's 12 blocks
     per cache pool (raised to one sequence's worth where that is more, see `CacheManager`) hold under
     two sequences' sliding-window rows at a 64-token step whatever max_model_len resolves to, so the
-    requests must take turns."""
-    reference = Variant("batch-32", max_num_seqs=32, dtype=dtype, device=device)
+    requests must take turns. `dtype` and `device` (None: the engine's defaults) apply to every configuration."""
+    given = {key: value for key, value in (("dtype", dtype), ("device", device)) if value is not None}
+    reference = Variant.of("batch-32", max_num_seqs=32, **given)
     variants = (
-        replace(reference, name="batch-1", max_num_seqs=1),
-        replace(reference, name="batch-8", max_num_seqs=8),
-        replace(reference, name="shuffled", shuffle=True),
-        replace(reference, name="staggered", stagger=2),
-        replace(reference, name="chunk-32", max_num_batched_tokens=32),
-        replace(reference, name="preemption", max_num_batched_tokens=64, num_cache_blocks=12),
+        reference.derive("batch-1", max_num_seqs=1),
+        reference.derive("batch-8", max_num_seqs=8),
+        reference.derive("shuffled", shuffle=True),
+        reference.derive("staggered", stagger=2),
+        reference.derive("chunk-32", max_num_batched_tokens=32),
+        reference.derive("preemption", max_num_batched_tokens=64, num_cache_blocks=12),
     )
-    if device == "cpu":
-        variants += (replace(reference, name="threads-1", threads=1),)
-    return Sweep(reference, variants, (replace(reference, name="fast", numerics="fast"),))
+    if parse_device(reference.engine.device).type == "cpu":
+        variants += (reference.derive("threads-1", threads=1),)
+    return Sweep(reference, variants, (reference.derive("fast", numerics="fast"),))
 
 
 def load_sweep(path: str | Path) -> Sweep:
@@ -137,7 +140,14 @@ def load_sweep(path: str | Path) -> Sweep:
 def _variant(entry: object, base: Variant | None, where: str) -> Variant:
     if not isinstance(entry, dict):
         raise DeepInferError(f"{where}: expected an object")
-    types = {f.name: f.type for f in fields(Variant)}
+    return variant_from_dict(entry, where, base)
+
+
+def variant_from_dict(entry: dict, where: str, base: Variant | None = None) -> Variant:
+    """A configuration from its flat object (fields left out take `base`'s values, else the defaults),
+    checked as `check_variant` does."""
+    types = {"name": "str", "shuffle": "bool", "stagger": "int", "threads": "int | None"}
+    types.update({f.name: f.type for f in fields(EngineConfig) if f.name in ENGINE_FIELDS})
     unknown = set(entry) - set(types)
     if unknown:
         raise DeepInferError(f"{where}: unknown field(s) {sorted(unknown)}")
@@ -146,34 +156,30 @@ def _variant(entry: object, base: Variant | None, where: str) -> Variant:
     for key, value in entry.items():
         if not _fits(types[key], value):
             raise DeepInferError(f"{where}: '{key}' must be {types[key]}, got {value!r}")
-    return check_variant(Variant(**{**(base.to_dict() if base else {}), **entry}), where)
+    merged = {**(base.to_dict() if base else {}), **entry}
+    try:
+        variant = Variant.of(**merged)
+    except DeepInferError as err:
+        raise DeepInferError(f"{where}: {err}") from None
+    return check_variant(variant, where)
 
 
 def check_variant(variant: Variant, where: str) -> Variant:
-    """Reject settings the engine would refuse, before any configuration runs. Names become folder
-    names, so they are restricted to letters, digits, '-', '_' and '.'."""
+    """Reject run settings the engine cannot honour, before any configuration runs (the engine settings
+    were checked when the `EngineConfig` was made; here, that this machine has its device). Names become folder names, so they are restricted
+    to letters, digits, '-', '_' and '.'."""
     name = variant.name
     if not name or name.startswith(".") or not all(c.isalnum() or c in "-_." for c in name):
         raise DeepInferError(f"{where}: 'name' must be a non-empty string of letters, digits, '-', '_', '.' "
                              f"(not starting with '.'), got {name!r}")
-    if variant.numerics not in kernels.NUMERICS:
-        raise DeepInferError(f"{where}: 'numerics' must be one of {list(kernels.NUMERICS)}, got {variant.numerics!r}")
-    try:
-        resolve_dtype(variant.dtype)
-    except DeepInferError as err:
-        raise DeepInferError(f"{where}: {err}") from None
-    sizes = [n for n in (variant.max_num_seqs, variant.max_num_batched_tokens, variant.max_model_len) if n is not None]
-    if min(sizes) < 1 or variant.stagger < 0:
-        raise DeepInferError(f"{where}: max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1, "
-                             "stagger >= 0")
-    if variant.num_cache_blocks is not None and variant.num_cache_blocks < 1:
-        raise DeepInferError(f"{where}: num_cache_blocks must be >= 1")
+    if variant.stagger < 0:
+        raise DeepInferError(f"{where}: stagger must be >= 0, got {variant.stagger}")
     cores = os.cpu_count() or 1
     if variant.threads is not None and not 1 <= variant.threads <= cores:
         raise DeepInferError(f"{where}: threads must be between 1 and this machine's {cores} CPUs, "
                              f"got {variant.threads}")
     try:
-        resolve_device(variant.device)
+        resolve_device(variant.engine.device)
     except DeepInferError as err:
         raise DeepInferError(f"{where}: {err}") from None
     return variant

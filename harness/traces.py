@@ -48,7 +48,7 @@ from deepinfer.errors import DeepInferError
 from deepinfer.prompts_file import PromptRequest, json_object, read_jsonl_lines
 from deepinfer.recipe.chat import ChatFormatError, UnsupportedContentError, check_messages, content_text
 from deepinfer.sampling_params import SamplingParams
-from harness.suites import Suite, SuiteRequest, file_hash
+from harness.suite_base import Suite, SuiteRequest, file_hash
 from harness.trace_import import TraceFormatError, canonical_arguments, from_anthropic, from_responses
 
 FORMATS = ("chat", "anthropic", "responses")

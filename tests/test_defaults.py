@@ -6,20 +6,22 @@ request order (default) or, on request, from their content."""
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
+import kernels
 from audit.store import read_run
 from deepinfer import LLM, SamplingParams
 from deepinfer import cli as engine_cli
 from deepinfer.checkpoint import preset_config
 from deepinfer.engine.cache import CACHE_MEMORY_FRACTION, cache_bytes, cache_memory, default_max_model_len, pool_specs
-from deepinfer.engine.llm import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from deepinfer.engine.config import EngineConfig, config_from_flags
 from deepinfer.errors import DeepInferError
 from deepinfer.model import DeepseekV4
 from deepinfer.sampling_params import CONTENT_SEEDS, derive_seed, request_content_hash
@@ -56,13 +58,14 @@ def specs_of(preset: str) -> tuple[list, int, int]:
     """The cache pools of a preset (built on the meta device: no weights), its positions, its itemsize."""
     config = preset_config(preset)
     dtype = torch.bfloat16 if config.extra["dtype"] == "bfloat16" else torch.float32
-    specs = pool_specs(config, DeepseekV4(config, dtype, device="meta").cache_widths())
+    specs = pool_specs(config, DeepseekV4(config, kernels.bind("batch_invariant", "cpu"), dtype, device="meta").cache_widths())
     return specs, config.max_position_embeddings, dtype.itemsize
 
 
 def sizing(chunked: bool = True) -> dict:
-    return dict(max_num_seqs=DEFAULT_MAX_NUM_SEQS, max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                chunked_prefill=chunked, block_size=16)
+    defaults = EngineConfig()
+    return dict(max_num_seqs=defaults.max_num_seqs, max_num_batched_tokens=defaults.max_num_batched_tokens,
+                chunked_prefill=chunked, block_size=defaults.block_size)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small", "flash-4l"])
@@ -107,17 +110,18 @@ def test_memory_for_the_cache_is_half_of_what_the_weights_leave(monkeypatch):
 
 
 def test_one_set_of_engine_defaults():
-    engine = inspect.signature(LLM).parameters
-    assert engine["max_model_len"].default is None
-    assert (engine["max_num_seqs"].default, engine["max_num_batched_tokens"].default) == (32, 512)
-    assert (DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_NUM_BATCHED_TOKENS) == (32, 512)
-    variant = Variant("v")
+    """Every way in (the CLIs' flags, a sweep configuration, lm-eval's model_args, LLM's keywords) takes
+    its engine defaults from EngineConfig, and the source spells each default once."""
+    defaults = EngineConfig()
+    assert (defaults.max_model_len, defaults.max_num_seqs, defaults.max_num_batched_tokens) == (None, 32, 512)
     flags = [parse("generate", "--prompt", "x"), parse("audit", "run", "--suite", "smoke", "--out", "o"),
-             parse("audit", "replay", "record", "--traces", "t", "--out", "o"), variant]
-    for settings in flags:
-        assert settings.max_model_len is None
-        assert settings.max_num_seqs == engine["max_num_seqs"].default
-        assert settings.max_num_batched_tokens == engine["max_num_batched_tokens"].default
+             parse("audit", "replay", "record", "--traces", "t", "--out", "o")]
+    configs = [config_from_flags(args, seed=0) for args in flags] + [Variant.of("v").engine]
+    assert all(config == defaults for config in configs)
+    assert LLM("preset:tiny", max_model_len=64).engine_config == dataclasses.replace(defaults, max_model_len=64)
+    sources = "".join(path.read_text() for folder in ("deepinfer", "harness")
+                      for path in (Path(__file__).parent.parent / folder).rglob("*.py"))
+    assert len(re.findall(r"max_num_seqs\b[^=\n]*= *_setting\(", sources)) == 1
 
 
 def test_the_engine_serves_a_long_prompt_at_the_models_length(tiny_checkpoint):
@@ -132,7 +136,7 @@ def test_without_chunked_prefill_the_step_budget_covers_max_model_len(tiny_check
     assert llm.max_num_batched_tokens == 300
     assert LLM(tiny_checkpoint, max_model_len=300, max_num_batched_tokens=32).max_num_batched_tokens == 32
     llm.add_request(list(range(2, 301)), SamplingParams(**GREEDY))
-    [chunk] = llm.scheduler.schedule()  # the whole 299-token prompt in one step
+    [chunk] = llm.scheduler.schedule().chunks  # the whole 299-token prompt in one step
     assert chunk.num_tokens == 299
 
 
@@ -171,7 +175,7 @@ def test_a_sweep_file_without_max_model_len_leaves_it_to_the_engine(tiny_checkpo
     sweep_file = tmp_path / "sweep.json"
     sweep_file.write_text(json.dumps({"reference": {"name": "ref"}, "variants": [{"name": "b1", "max_num_seqs": 1}]}))
     sweep = load_sweep(sweep_file)
-    assert sweep.reference.max_model_len is None and sweep.variants[0].max_model_len is None
+    assert sweep.reference.engine.max_model_len is None and sweep.variants[0].engine.max_model_len is None
     record_run(tiny_checkpoint, load_suite(str(long_suite)), sweep.reference, tmp_path / "run", progress=False)
     assert_served_at_the_models_length(tmp_path / "run")
 

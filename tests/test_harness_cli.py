@@ -198,7 +198,7 @@ def test_verify_rerun_reproduces_the_reference_bit_for_bit(capsys, certified, ce
     ({"model": None, "suite": "x", "run_seed": "0", "reference": {"name": "ref"}},
      "rerun.run_seed: missing or of the wrong type"),
     ({"model": None, "suite": "x", "run_seed": 0, "reference": {"name": "ref", "batch": 2}},
-     "rerun.reference: not a configuration"),
+     "rerun.reference: unknown field(s) ['batch']"),
 ])
 def test_verify_rerun_of_a_malformed_rerun_block_is_one_line(capsys, cert_copy, rerun, message):
     cert = json.loads(cert_copy.read_text())
@@ -442,7 +442,8 @@ def test_a_killed_run_resumes_to_the_root_of_an_uninterrupted_one(capsys, long_s
     argv = ["audit", "run", "--model", str(tiny_checkpoint), "--suite", str(long_suite), "--max-num-seqs", "1",
             "--out", str(out), "--no-progress"]
     # Flush every 3 rows (instead of 16 rows / 2 s) so that a part file appears early, with rows still to serve.
-    code = ("import sys; import harness.record as record; record.FLUSH_ROWS = 3; from harness.cli import main; "
+    code = ("import sys; import harness.run_writer as writer; writer.FLUSH_ROWS = 3; "
+            "from harness.cli import main; "
             f"sys.exit(main({argv!r}))")
     child = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -570,7 +571,7 @@ REF = {"name": "ref"}
     (json.dumps({"reference": REF, "variants": [{"name": "b", "batch": 1}]}),
      "variants[0]: unknown field(s) ['batch']"),
     (json.dumps({"reference": REF, "variants": [{"name": "b", "numerics": "turbo"}]}),
-     "variants[0]: 'numerics' must be one of ['batch_invariant', 'fast'], got 'turbo'"),
+     "variants[0]: unknown numerics 'turbo' (expected one of batch_invariant, fast)"),
     (json.dumps({"reference": REF, "variants": [{"name": "b", "max_num_seqs": "8"}]}),
      "variants[0]: 'max_num_seqs' must be int, got '8'"),
     (json.dumps({"reference": REF, "variants": [{"name": "b"}], "controls": [{"name": "b"}]}),
@@ -625,7 +626,9 @@ def test_missing_suite_file_and_unknown_suite_kind(capsys, certified, tiny_check
 def test_bad_run_flags(capsys, long_suite, tiny_checkpoint, tmp_path):
     assert_user_error(capsys, ["run", "--model", tiny_checkpoint, "--suite", long_suite, "--out", tmp_path / "out",
                                "--max-num-seqs", "0"],
-                      "flags: max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1, stagger >= 0")
+                      "flags: max_num_seqs must be a positive integer, got 0")
+    assert_user_error(capsys, ["run", "--model", tiny_checkpoint, "--suite", long_suite, "--out", tmp_path / "out",
+                               "--stagger", "-1"], "flags: stagger must be >= 0, got -1")
     assert_user_error(capsys, ["run", "--model", tiny_checkpoint, "--suite", long_suite, "--out", tmp_path / "out",
                                "--name", "a/b"],
                       "flags: 'name' must be a non-empty string of letters, digits, '-', '_', '.' (not starting with "
@@ -650,7 +653,7 @@ def test_resume_with_a_damaged_stats_file_stops_before_any_work(capsys, tiny_che
 def test_a_full_disk_is_one_line_and_the_run_resumes(capsys, monkeypatch, tiny_checkpoint, tmp_path):
     import errno
 
-    import harness.record
+    import harness.run_writer
 
     suite = write_lines(tmp_path / "suite.jsonl", SUITE[:2])
     out = tmp_path / "run"
@@ -660,16 +663,16 @@ def test_a_full_disk_is_one_line_and_the_run_resumes(capsys, monkeypatch, tiny_c
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     with monkeypatch.context() as patch:
-        patch.setattr(harness.record, "atomic_write", full)
+        patch.setattr(harness.run_writer, "atomic_write", full)  # the stats.json write
         assert_user_error(capsys, argv, f"{out / 'stats.json'}: No space left on device")
     assert audit(capsys, *argv, "--resume")[0] == 0
     assert check_run(out) == []
 
 
 def test_a_piped_certification_reports_progress_on_stderr(capsys, monkeypatch, certified, tiny_checkpoint, tmp_path):
-    import harness.progress
+    import deepinfer.progress
 
-    monkeypatch.setattr(harness.progress, "STATUS_SECONDS", 0.0)  # a status line at every request
+    monkeypatch.setattr(deepinfer.progress, "STATUS_SECONDS", 0.0)  # a status line at every request
     code = main(["audit", "certify", "--model", str(tiny_checkpoint), "--suite", str(certified.suite), "--sweep",
                  str(certified.sweep), "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err.splitlines()

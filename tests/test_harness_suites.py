@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import json
-from dataclasses import replace
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +16,7 @@ from audit.store import read_run
 from deepinfer import LLM
 from deepinfer.errors import DeepInferError
 from harness.record import record_run
-from harness.suites import TOP_LOGPROBS, load_suite, request_seed
+from harness.suites import KINDS, TOP_LOGPROBS, Suite, SuiteKind, load_suite, register_kind, request_seed
 from harness.sweep import Variant, check_variant, default_sweep, load_sweep
 
 
@@ -82,20 +86,20 @@ def test_bad_suite_lines_name_the_line(tmp_path, rows, message) -> None:
 def test_default_sweep_covers_the_contract() -> None:
     sweep = default_sweep()
     variants = {v.name: v for v in sweep.variants}
-    assert sweep.reference.max_num_seqs == 32
-    assert {variants["batch-1"].max_num_seqs, variants["batch-8"].max_num_seqs} == {1, 8}
+    assert sweep.reference.engine.max_num_seqs == 32
+    assert {variants["batch-1"].engine.max_num_seqs, variants["batch-8"].engine.max_num_seqs} == {1, 8}
     assert variants["shuffled"].shuffle and variants["staggered"].stagger
-    assert variants["chunk-32"].max_num_batched_tokens == 32 and variants["preemption"].num_cache_blocks
+    assert variants["chunk-32"].engine.max_num_batched_tokens == 32 and variants["preemption"].engine.num_cache_blocks
     assert variants["threads-1"].threads == 1 and sweep.reference.threads is None
-    assert [c.numerics for c in sweep.controls] == ["fast"]
-    assert all(v.numerics == "batch_invariant" for v in (sweep.reference, *sweep.variants))
+    assert [c.engine.numerics for c in sweep.controls] == ["fast"]
+    assert all(v.engine.numerics == "batch_invariant" for v in (sweep.reference, *sweep.variants))
     assert "threads-1" not in {v.name for v in default_sweep(device="cuda").variants}  # GPU kernels: no CPU threads
 
 
 def test_a_run_uses_its_variants_thread_count_and_restores_the_process_one(tiny_checkpoint, tmp_path) -> None:
     suite = load_suite(write_lines(tmp_path / "s.jsonl", [{"id": "a", "prompt_token_ids": [3, 4, 5], "sampling": {"max_tokens": 2}}]))
     before = torch.get_num_threads()
-    record_run(tiny_checkpoint, suite, Variant("one", threads=1), tmp_path / "run", progress=False)
+    record_run(tiny_checkpoint, suite, Variant.of("one", threads=1), tmp_path / "run", progress=False)
     assert torch.get_num_threads() == before
     assert read_run(tmp_path / "run").manifest["environment"]["torch_cpu"]["threads"] == 1
 
@@ -106,19 +110,102 @@ def test_sweep_file_inherits_from_the_reference(tmp_path) -> None:
                                 "variants": [{"name": "one", "max_num_seqs": 1}],
                                 "controls": [{"name": "fast", "numerics": "fast"}]}))
     sweep = load_sweep(path)
-    assert sweep.variants[0] == replace(sweep.reference, name="one", max_num_seqs=1)
-    assert sweep.controls[0].dtype == "bfloat16" and sweep.controls[0].max_num_seqs == 4
+    assert sweep.variants[0] == sweep.reference.derive("one", max_num_seqs=1)
+    assert sweep.controls[0].engine.dtype == "bfloat16" and sweep.controls[0].engine.max_num_seqs == 4
+    assert sweep.to_dict()["variants"][0] == {**sweep.reference.to_dict(), "name": "one", "max_num_seqs": 1}
     assert [role for role, _ in sweep.configurations()] == ["reference", "variant", "control"]
 
 
 @pytest.mark.parametrize("name", ["", "../up", ".hidden", "a b", "x/y"])
 def test_configuration_names_must_be_safe_folder_names(name) -> None:
     with pytest.raises(DeepInferError, match="'name' must be a non-empty string of letters"):
-        check_variant(Variant(name), "flags")
+        check_variant(Variant.of(name), "flags")
 
 
-def test_variant_engine_kwargs_leave_the_budget_and_length_to_the_engine() -> None:
+def test_a_variant_leaves_the_budget_and_length_to_the_engine() -> None:
     # the engine itself raises the budget to max_model_len without chunking (tests/test_defaults.py)
-    off = Variant("b", max_num_batched_tokens=32, enable_chunked_prefill=False).engine_kwargs()
-    assert off["max_num_batched_tokens"] == 32 and not off["enable_chunked_prefill"]
-    assert off["max_model_len"] is None
+    off = Variant.of("b", max_num_batched_tokens=32, enable_chunked_prefill=False).engine
+    assert off.max_num_batched_tokens == 32 and not off.enable_chunked_prefill
+    assert off.max_model_len is None
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ({"name": "x", "seed": 3}, "sweep.json: variants[0]: unknown field(s) ['seed']"),
+    ({"name": "x", "dtype": "int8"}, "sweep.json: variants[0]: unknown dtype 'int8' (expected one of float32, fp32, "
+                                     "bfloat16, bf16, float16, fp16)"),
+    ({"name": "x", "max_num_seqs": 0}, "sweep.json: variants[0]: max_num_seqs must be a positive integer, got 0"),
+    ({"name": "x", "max_num_seqs": "8"}, "sweep.json: variants[0]: 'max_num_seqs' must be int, got '8'"),
+    ({"name": "x", "device": "tpu"}, "sweep.json: variants[0]: unknown device 'tpu' (expected cpu, cuda or cuda:N)"),
+])
+def test_bad_engine_settings_in_a_sweep_file_are_one_line_errors(tmp_path, monkeypatch, entry, message) -> None:
+    monkeypatch.chdir(tmp_path)
+    Path("sweep.json").write_text(json.dumps({"reference": {"name": "ref"}, "variants": [entry]}))
+    with pytest.raises(DeepInferError, match=f"^{re.escape(message)}$"):
+        load_sweep("sweep.json")
+
+
+# the registry of suite kinds and the import graph ---------------------------------------------------
+
+HARNESS = Path(__file__).parent.parent / "harness"
+
+
+def _harness_imports(module: Path, top_level_only: bool) -> set[str]:
+    """The harness modules `module` imports (at its top level only, or anywhere in it)."""
+    tree = ast.parse(module.read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("harness"):
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        found.update(name.removeprefix("harness.") for name in names
+                     if name.startswith("harness.") and (HARNESS / f"{name.removeprefix('harness.')}.py").is_file())
+    return found
+
+
+def test_the_harness_imports_no_module_in_a_cycle() -> None:
+    graph = {path.stem: _harness_imports(path, top_level_only=True) for path in HARNESS.glob("*.py")}
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        assert module not in path, f"import cycle: {' -> '.join(path[path.index(module):] + [module])}"
+        if module not in done:
+            for imported in graph.get(module, ()):
+                visit(imported, [*path, module])
+            done.add(module)
+
+    for module in graph:
+        visit(module, [])
+
+
+def test_suite_kinds_never_import_the_registry() -> None:
+    for kind in ("suite_base", "traces", "lm_eval_suite"):
+        assert "suites" not in _harness_imports(HARNESS / f"{kind}.py", top_level_only=False), kind
+
+
+@pytest.mark.parametrize("order", [("harness.traces", "harness.suites"), ("harness.suites", "harness.traces"),
+                                   ("harness.suite_base", "harness.replay", "harness.cassette")])
+def test_harness_modules_import_in_any_order(order) -> None:
+    code = f"import {', '.join(order)}, harness.suites; print(list(harness.suites.KINDS))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "['native', 'traces', 'lm-eval']"
+
+
+def test_a_registered_kind_loads_its_specs(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr("harness.suites.KINDS", dict(KINDS))
+    loaded = []
+
+    def load_words(target: str) -> Suite:
+        loaded.append(target)
+        return Suite("words", tmp_path, "0" * 64, [], target=target)
+
+    register_kind(SuiteKind("words", load_words, reads_file=False))
+    assert load_suite("words:a,b").spec == "words:a,b" and loaded == ["a,b"]
+    with pytest.raises(ValueError, match="suite kind 'traces' is already registered"):
+        register_kind(SuiteKind("traces", load_words))
+    with pytest.raises(DeepInferError, match=r"\(known: native, traces, lm-eval, words\)$"):
+        load_suite("foo:bar")

@@ -153,3 +153,24 @@ def test_a_refused_later_turn_is_part_of_the_outcome_and_verifies_from_anywhere(
     assert main(["audit", "replay", "verify", str(moved)]) == 0
     assert ("identical (4 turn(s) reproduced bit for bit, then refused again at turn 5: unsupported_content: "
             in capsys.readouterr().out)
+
+
+def test_nan_weights_become_counted_error_rows_while_the_other_requests_finish(capsys, tiny_checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    poisoned = tmp_path / "nan-weights"
+    shutil.copytree(tiny_checkpoint, poisoned)
+    tensors = load_file(poisoned / "model.safetensors")
+    tensors["model.embed_tokens.weight"][45] = float("nan")  # only the request whose prompt holds token 45
+    save_file(tensors, poisoned / "model.safetensors")
+    suite = tmp_path / "suite.jsonl"
+    suite.write_text("".join(json.dumps({"id": name, "prompt_token_ids": ids, "sampling": {"max_tokens": 4}}) + "\n"
+                             for name, ids in (("clean", list(range(100, 110))), ("poisoned", list(range(40, 57))))))
+    out = tmp_path / "run"
+    assert main(["audit", "run", "--model", str(poisoned), "--suite", f"native:{suite}", "--out", str(out),
+                 "--no-progress"]) == 0
+    assert "2 requests, 1 errored (1 non finite logits)" in capsys.readouterr().out
+    rows = {row["request_id"]: row for row in read_run(out).streams.to_dicts()}
+    assert rows["clean"]["finish_reason"] == "length" and len(rows["clean"]["token_ids"]) == 4
+    assert (rows["poisoned"]["finish_reason"], rows["poisoned"]["error_kind"], rows["poisoned"]["error"]) == (
+        "error", "non_finite_logits", "non-finite logits at position 16")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -32,14 +33,14 @@ from harness.sweep import Variant
 from harness.traces import RecordedTurn, ToolResult, load_traces
 
 SAMPLE = Path(__file__).resolve().parent.parent / "harness" / "suites" / "traces" / "sample.jsonl"
-VARIANT = Variant("replay", max_model_len=1024, max_num_seqs=32)
+VARIANT = Variant.of("replay", max_model_len=1024, max_num_seqs=32)
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 GREEDY = {"temperature": 0, "max_tokens": 3}
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint) -> LLM:
-    return LLM(tiny_checkpoint, **VARIANT.engine_kwargs())
+    return LLM(tiny_checkpoint, VARIANT.engine)
 
 
 def call(call_id: str, arguments: str, name: str = "get_weather") -> dict:
@@ -186,12 +187,16 @@ class ScriptedEngine:
     contains, picked by how many assistant turns the prompt holds; every token has logprob -0.5."""
 
     model_id = "scripted"
-    max_model_len = VARIANT.max_model_len  # what a cassette's header records of the engine
-    max_num_batched_tokens = VARIANT.max_num_batched_tokens
+    engine_config = VARIANT.engine  # what a cassette's header records of the engine
+    max_model_len = VARIANT.engine.max_model_len
+    max_num_batched_tokens = VARIANT.engine.max_num_batched_tokens
+    cache = SimpleNamespace(num_blocks={})
 
     def __init__(self, tokenizer: TextTokenizer, script: dict[str, list[str]]) -> None:
         self.tokenizer = tokenizer
         self.script = script
+        self._queued: list[tuple[int, list[int], object]] = []
+        self._next_id = 0
 
     def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
         return self.tokenizer.encode(text, add_bos=add_bos)
@@ -199,14 +204,24 @@ class ScriptedEngine:
     def encode(self, ids: list[int]) -> list[int]:
         return list(ids)
 
-    def generate(self, prompts: list[list[int]], params: list) -> list[RequestOutput]:
+    def add_request(self, prompt: list[int], params) -> int:
+        self._queued.append((self._next_id, list(prompt), params))
+        self._next_id += 1
+        return self._next_id - 1
+
+    def has_unfinished(self) -> bool:
+        return bool(self._queued)
+
+    def step(self) -> list[RequestOutput]:
+        """Every queued request finishes in one step."""
         outputs = []
-        for index, (prompt, p) in enumerate(zip(prompts, params)):
+        for request_id, prompt, p in self._queued:
             text = self.tokenizer.decode(prompt)
             reply = self.script[next(k for k in self.script if k in text)][text.count(ASSISTANT) - 1]
             ids = [*self.tokenizer.encode(reply), self.tokenizer.eos_id]
-            outputs.append(RequestOutput(index, list(prompt), ids, reply, "stop", p.seed, "batch_invariant",
+            outputs.append(RequestOutput(request_id, prompt, ids, reply, "stop", p.seed, "batch_invariant",
                                          [-0.5] * len(ids), [[(t, -0.5), (t + 1, -1.5)] for t in ids]))
+        self._queued = []
         return outputs
 
 

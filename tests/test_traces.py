@@ -286,7 +286,7 @@ def test_traces_suite_serves_turns_and_records_malformed_lines_as_error_rows(tmp
         suite.requests[3].prompt_ids(None)
     assert (str(info.value), info.value.detail, info.value.kind) == (f"{path}:2: {detail}", detail, "malformed")
 
-    record_run(tiny_checkpoint, suite, Variant("ref", max_model_len=1024), tmp_path / "run", progress=False)
+    record_run(tiny_checkpoint, suite, Variant.of("ref", max_model_len=1024), tmp_path / "run", progress=False)
     rows = {r["request_id"]: r for r in read_run(tmp_path / "run").streams.iter_rows(named=True)}
     assert (rows["line-2"]["error_kind"], rows["line-2"]["error"], rows["line-2"]["finish_reason"]) == (
         "malformed", detail, "error")

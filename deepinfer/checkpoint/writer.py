@@ -19,16 +19,19 @@ from deepinfer.checkpoint.hashing import TensorHasher, store_hash
 from deepinfer.checkpoint.layout import weight_dtype_name
 from deepinfer.checkpoint.presets import CONFIG_ONLY_PRESETS, preset_config
 from deepinfer.checkpoint.random_init import RandomTensors
+from deepinfer.progress import Progress
 from deepinfer.recipe.tokenizer import build_tokenizer
 
 SHARD_BYTES = 2 * 1024**3
 
 
-def write_weights(folder: Path, tensors: Mapping[str, torch.Tensor], max_shard_bytes: int = SHARD_BYTES) -> str:
+def write_weights(folder: Path, tensors: Mapping[str, torch.Tensor], max_shard_bytes: int = SHARD_BYTES,
+                  progress: Progress | None = None) -> str:
     """Write `tensors` in sorted-name order as `model.safetensors`, or as numbered shards plus
     `model.safetensors.index.json` past `max_shard_bytes`; returns their content hash.
 
-    Tensors are fetched one at a time, so a lazy mapping never has more than a shard in memory.
+    Tensors are fetched one at a time, so a lazy mapping never has more than a shard in memory;
+    `progress` counts each one once it is generated and hashed.
     """
     hasher = TensorHasher()
     parts: list[tuple[Path, list[str]]] = []
@@ -51,6 +54,8 @@ def write_weights(folder: Path, tensors: Mapping[str, torch.Tensor], max_shard_b
         shard[name] = tensor
         size += nbytes
         total += nbytes
+        if progress is not None:
+            progress.update(1)
     if shard or not parts:
         flush()
     if len(parts) == 1:
@@ -67,11 +72,13 @@ def write_weights(folder: Path, tensors: Mapping[str, torch.Tensor], max_shard_b
 
 
 def create_checkpoint(preset: str, out: str | Path, seed: int, *, device: str | torch.device = "cpu",
-                      max_shard_bytes: int = SHARD_BYTES) -> Path:
+                      max_shard_bytes: int = SHARD_BYTES, progress: bool = False) -> Path:
     """Write a seeded random checkpoint of `preset` to the new folder `out`.
 
     Everything goes to a hidden sibling folder first, renamed to `out` only when complete, so an
-    interrupted run never leaves a partial checkpoint. Config-only presets get no weights.
+    interrupted run never leaves a partial checkpoint. Config-only presets get no weights. With
+    `progress`, the tensors written so far show on stderr (deepinfer.progress: a bar on a terminal,
+    a status line every 10 s when piped).
     """
     config = preset_config(preset)
     out = Path(out)
@@ -90,7 +97,9 @@ def create_checkpoint(preset: str, out: str | Path, seed: int, *, device: str | 
         digest = None
         if preset not in CONFIG_ONLY_PRESETS:
             dtype = getattr(torch, weight_dtype_name(config) or "float32")
-            digest = write_weights(tmp, RandomTensors(config, seed, dtype, device), max_shard_bytes)
+            tensors = RandomTensors(config, seed, dtype, device)
+            with Progress(f"checkpoint {preset}", len(tensors), enabled=progress, unit="tensors") as bar:
+                digest = write_weights(tmp, tensors, max_shard_bytes, progress=bar)
         build_tokenizer(config.vocab_size).save(str(tmp / "tokenizer.json"))
         (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
         os.rename(tmp, out)  # atomic; also succeeds onto an empty folder

@@ -1,0 +1,165 @@
+"""The one writer of run folders in the audit store: harness.record (a suite under one configuration)
+and `DeepInferLM` (the requests lm-eval sends, harness/lm_eval_model.py) both go through it.
+
+    RUN/manifest.json     the engine as configured and as it resolved its limits, the checkpoint's
+                          path and content hash, the suite, the seeds and the configuration
+    RUN/parts/, RUN/streams.parquet, RUN/root.json
+                          the rows (audit.store.RunStore: part files as rows come, merged at the end)
+    RUN/stats.json        with `stats`: engine statistics summed over the sessions that wrote the run
+                          (sessions, wall_s, preemptions; timing is never hashed)
+
+A resumed run (`open_run(..., resume=True)`) must have the same manifest, except the fields that may
+differ between sessions (the checkpoint's path); a damaged stats.json stops it before any work.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from audit.errors import AuditError
+from audit.files import atomic_write, json_bytes
+from audit.manifest import build_manifest
+from audit.store import MANIFEST, ROOT, RunStore, make_row, read_run
+from deepinfer import LLM
+from deepinfer.errors import DeepInferError
+from harness.environment import engine_version, environment_fingerprint, git_state
+
+__all__ = ["FLUSH_ROWS", "FLUSH_SECONDS", "STATS_FILE", "RunWriter", "completed_root", "open_run", "read_stats",
+           "run_manifest"]
+
+FLUSH_ROWS = 16
+FLUSH_SECONDS = 2.0
+STATS_FILE = "stats.json"
+_STATS_KEYS = ("sessions", "wall_s", "preemptions")
+_RESUMED_SECTIONS = ("checkpoint", "suite", "variant", "engine", "seeds")  # what a resumed run must share
+
+
+def run_manifest(llm: LLM, model: str | Path | None, *, suite: dict, run_seed: int, variant: dict) -> dict:
+    """The manifest of a run served by `llm` (loaded from `model`; None: the embedded checkpoint).
+    `engine` is the engine's `EngineConfig` as resolved (max_model_len filled in; its seed is the run
+    seed, recorded under `seeds`), plus what it derived from it: the blocks each cache pool got and the
+    step budget."""
+    return build_manifest(
+        engine={**{k: v for k, v in asdict(llm.engine_config).items() if k != "seed"},  # seeds has it
+                "cache_blocks": llm.cache.num_blocks, "step_budget": llm.max_num_batched_tokens},
+        checkpoint={"path": str(model) if model is not None else None, "content_hash": llm.model_id},
+        suite=suite, seeds={"run_seed": run_seed}, variant=variant,
+        environment=environment_fingerprint(), git=git_state(), engine_version=engine_version(),
+    )
+
+
+def completed_root(run_dir: Path, manifest: dict) -> dict | None:
+    """The root of the run already complete in `run_dir` (AuditError when it is another run), or None."""
+    if not (Path(run_dir) / ROOT).exists():
+        return None
+    run = read_run(run_dir)
+    _check_same_run(Path(run_dir), run.manifest, manifest)
+    return run.root
+
+
+def open_run(run_dir: str | Path, manifest: dict, llm: LLM, *, resume: bool = False, stats: bool = True,
+             started: float | None = None) -> RunWriter:
+    """A writer of a new run in `run_dir` (a new or empty folder); with `resume`, of the rest of the
+    interrupted run there (or a new one when it holds none). `started` (a time.perf_counter() value,
+    default now) is when this session's work began, for stats.json's wall_s."""
+    run_dir = Path(run_dir)
+    if resume and (run_dir / MANIFEST).exists():
+        store = RunStore.resume(run_dir)
+        _check_same_run(run_dir, store.manifest, manifest)
+    else:
+        store = RunStore.create(run_dir, manifest)
+    return RunWriter(store, llm, stats=stats, started=started)
+
+
+class RunWriter:
+    """Rows into one open run: `served` and `refused` queue a row, `flush` (or `flush_if_due`) writes
+    the queued rows as one part file, `finalize` seals the run and returns its root."""
+
+    def __init__(self, store: RunStore, llm: LLM, *, stats: bool = True, started: float | None = None) -> None:
+        self.store, self.llm = store, llm
+        self.path = store.path
+        self._started = time.perf_counter() if started is None else started
+        # read before any work: a damaged stats.json stops a resumed run now, not after it
+        self._stats = read_stats(self.path) if stats else None
+        self._rows: list[dict] = []
+        self._last_flush = time.monotonic()
+
+    def done(self) -> set[int]:
+        """Indices the run already holds (a resumed run skips them)."""
+        return self.store.done()
+
+    def served(self, index: int, request_id: str, fields: dict, *, arrival_s: float, first_token_s: float | None,
+               finish_s: float) -> dict:
+        """Queue the row of a served request: `fields` are its prompt, params and stream (`make_row`'s)."""
+        row = make_row(index=index, request_id=request_id, **{"error": None, **fields}, arrival_s=arrival_s,
+                       first_token_s=first_token_s, finish_s=finish_s)
+        self._rows.append(row)
+        return row
+
+    def refused(self, index: int, request_id: str, params: dict, error: DeepInferError) -> dict:
+        """Queue the row of a request the engine refused: its error kind and detail (never where the input
+        was read from, so the same refusal hashes the same from any folder)."""
+        row = make_row(
+            index=index, request_id=request_id, prompt_token_ids=[], params=params, token_ids=[], logprobs=[],
+            top_token_ids=[], top_logprobs=[], text=None, finish_reason="error", error_kind=error.kind,
+            error=error.detail, arrival_s=0.0, first_token_s=None, finish_s=0.0,
+        )
+        self._rows.append(row)
+        return row
+
+    def flush(self) -> None:
+        """Write the queued rows as one part file (nothing when none are queued)."""
+        if self._rows:
+            self.store.append(self._rows)
+        self._rows, self._last_flush = [], time.monotonic()
+
+    def flush_if_due(self) -> None:
+        """`flush` once FLUSH_ROWS rows are queued or FLUSH_SECONDS passed since the last one, so a run
+        killed at any point keeps most of what it finished."""
+        if len(self._rows) >= FLUSH_ROWS or time.monotonic() - self._last_flush > FLUSH_SECONDS:
+            self.flush()
+
+    def finalize(self) -> dict:
+        """Write the queued rows and the statistics, then streams.parquet and root.json (last); the root."""
+        self.flush()
+        if self._stats is not None:
+            stats = dict(self._stats)
+            stats["sessions"] += 1
+            stats["wall_s"] += time.perf_counter() - self._started
+            stats["preemptions"] += self.llm.scheduler.num_preemptions
+            atomic_write(self.path / STATS_FILE, json_bytes(stats))
+        return self.store.finalize()
+
+
+def read_stats(run_dir: Path) -> dict:
+    """The engine statistics of earlier sessions of the run; a damaged file is a one-line AuditError."""
+    path = Path(run_dir) / STATS_FILE
+    if not path.exists():
+        return {"sessions": 0, "wall_s": 0.0, "preemptions": 0}
+    try:
+        stats = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        stats = None
+    numbers = isinstance(stats, dict) and all(
+        isinstance(stats.get(key), (int, float)) and not isinstance(stats.get(key), bool) for key in _STATS_KEYS)
+    if not numbers:
+        raise AuditError(f"{path}: not the run's statistics (a JSON object with sessions, wall_s and preemptions); "
+                         "delete it to resume")
+    return stats
+
+
+def _check_same_run(run_dir: Path, stored: dict, wanted: dict) -> None:
+    for key in _RESUMED_SECTIONS:
+        if _comparable(stored.get(key)) != _comparable(wanted[key]):
+            raise AuditError(f"{run_dir}: cannot resume: its {key} differs from this invocation's")
+
+
+def _comparable(section: object) -> object:
+    """A manifest section without the fields that may legitimately differ between sessions."""
+    if isinstance(section, dict):
+        return {k: v for k, v in section.items() if k != "path"}
+    return section
+
