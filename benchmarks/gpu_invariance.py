@@ -13,11 +13,13 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from harness.invariance import STANDARD_VARIANTS, run_matrix, run_variant, standard_requests
+from deepinfer import NUMERICS
 from deepinfer.checkpoint import preset_config
+from harness.invariance import STANDARD_VARIANTS, run_matrix, run_variant, standard_requests
 
 
 def timed_reference(model: str, requests, dtype: str, numerics: str) -> float:
@@ -33,12 +35,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="small")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--modes", nargs="+", default=["batch_invariant", "fast"], choices=["batch_invariant", "fast"])
+    parser.add_argument("--modes", nargs="+", default=list(NUMERICS), choices=NUMERICS)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     model = f"preset:{args.preset}"
     requests = standard_requests(preset_config(args.preset).vocab_size, count=24)
-    report = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(),
+    command = " ".join(arg if arg != args.out else Path(args.out).name for arg in sys.argv)  # no machine paths
+    report = {"command": f"python {command}", "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "preset": args.preset, "dtype": args.dtype, "modes": {}}
     for numerics in args.modes:
         result = run_matrix(model, requests, STANDARD_VARIANTS, dtype=args.dtype, numerics=numerics, device="cuda")

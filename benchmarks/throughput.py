@@ -20,12 +20,11 @@ import time
 
 import torch
 
-from deepinfer import LLM, SamplingParams
+from deepinfer import LLM, NUMERICS, SamplingParams
 from deepinfer.checkpoint import create_checkpoint
 from deepinfer.checkpoint.files import deepinfer_home
 
 
-NUMERICS = ("batch_invariant", "fast")
 BATCHES = (1, 32)
 
 

@@ -5,14 +5,13 @@ tests/test_triton_kernels.py's matmul tests)."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
+from cuda_syncs import synchronisations  # noqa: E402
 from kernels import fast, invariant, triton_ops  # noqa: E402
 
 EXPERTS, TOP_K, HIDDEN, INTER = 16, 4, 256, 128
@@ -34,17 +33,9 @@ def test_grouped_experts_match_the_per_expert_loop_bitwise(dtype, tokens):
     indices, weights = _routing(tokens, tokens)
     loop = fast.routed_experts(x, indices, weights, w13, w2, 7.0, matmul=triton_ops.linear,
                                swiglu=invariant.clamped_swiglu)
-    triton_ops.moe_experts(x, indices, weights, w13, w2, 7.0)  # compile first: compiling may synchronise
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            grouped = triton_ops.moe_experts(x, indices, weights, w13, w2, 7.0)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
-    assert not syncs
+    outputs = []
+    assert synchronisations(lambda: outputs.append(triton_ops.moe_experts(x, indices, weights, w13, w2, 7.0))) == []
+    [grouped] = outputs
     assert torch.equal(grouped, loop)
     alone = torch.cat([triton_ops.moe_experts(x[i:i + 1], indices[i:i + 1], weights[i:i + 1], w13, w2, 7.0)
                        for i in range(tokens)])
