@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from deepinfer.errors import DeepInferError
@@ -431,8 +432,13 @@ def _name(name: Any, where: str) -> str:
 def _arguments(arguments: Any, where: str) -> str:
     if not isinstance(arguments, (str, dict)):
         raise ChatFormatError(f"{where} must be a string or a JSON object")
+    return _json_text(canonical_arguments, arguments, where)
+
+
+def _json_text(encode: Callable[[Any], str], value: Any, where: str) -> str:
+    """`encode(value)` as prompt text: a one-line error when it is not JSON or holds special tokens."""
     try:
-        text = canonical_arguments(arguments)
+        text = encode(value)
     except (TypeError, ValueError):
         raise ChatFormatError(f"{where} is not valid JSON") from None
     return _plain(text, where)
@@ -470,8 +476,4 @@ def _tool_line(tool: Any, where: str) -> str:
         described = tool
     else:
         raise ChatFormatError(f"{where}.type must be a non-empty string")
-    try:
-        line = _canonical(described)
-    except (TypeError, ValueError):
-        raise ChatFormatError(f"{where} is not valid JSON") from None
-    return _plain(line, where)
+    return _json_text(_canonical, described, where)
