@@ -43,6 +43,22 @@ ROW_BLOCK = 1024  # vector width of the row-wise kernels (norms, softmax)
 KV_BLOCK = 64
 
 
+@triton.jit
+def _tile_dot(x_rows, w_cols, row_ok, col_ok, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """One output tile in fp32: rows x_rows[:, k] times columns w_cols[k, :] (pointers to each row's and
+    column's element 0), with `tl.dot` over BLOCK_K slices of K in increasing k. Both matmul kernels use
+    it, so a row's bits are the same whichever computes it."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        ks = start + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_cols + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_om,
@@ -59,13 +75,7 @@ def _matmul_kernel(
     row_ok, col_ok = rows < M, cols < N
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + group * K
     w_cols = w_ptr + (group * N + cols).to(tl.int64)[None, :] * K
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
-        ks = start + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_cols + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+    acc = _tile_dot(x_rows, w_cols, row_ok, col_ok, K, BLOCK_M, BLOCK_N, BLOCK_K)
     out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + group * N + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -94,8 +104,8 @@ def _expert_matmul_kernel(
 ):
     """out[s, :] = x[rows[s], :] @ w[e].T for every slot s of expert e = program_id(1), column
     tile program_id(0). Expert e's slots are offsets[e] .. offsets[e + 1] (read on the device);
-    the program walks them in row tiles, each computed exactly as `_matmul_kernel` computes a
-    tile, so a slot's bits are those of its row through `linear` with w[e].
+    the program walks them in row tiles, each computed by `_tile_dot` as `_matmul_kernel` computes its
+    tiles, so a slot's bits are those of its row through `linear` with w[e].
 
     x: [*, K] with row stride stride_xm; rows: int64 [S]; offsets: int64 [E + 1]; w: [E, N, K]
     contiguous; out: [S, N] contiguous.
@@ -111,13 +121,7 @@ def _expert_matmul_kernel(
         slot_ok = slots < end
         src = tl.load(rows_ptr + slots, mask=slot_ok, other=0)
         x_rows = x_ptr + src.to(tl.int64)[:, None] * stride_xm
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < K
-            a = tl.load(x_rows + ks[None, :], mask=slot_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(w_cols + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision="ieee")
+        acc = _tile_dot(x_rows, w_cols, slot_ok, col_ok, K, BLOCK_M, BLOCK_N, BLOCK_K)
         out = out_ptr + slots.to(tl.int64)[:, None] * N + cols[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=slot_ok[:, None] & col_ok[None, :])
 
