@@ -40,3 +40,13 @@ def test_sampled_frequencies_match_the_filtered_softmax(params):
     observed, wanted = counts[support], expected[support] * draws
     statistic = float(((observed - wanted) ** 2 / wanted).sum())
     assert statistic < chi_square_critical(int(support.sum()) - 1), f"chi-square {statistic:.1f}"
+
+
+def test_the_greedy_only_shortcut_chooses_as_the_full_path():
+    from deepinfer.engine.sampler import SamplingBatch, sample
+    from sampling import OPS
+
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    logits[1, 7] = logits[1].max()  # a tie: the lower id wins either way
+    batch = SamplingBatch.from_tensors(SamplingBatch.host_tensors([(SamplingParams(temperature=0), 5, 9)] * 3))
+    assert torch.equal(sample(logits, batch, OPS, greedy_only=True), sample(logits, batch, OPS))

@@ -88,7 +88,8 @@ class ModelRunner:
         sampled_hidden = hidden[rows["sample_rows"]]
         logits = self.model.logits(sampled_hidden)
         logprobs = self.ops.log_softmax(logits)
-        token_ids = sample(logits, params, self.ops)
+        greedy_only = all(c.seq.params.temperature == 0 for c in sampling)
+        token_ids = sample(logits, params, self.ops, greedy_only=greedy_only)
         out = RunnerOutput(
             token_ids=token_ids.unsqueeze(1),
             logprobs=logprobs.gather(1, token_ids.unsqueeze(1)),

@@ -120,9 +120,13 @@ def filtered_logits(logits: torch.Tensor, batch: SamplingBatch, ops: Ops) -> tor
     return scaled.masked_fill(~keep, float("-inf"))
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, ops: Ops) -> torch.Tensor:
-    """The token chosen in each row of fp32 logits [R, V] (int64 [R], on the logits' device)."""
+def sample(logits: torch.Tensor, batch: SamplingBatch, ops: Ops, greedy_only: bool = False) -> torch.Tensor:
+    """The token chosen in each row of fp32 logits [R, V] (int64 [R], on the logits' device).
+    `greedy_only` (the caller knows every row has temperature 0) skips the sort and noise over the
+    vocabulary that no row would use; the choice is the same."""
     greedy = first_argmax(logits)
+    if greedy_only:
+        return greedy
     scaled = filtered_logits(logits, batch, ops)
     u = uniforms(noise_keys(batch.seed_low, batch.seed_high, batch.position), logits.shape[-1])
     gumbel = -ops.log(-ops.log(u))
