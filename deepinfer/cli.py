@@ -38,10 +38,19 @@ def main(
         return EXIT_USER_ERROR
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """A parser whose usage errors (unknown flag, a value of the wrong type) are one line, exit 2, like
+    every other bad input; `--help` still prints the usage."""
+
+    def error(self, message: str):
+        print(f"error: {self.prog}: {message}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+
+
 def build_parser(
     more_commands: Sequence[Callable[[argparse._SubParsersAction], None]] = (),
 ) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrors(
         prog="deepinfer",
         description="Bitwise-reproducible offline inference for DeepSeek-V4-architecture models.",
     )

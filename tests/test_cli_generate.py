@@ -194,3 +194,12 @@ def test_bad_flags_and_outputs(capsys, tmp_path, tiny_checkpoint):
     too_long = write_lines(tmp_path / "long.jsonl", {"prompt_token_ids": list(range(2, 40))})
     assert_user_error(capsys, [*model, "--prompts-file", too_long, "--max-model-len", "32"],
                       f"{too_long}:1: prompt has 38 tokens but max_model_len is 32 (room is needed to generate)")
+
+
+def test_usage_errors_are_one_line(capsys):
+    from deepinfer.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--prompt", "x", "--max-num-seqs", "abc"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "error: deepinfer generate: argument --max-num-seqs: invalid int value: 'abc'\n"
