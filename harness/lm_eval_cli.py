@@ -55,15 +55,23 @@ def add_lm_eval_command(commands: argparse._SubParsersAction) -> None:
 
 
 def run_lm_eval(argv: Sequence[str]) -> int:
-    """lm-eval's `cli_evaluate` on `argv` (it reads sys.argv, which is restored afterwards)."""
+    """lm-eval's `cli_evaluate` on `argv` (it reads sys.argv, which is restored afterwards). Without an
+    `--include_path` of the user's, the shipped offline tasks are included; lm-eval's ValueErrors (an
+    unknown task, say) become one-line errors."""
     with needs_lm_eval("deepinfer lm-eval"):
         import harness.lm_eval_model  # noqa: F401  registers the model "deepinfer"
         from lm_eval.__main__ import cli_evaluate
 
+        from harness.evaluate import SUITES
+
+    if not any(arg == "--include_path" or arg.startswith("--include_path=") for arg in argv):
+        argv = [*argv, "--include_path", str(SUITES)]  # our shipped offline tasks: deepinfer, deepinfer_mc, ...
     saved = sys.argv
     sys.argv = ["lm-eval", *argv]
     try:
         cli_evaluate()
+    except ValueError as err:  # lm-eval reports an unknown task or a bad setting this way
+        raise DeepInferError(f"lm-eval: {err}") from None
     finally:
         sys.argv = saved
     return 0

@@ -140,3 +140,11 @@ def test_missing_lm_eval_is_a_one_line_error(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval now fails as if it were not installed
     assert main(["lm-eval", "--model", "deepinfer", "--tasks", "my_tasks"]) == 2
     assert capsys.readouterr().err == "error: deepinfer lm-eval needs lm-eval: pip install 'deepinfer[eval]'\n"
+
+
+def test_the_shipped_tasks_are_found_and_an_unknown_task_is_one_line(tiny_checkpoint, tmp_path):
+    """Without an --include_path of the user's, `deepinfer lm-eval` includes the shipped offline tasks."""
+    code, out, err = lm_eval_cli(tmp_path, "--model", "deepinfer", "--model_args", f"model={tiny_checkpoint}",
+                                 "--tasks", "deepinfer_mc,nosuch", "--limit", "2", "--device", "cpu")
+    assert (code, out) == (2, "")
+    assert err.splitlines()[-1] == "error: lm-eval: Tasks not found: nosuch"
