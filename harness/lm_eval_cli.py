@@ -70,6 +70,8 @@ def run_lm_eval(argv: Sequence[str]) -> int:
     sys.argv = ["lm-eval", *argv]
     try:
         cli_evaluate()
+    except DeepInferError:
+        raise
     except ValueError as err:  # lm-eval reports an unknown task or a bad setting this way
         raise DeepInferError(f"lm-eval: {err}") from None
     finally:
