@@ -8,7 +8,9 @@ every one of them is decoding, then:
 - profiles one decode step with torch.profiler and counts what ran on the GPU (kernels, memcpy,
   memset) and the host-side launch calls;
 - counts the device->host synchronisations of one decode step with
-  `torch.cuda.set_sync_debug_mode("warn")` (each synchronising call warns once).
+  `torch.cuda.set_sync_debug_mode("warn")` (each synchronising call warns once);
+- times the model forward of one decode step eagerly and replayed as a CUDA graph
+  (`deepinfer.engine.graph.StepGraph`), interleaved, to show what capture would buy the step.
 Weights are the preset's seeded random weights built on the GPU.
 """
 
@@ -26,6 +28,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.engine.graph import StepGraph
 
 PROMPT_TOKENS = 64
 # What each synchronising call warns (the mode's one-time "prototype feature" notice is not one).
@@ -88,6 +91,25 @@ def synced_step(llm: LLM) -> list[str]:
     return [f"{w.filename.replace(root, '')}:{w.lineno}" for w in caught if SYNC_WARNING in str(w.message)]
 
 
+def forward_times(llm: LLM, repeats: int) -> dict:
+    """Median ms of the next decode step's model forward, eager and replayed from a CUDA graph
+    (interleaved; both rewrite the same cache rows with the same values)."""
+    scheduled = llm.scheduler.schedule()
+    batch, _ = llm.runner.build_batch(scheduled.chunks)[0].to(llm.runner.device)
+    graph = StepGraph(llm.model, llm.cache.layer_views, batch)
+    eager, replayed = [], []
+    for _ in range(repeats):
+        for times, run in ((eager, lambda: llm.model(batch, llm.cache.layer_views)), (replayed, lambda: graph.replay(batch))):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            run()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    llm.scheduler.update(scheduled, llm.runner.execute(scheduled).result(scheduled))
+    return {"forward_ms_eager": round(1e3 * statistics.median(eager), 3),
+            "forward_ms_graph": round(1e3 * statistics.median(replayed), 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -108,7 +130,7 @@ def main() -> None:
         run = {"batch": batch, "step_ms_median": round(1e3 * statistics.median(times), 3),
                "step_ms_min": round(1e3 * min(times), 3), **profiled_step(llm)}
         sites = synced_step(llm)
-        run.update(host_syncs=len(sites), host_sync_sites=sites)
+        run.update(host_syncs=len(sites), host_sync_sites=sites, **forward_times(llm, args.steps))
         report["runs"].append(run)
         print(json.dumps(run), flush=True)
         del llm

@@ -76,7 +76,7 @@ def engine_logits(llm: LLM, ids: list[int], chunk: int) -> torch.Tensor:
         llm.cache.grow(seq.blocks, piece.end)
         batch, _ = llm.runner.build_batch([piece])
         batch.sample_index = None
-        rows.append(llm.model.logits(llm.model(batch, llm.cache.layer_views)))
+        rows.append(llm.model.logits(llm.model(batch, llm.cache.layer_views))[:piece.num_tokens])
         llm.cache.release_behind(seq.blocks, piece.end)
     llm.cache.free(seq.blocks)
     return torch.cat(rows)

@@ -9,7 +9,8 @@ Five kinds of rows are cached, each in its own pool of fixed-size blocks:
   kept for the life of the sequence.
 
 A block table maps a sequence's logical block i (rows [i*B, (i+1)*B) of that kind) to a physical
-block; freed blocks are marked -1. All pools share the block size.
+block; freed entries point at the null block (block 0 of every pool, never handed out: see
+`deepinfer.model.batch`). All pools share the block size.
 
 The compressed-entry pools grow with max_model_len (one row per compression window, kept for the
 life of the sequence), so a model's full context can need far more memory than its weights:
@@ -24,11 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepinfer.config import CSA, HCA, ModelConfig
+from deepinfer.config import CSA, ModelConfig
 from deepinfer.errors import DeepInferError
-
-FREED = -1
-POOL_PREFIX = {CSA: "csa", HCA: "hca"}
+from deepinfer.model import NULL_BLOCK, POOL_PREFIX
 CACHE_MEMORY_FRACTION = 0.5  # of the memory left once the weights are loaded (see `cache_memory`)
 
 
@@ -87,8 +86,8 @@ def cache_bytes(specs: list[PoolSpec], *, max_num_seqs: int, max_model_len: int,
                 chunked_prefill: bool, block_size: int, itemsize: int) -> int:
     """Bytes of the default cache: every pool sized for `max_num_seqs` sequences of `max_model_len`."""
     step = step_budget(max_num_batched_tokens, max_model_len, chunked_prefill)
-    rows = sum(spec.max_blocks_per_seq(max_model_len, step, block_size) * max_num_seqs * block_size
-               * len(spec.layers) * spec.width for spec in specs)
+    rows = sum((spec.max_blocks_per_seq(max_model_len, step, block_size) * max_num_seqs + 1) * block_size
+               * len(spec.layers) * spec.width for spec in specs)  # + 1: the null block
     return rows * itemsize
 
 
@@ -149,7 +148,8 @@ class CacheManager:
     given, `num_blocks` blocks raised to what one sequence of `max_model_len` needs in that pool (a
     pool that cannot hold one sequence could never finish it). Pools differ in rows per token, so one
     small `num_blocks` squeezes every pool whose one-sequence need is below it (forcing preemption)
-    and leaves the others one sequence's worth. `self.num_blocks` records what each pool got."""
+    and leaves the others one sequence's worth. `self.num_blocks` records what each pool got, not
+    counting its null block."""
 
     def __init__(
         self,
@@ -174,9 +174,9 @@ class CacheManager:
             count = max(num_blocks, one_seq) if num_blocks is not None else one_seq * max_num_seqs
             self.num_blocks[spec.name] = count
             self.storage[spec.name] = torch.zeros(
-                len(spec.layers), count * block_size, spec.width, dtype=dtype, device=device
+                len(spec.layers), (count + 1) * block_size, spec.width, dtype=dtype, device=device
             )
-            self.free_blocks[spec.name] = list(range(count - 1, -1, -1))
+            self.free_blocks[spec.name] = [b for b in range(count, -1, -1) if b != NULL_BLOCK]
         self.layer_views = self._layer_views(config)
 
     def _layer_views(self, config: ModelConfig) -> list[dict[str, torch.Tensor]]:
@@ -208,19 +208,14 @@ class CacheManager:
         for name, spec in self.specs.items():
             table = blocks.table(name)
             for i in range(min(spec.first_kept_row(next_pos) // self.block_size, len(table))):
-                if table[i] != FREED:
+                if table[i] != NULL_BLOCK:
                     self.free_blocks[name].append(table[i])
-                    table[i] = FREED
+                    table[i] = NULL_BLOCK
 
     def free(self, blocks: BlockTables) -> None:
         for name, table in blocks.tables.items():
-            self.free_blocks[name].extend(b for b in reversed(table) if b != FREED)
+            self.free_blocks[name].extend(b for b in reversed(table) if b != NULL_BLOCK)
         blocks.tables.clear()
-
-    def slots(self, blocks: BlockTables, pool: str, rows: torch.Tensor) -> torch.Tensor:
-        """Physical row addresses of logical `rows` (which must be allocated and not freed)."""
-        table = torch.tensor(blocks.table(pool), dtype=torch.long)
-        return table[rows // self.block_size] * self.block_size + rows % self.block_size
 
     def num_free(self) -> dict[str, int]:
         return {name: len(free) for name, free in self.free_blocks.items()}

@@ -11,11 +11,11 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from deepinfer.config import CSA, HCA, ModelConfig
-from deepinfer.engine.cache import POOL_PREFIX, CacheManager
+from deepinfer.config import ModelConfig
+from deepinfer.engine.cache import CacheManager
 from deepinfer.engine.sampler import SamplingBatch, sample, top_logprobs
 from deepinfer.engine.scheduler import ScheduledChunk, SchedulerOutput, StepResult
-from deepinfer.model import CompressorStep, DeepseekV4, StepBatch
+from deepinfer.model import NULL_BLOCK, DeepseekV4, StepBatch, bucket
 from deepinfer.transfer import download
 
 
@@ -109,24 +109,21 @@ class ModelRunner:
         return out
 
     def build_batch(self, chunks: list[ScheduledChunk]) -> tuple[StepBatch, dict[str, torch.Tensor]]:
-        """The step's model input on the host, and the rows of the model's output that each sampling
-        chunk samples from (`sample_rows`) and each scored position scores (`score_rows`, with the
-        prompt token it scores in `score_targets`). The model returns, per chunk, its scored
-        positions' rows, then its sampled row."""
-        cache, window = self.cache, self.config.sliding_window
-        ids, positions, window_write, window_read, window_valid, sample_index = [], [], [], [], [], []
-        sample_rows, score_rows, score_targets = [], [], []
+        """The step's model input on the host, padded to its buckets (`deepinfer.model.batch`), and
+        the rows of the model's output that each sampling chunk samples from (`sample_rows`) and each
+        scored position scores (`score_rows`, with the prompt token it scores in `score_targets`).
+        The model returns, per chunk, its scored positions' rows, then its sampled row."""
+        num_tokens = sum(chunk.num_tokens for chunk in chunks)
+        ids = torch.zeros(bucket(num_tokens), dtype=torch.long)
+        positions = torch.zeros(bucket(num_tokens), dtype=torch.long)
+        query_start = torch.full((bucket(len(chunks)) + 1,), num_tokens, dtype=torch.long)
+        sample_index, sample_rows, score_rows, score_targets = [], [], [], []
         offset = 0
-        for chunk in chunks:
+        for row, chunk in enumerate(chunks):
             seq = chunk.seq
-            pos = torch.arange(chunk.start, chunk.end, dtype=torch.long)
-            ids.append(torch.tensor(seq.token_ids[chunk.start:chunk.end], dtype=torch.long))
-            positions.append(pos)
-            window_write.append(cache.slots(seq.blocks, "window", pos))
-            rows = pos.unsqueeze(1) - window + 1 + torch.arange(window)
-            valid = rows >= 0
-            window_read.append(cache.slots(seq.blocks, "window", torch.where(valid, rows, pos.unsqueeze(1))))
-            window_valid.append(valid)
+            query_start[row] = offset
+            ids[offset:offset + chunk.num_tokens] = torch.tensor(seq.token_ids[chunk.start:chunk.end])
+            positions[offset:offset + chunk.num_tokens] = torch.arange(chunk.start, chunk.end)
             score_rows.extend(range(len(sample_index), len(sample_index) + len(chunk.scored)))
             score_targets.extend(seq.prompt_token_ids[chunk.scored.start + 1:chunk.scored.stop + 1])
             sample_index.extend(offset + p - chunk.start for p in chunk.scored)
@@ -134,62 +131,23 @@ class ModelRunner:
             if chunk.samples:
                 sample_rows.append(len(sample_index))
                 sample_index.append(offset - 1)
-        positions_t = torch.cat(positions)
+        padded_index = torch.zeros(bucket(len(sample_index)), dtype=torch.long)
+        padded_index[:len(sample_index)] = torch.tensor(sample_index, dtype=torch.long)
         batch = StepBatch(
-            input_ids=torch.cat(ids),
-            positions=positions_t,
-            window_write=torch.cat(window_write),
-            window_read=torch.cat(window_read),
-            window_valid=torch.cat(window_valid),
-            sample_index=torch.tensor(sample_index, dtype=torch.long),
+            input_ids=ids, positions=positions, query_start=query_start,
+            block_tables={pool: self._block_table(chunks, pool, len(query_start) - 1) for pool in self.cache.specs},
+            block_size=self.cache.block_size, sample_index=padded_index,
         )
-        for layer_type in (CSA, HCA):
-            if layer_type in self.config.layer_types:
-                batch.compressors[layer_type] = self._compressor_step(chunks, layer_type, positions_t)
         rows = {name: torch.tensor(values, dtype=torch.long) for name, values in
                 (("sample_rows", sample_rows), ("score_rows", score_rows), ("score_targets", score_targets))}
         return batch, rows
 
-    def _compressor_step(
-        self, chunks: list[ScheduledChunk], layer_type: str, positions: torch.Tensor
-    ) -> CompressorStep:
-        cache = self.cache
-        prefix = POOL_PREFIX[layer_type]
-        state_pool, entry_pool = f"{prefix}_state", f"{prefix}_entries"
-        ratio = self.config.compress_rates[layer_type]
-        overlap = layer_type == CSA
-        span = 2 * ratio if overlap else ratio
-        available = (positions + 1) // ratio
-        width = max(int(available.max()), 1)
-        state_write, close_read, close_valid, close_write, close_position = [], [], [], [], []
-        entry_read, entry_valid = [], []
-        for chunk in chunks:
-            seq = chunk.seq
-            pos = torch.arange(chunk.start, chunk.end, dtype=torch.long)
-            state_write.append(cache.slots(seq.blocks, state_pool, pos))
-            closing = pos[(pos + 1) % ratio == 0] // ratio
-            first = closing * ratio - (ratio if overlap else 0)
-            rows = first.unsqueeze(1) + torch.arange(span)
-            valid = rows >= 0
-            close_read.append(cache.slots(seq.blocks, state_pool, rows.clamp(min=0)))
-            close_valid.append(valid)
-            close_write.append(cache.slots(seq.blocks, entry_pool, closing))
-            close_position.append(closing * ratio)
-            seq_available = chunk.end // ratio
-            entries = torch.arange(width).expand(chunk.num_tokens, width)
-            valid_entries = entries < ((pos + 1) // ratio).unsqueeze(1)
-            if seq_available > 0:
-                slots = cache.slots(seq.blocks, entry_pool, entries.clamp(max=seq_available - 1))
-            else:
-                slots = torch.zeros_like(entries)
-            entry_read.append(slots)
-            entry_valid.append(valid_entries)
-        return CompressorStep(
-            state_write=torch.cat(state_write),
-            close_read=torch.cat(close_read).view(-1, span),
-            close_valid=torch.cat(close_valid).view(-1, span),
-            close_write=torch.cat(close_write),
-            close_position=torch.cat(close_position),
-            entry_read=torch.cat(entry_read),
-            entry_valid=torch.cat(entry_valid),
-        )
+    @staticmethod
+    def _block_table(chunks: list[ScheduledChunk], pool: str, rows: int) -> torch.Tensor:
+        """[rows, M] physical blocks of each chunk's sequence in `pool` (M: a bucket of the longest
+        table), the null block where a sequence has none."""
+        tables = [chunk.seq.blocks.table(pool) for chunk in chunks]
+        out = torch.full((rows, bucket(max(map(len, tables), default=1))), NULL_BLOCK, dtype=torch.long)
+        for row, table in enumerate(tables):
+            out[row, :len(table)] = torch.tensor(table, dtype=torch.long)
+        return out

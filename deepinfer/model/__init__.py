@@ -1,4 +1,4 @@
-from deepinfer.model.batch import CompressorStep, StepBatch
+from deepinfer.model.batch import NULL_BLOCK, POOL_PREFIX, StepBatch, bucket
 from deepinfer.model.transformer import DeepseekV4
 
-__all__ = ["CompressorStep", "DeepseekV4", "StepBatch"]
+__all__ = ["DeepseekV4", "NULL_BLOCK", "POOL_PREFIX", "StepBatch", "bucket"]

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.config import CSA, HCA, ModelConfig
-from deepinfer.model.batch import CompressorStep, StepBatch
+from deepinfer.config import CSA, HCA, SLIDING, ModelConfig
+from deepinfer.model.batch import CacheAddresses, CompressorAddresses
 from deepinfer.model.layers import Linear, RMSNorm, empty
 from deepinfer.model.rope import RotaryTable
 from kernels import Ops
@@ -60,13 +60,12 @@ class Compressor(nn.Module):
         return self.norm(self.ops.window_pool(kv, gate, bias))
 
     def update(
-        self, x: torch.Tensor, step: CompressorStep, state: torch.Tensor, entries: torch.Tensor,
+        self, x: torch.Tensor, step: CompressorAddresses, state: torch.Tensor, entries: torch.Tensor,
         rope: RotaryTable, state_cols: slice, entry_cols: slice,
     ) -> None:
-        """Write the step's state rows, then pool every window the step closes into `entries`."""
+        """Write the step's state rows, then pool every window the step closes into `entries` (a
+        fixed-shape write: capacity the step does not use pools nothing valid into the null block)."""
         state[step.state_write, state_cols] = self.project(x).to(state.dtype)
-        if step.close_write.numel() == 0:
-            return
         pooled = self.pool(state[step.close_read][..., state_cols], step.close_valid)
         cos, sin = rope(step.close_position)
         entries[step.close_write, entry_cols] = self.ops.rotary(pooled, cos, sin).to(entries.dtype)
@@ -131,7 +130,7 @@ class Attention(nn.Module):
         return {}
 
     def forward(
-        self, x: torch.Tensor, batch: StepBatch, cache: dict[str, torch.Tensor],
+        self, x: torch.Tensor, addresses: CacheAddresses, cache: dict[str, torch.Tensor],
         rope: tuple[torch.Tensor, torch.Tensor], compress_rope: RotaryTable,
     ) -> torch.Tensor:
         tokens = x.shape[0]
@@ -142,11 +141,11 @@ class Attention(nn.Module):
         kv = self.ops.rotary(self.norm(self.wkv(x)), cos, sin)
 
         window = cache["window"]
-        window[batch.window_write] = kv.to(window.dtype)
-        keys = [window[batch.window_read]]
-        valid = [batch.window_valid]
-        if self.layer_type != "sliding_attention":
-            step = batch.compressors[self.layer_type]
+        window[addresses.window_write] = kv.to(window.dtype)
+        keys = [window[addresses.window_read]]
+        valid = [addresses.window_valid]
+        if self.layer_type != SLIDING:
+            step = addresses.compressors[self.layer_type]
             entry_keys, entry_valid = self._compressed_entries(x, q_residual, step, cache, rope, compress_rope)
             keys.append(entry_keys)
             valid.append(entry_valid)
@@ -158,7 +157,7 @@ class Attention(nn.Module):
         return self.wo_b(grouped.flatten(1))
 
     def _compressed_entries(
-        self, x: torch.Tensor, q_residual: torch.Tensor, step: CompressorStep, cache: dict[str, torch.Tensor],
+        self, x: torch.Tensor, q_residual: torch.Tensor, step: CompressorAddresses, cache: dict[str, torch.Tensor],
         rope: tuple[torch.Tensor, torch.Tensor], compress_rope: RotaryTable,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         state, entries = cache["state"], cache["entries"]

@@ -1,9 +1,16 @@
-"""What one forward step needs besides weights: token ids, positions and paged-cache addresses.
+"""What one forward step needs besides weights: token ids, positions and the paged caches' block tables.
 
-The runner builds a `StepBatch` from the scheduler's decisions and the sequences' block tables;
-the model only reads it. All slot tensors index the flattened rows of a cache pool
-(`block * block_size + offset`); read tables come with a validity mask (invalid slots point at
-row 0 and are masked out).
+The step metadata has fixed capacity: every tensor's shape depends only on the step's buckets
+(tokens, sequences, blocks per pool; see `bucket`) and the model config, never on the values it
+holds, so a step of a given bucket can be captured as a CUDA graph and replayed with new values.
+The runner builds a `StepBatch` on the host; the model turns it into cache addresses on the device,
+once per step (`CacheAddresses.of`), with plain torch ops on every device.
+
+Padding. Tokens past the real ones (from `query_start[-1]` on) have id 0 and position 0, and their
+cache writes go to the null block. Sequence rows past the real ones have empty token ranges and
+tables of null blocks. Block 0 of every pool is the null block: never handed to a sequence, it is
+what freed and unallocated table entries point at and where masked writes land; a real token only
+ever reads it as an invalid (masked) key.
 """
 
 from __future__ import annotations
@@ -12,18 +19,75 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from deepinfer.config import CSA, HCA, ModelConfig
 from deepinfer.transfer import upload
+
+NULL_BLOCK = 0
+POOL_PREFIX = {CSA: "csa", HCA: "hca"}
+
+
+def bucket(n: int) -> int:
+    """The padded size of a step dimension holding n: the next power of two up to 8, then the next
+    multiple of 8 (so padding costs at most 7 rows on a large step)."""
+    n = max(n, 1)
+    return 1 << (n - 1).bit_length() if n <= 8 else -(-n // 8) * 8
+
+
+def close_capacity(tokens: int, seqs: int, ratio: int) -> int:
+    """How many compression windows a step of `tokens` tokens over `seqs` sequences can close: a
+    sequence's n consecutive tokens close at most n // ratio + 1 windows."""
+    return min(tokens, tokens // ratio + seqs)
 
 
 @dataclass
-class CompressorStep:
-    """Addresses for one compressor kind (CSA or HCA) in one step.
+class StepBatch:
+    """One engine step, flattened over its sequences: T tokens (a bucket), B sequence rows (a bucket).
 
-    state_write [T]: where each new token's projections go in the state pool.
-    close_read [C, S] / close_valid [C, S]: for each of the C windows this step closes, the state
-    rows pooled into its entry; close_write [C]: the entry's slot; close_position [C]: the entry's
-    rope position (first token of its window).
-    entry_read [T, N] / entry_valid [T, N]: the entries each query may attend to (or score).
+    input_ids [T], positions [T]; query_start [B + 1]: row b's tokens are [query_start[b],
+    query_start[b + 1]); block_tables: per pool, [B, M] physical block of each logical block (M a
+    bucket of the step's longest table); sample_index [R]: the tokens whose final hidden states the
+    forward returns (a bucket; None returns all T).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    query_start: torch.Tensor
+    block_tables: dict[str, torch.Tensor]
+    block_size: int
+    sample_index: torch.Tensor | None = None
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape, by name: two batches with equal shapes share a captured graph."""
+        tensors = {"input_ids": self.input_ids, "positions": self.positions, "query_start": self.query_start,
+                   "sample_index": self.sample_index,
+                   **{f"table/{pool}": table for pool, table in self.block_tables.items()}}
+        return {name: tuple(t.shape) for name, t in tensors.items() if t is not None}
+
+    def to(self, device: torch.device, extra: dict[str, torch.Tensor] | None = None
+           ) -> tuple["StepBatch", dict[str, torch.Tensor]]:
+        """This batch, and the `extra` host tensors, on `device` in one copy (`deepinfer.transfer`)."""
+        flat = {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+        flat.update({f"table/{pool}": table for pool, table in self.block_tables.items()})
+        extra = extra or {}
+        flat.update({f"extra/{name}": tensor for name, tensor in extra.items()})
+        moved = upload(flat, device)
+        batch = StepBatch(
+            input_ids=moved["input_ids"], positions=moved["positions"], query_start=moved["query_start"],
+            block_tables={pool: moved[f"table/{pool}"] for pool in self.block_tables},
+            block_size=self.block_size, sample_index=moved.get("sample_index"),
+        )
+        return batch, {name: moved[f"extra/{name}"] for name in extra}
+
+
+@dataclass
+class CompressorAddresses:
+    """Cache rows one compressor kind (CSA or HCA) touches in one step; C = `close_capacity`.
+
+    state_write [T]: where each token's projections go in the state pool.
+    close_read [C, S] / close_valid [C, S]: the state rows pooled into each window the step may close
+    (S = 2 * ratio with overlap, else ratio); close_write [C]: the entry's slot (the null block for
+    capacity the step does not use); close_position [C]: the entry's rope position.
+    entry_read [T, E] / entry_valid [T, E]: the entries each token may attend to (or score).
     """
 
     state_write: torch.Tensor
@@ -36,27 +100,81 @@ class CompressorStep:
 
 
 @dataclass
-class StepBatch:
-    """One engine step, flattened over the scheduled sequences (T tokens in all)."""
+class CacheAddresses:
+    """Physical cache rows (`block * block_size + offset`) of one step, computed on the device from a
+    `StepBatch`: window_write [T]; window_read / window_valid [T, sliding_window]; per compressor kind
+    a `CompressorAddresses`."""
 
-    input_ids: torch.Tensor
-    positions: torch.Tensor
     window_write: torch.Tensor
     window_read: torch.Tensor
     window_valid: torch.Tensor
-    compressors: dict[str, CompressorStep] = field(default_factory=dict)
-    sample_index: torch.Tensor | None = None
+    compressors: dict[str, CompressorAddresses] = field(default_factory=dict)
 
-    def to(self, device: torch.device, extra: dict[str, torch.Tensor] | None = None
-           ) -> tuple["StepBatch", dict[str, torch.Tensor]]:
-        """This batch, and the `extra` host tensors, on `device` in one copy (`deepinfer.transfer`)."""
-        flat = {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
-        for kind, step in self.compressors.items():
-            flat.update({f"{kind}/{f.name}": getattr(step, f.name) for f in fields(step)})
-        extra = extra or {}
-        flat.update({f"extra/{name}": tensor for name, tensor in extra.items()})
-        moved = upload(flat, device)
-        compressors = {kind: CompressorStep(**{f.name: moved[f"{kind}/{f.name}"] for f in fields(CompressorStep)})
-                       for kind in self.compressors}
-        own = {f.name: moved.get(f.name) for f in fields(self) if f.name != "compressors"}
-        return StepBatch(**own, compressors=compressors), {name: moved[f"extra/{name}"] for name in extra}
+    @classmethod
+    def of(cls, batch: StepBatch, config: ModelConfig) -> "CacheAddresses":
+        tokens = batch.positions.shape[0]
+        index = torch.arange(tokens, device=batch.positions.device)
+        real = index < batch.query_start[-1]
+        rows_of = batch.query_start.shape[0] - 1
+        seq = (torch.searchsorted(batch.query_start, index, right=True) - 1).clamp(0, rows_of - 1)
+        pos = batch.positions
+        paged = _Paged(batch, seq, real)
+        window = config.sliding_window
+        read = pos.unsqueeze(1) - window + 1 + torch.arange(window, device=pos.device)
+        addresses = cls(
+            window_write=paged.write("window", pos),
+            window_read=paged.slots("window", seq.unsqueeze(1), read),
+            window_valid=read >= 0,
+        )
+        for layer_type, prefix in POOL_PREFIX.items():
+            if layer_type in config.layer_types:
+                addresses.compressors[layer_type] = _compressor_addresses(
+                    paged, prefix, config.compress_rates[layer_type], layer_type == CSA, rows_of)
+        return addresses
+
+
+class _Paged:
+    """Slot arithmetic over one step's block tables."""
+
+    def __init__(self, batch: StepBatch, seq: torch.Tensor, real: torch.Tensor) -> None:
+        self.batch, self.seq, self.real = batch, seq, real
+        self.null_slot = NULL_BLOCK * batch.block_size
+
+    def slots(self, pool: str, seq: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Physical rows of logical `rows` of sequence rows `seq` (broadcast). Rows outside the table
+        are clamped into it: callers mask what they read there and never write there."""
+        table, size = self.batch.block_tables[pool], self.batch.block_size
+        rows = rows.clamp(0, table.shape[1] * size - 1)
+        return table[seq, rows // size] * size + rows % size
+
+    def write(self, pool: str, rows: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Slots where each token writes logical row `rows[t]`; padding tokens (and, with `keep`, the
+        tokens it masks out) write to the null block."""
+        keep = self.real if keep is None else keep & self.real
+        return torch.where(keep, self.slots(pool, self.seq, rows), self.null_slot)
+
+
+def _compressor_addresses(paged: _Paged, prefix: str, ratio: int, overlap: bool, rows_of: int) -> CompressorAddresses:
+    state, entries = f"{prefix}_state", f"{prefix}_entries"
+    pos = paged.batch.positions
+    device = pos.device
+    closes = paged.real & ((pos + 1) % ratio == 0)
+    capacity = close_capacity(pos.shape[0], rows_of, ratio)
+    # the closing tokens first, in token order (a fixed-shape compaction: no host read of how many)
+    token = torch.sort((~closes).to(torch.int32), stable=True).indices[:capacity]
+    window = pos[token] // ratio
+    first = window * ratio - (ratio if overlap else 0)
+    span = torch.arange(2 * ratio if overlap else ratio, device=device)
+    read = first.unsqueeze(1) + span
+    used = closes[token]
+    width = paged.batch.block_tables[entries].shape[1] * paged.batch.block_size
+    entry = torch.arange(width, device=device).expand(pos.shape[0], width)
+    return CompressorAddresses(
+        state_write=paged.write(state, pos),
+        close_read=paged.slots(state, paged.seq[token].unsqueeze(1), read),
+        close_valid=(read >= 0) & used.unsqueeze(1),
+        close_write=torch.where(used, paged.slots(entries, paged.seq[token], window), paged.null_slot),
+        close_position=window * ratio,
+        entry_read=paged.slots(entries, paged.seq.unsqueeze(1), entry),
+        entry_valid=entry < ((pos + 1) // ratio).unsqueeze(1),
+    )

@@ -11,7 +11,7 @@ from torch import nn
 
 from deepinfer.config import SLIDING, ModelConfig
 from deepinfer.model.attention import Attention
-from deepinfer.model.batch import StepBatch
+from deepinfer.model.batch import CacheAddresses, StepBatch
 from deepinfer.model.hyper import HyperHead, HyperMix, expand
 from deepinfer.model.layers import Linear, RMSNorm, empty
 from deepinfer.model.moe import MoE
@@ -38,13 +38,14 @@ class Block(nn.Module):
         self.mix = HyperMix(config, ops)
 
     def forward(
-        self, streams: torch.Tensor, batch: StepBatch, cache: dict[str, torch.Tensor],
-        rope: tuple[torch.Tensor, torch.Tensor], compress_rope: RotaryTable,
+        self, streams: torch.Tensor, input_ids: torch.Tensor, addresses: CacheAddresses,
+        cache: dict[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor], compress_rope: RotaryTable,
     ) -> torch.Tensor:
         post, comb, x = self.mix(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
-        streams = expand(self.ops, post, comb, self.attn(self.attn_norm(x), batch, cache, rope, compress_rope), streams)
+        attended = self.attn(self.attn_norm(x), addresses, cache, rope, compress_rope)
+        streams = expand(self.ops, post, comb, attended, streams)
         post, comb, x = self.mix(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
-        return expand(self.ops, post, comb, self.ffn(self.ffn_norm(x), batch.input_ids), streams)
+        return expand(self.ops, post, comb, self.ffn(self.ffn_norm(x), input_ids), streams)
 
 
 class Backbone(nn.Module):
@@ -77,13 +78,15 @@ class DeepseekV4(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: StepBatch, caches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Runs every token of the step through the layers (writing their cache rows) and returns the
-        final hidden states [R, hidden] of the rows listed in `batch.sample_index` (all when None)."""
+        final hidden states [R, hidden] of the rows listed in `batch.sample_index` (all when None).
+        Shapes follow the batch's buckets only, and nothing is read back to the host."""
+        addresses = CacheAddresses.of(batch, self.config)
         x = self.model.embed_tokens(batch.input_ids)
         streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
         ropes = {"main": self.main_rope(batch.positions), "compress": self.compress_rope(batch.positions)}
         for block, cache in zip(self.model.layers, caches):
             rope = ropes["main" if block.attn.layer_type == SLIDING else "compress"]
-            streams = block(streams, batch, cache, rope, self.compress_rope)
+            streams = block(streams, batch.input_ids, addresses, cache, rope, self.compress_rope)
         if batch.sample_index is not None:
             streams = streams[batch.sample_index]
         return self.model.norm(self.model.hc_head(streams))

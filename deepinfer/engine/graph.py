@@ -1,0 +1,49 @@
+"""A model forward captured as a CUDA graph for one step bucket, replayed for other steps of it.
+
+The step metadata's shapes depend only on its buckets (`deepinfer.model.batch`) and the forward
+reads nothing back to the host, so one capture serves every step whose `StepBatch` has the same
+shapes: `replay` copies the new step's values into the captured inputs and relaunches the recorded
+kernels, which read and write the same cache pools.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.model import DeepseekV4, StepBatch
+
+
+class StepGraph:
+    """`model`'s forward over `caches` for steps shaped like `batch` (a device batch), as a CUDA graph.
+
+    Capturing runs the forward once eagerly first (kernels compile and autotune outside the
+    capture); that run writes `batch`'s cache rows, as the step itself would.
+    """
+
+    def __init__(self, model: DeepseekV4, caches: list[dict[str, torch.Tensor]], batch: StepBatch) -> None:
+        self.batch = batch
+        self.shapes = batch.shapes()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            model(batch, caches)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.hidden = model(batch, caches)
+
+    def fits(self, batch: StepBatch) -> bool:
+        return batch.shapes() == self.shapes and batch.block_size == self.batch.block_size
+
+    def replay(self, batch: StepBatch) -> torch.Tensor:
+        """The forward of `batch` (same shapes as the captured one): the hidden states it returns,
+        in a buffer the next replay overwrites."""
+        if not self.fits(batch):
+            raise ValueError(f"a step shaped {batch.shapes()} does not fit the graph captured for {self.shapes}")
+        for name in ("input_ids", "positions", "query_start", "sample_index"):
+            if getattr(batch, name) is not None:
+                getattr(self.batch, name).copy_(getattr(batch, name))
+        for pool, table in batch.block_tables.items():
+            self.batch.block_tables[pool].copy_(table)
+        self.graph.replay()
+        return self.hidden
