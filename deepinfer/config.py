@@ -102,10 +102,10 @@ class ModelConfig:
             if name == "extra":
                 continue
             if name not in raw:
-                if _is_required(f):
+                if is_required(f):
                     raise ConfigError(f"{source}: required field '{name}' is missing")
                 continue
-            values[name] = _check_type(source, name, raw[name], _FIELD_TYPES[name])
+            values[name] = check_field(source, name, raw[name], _FIELD_TYPES[name])
         extra = {k: v for k, v in raw.items() if k not in known and k != "qk_rope_head_dim"}
         config = cls(**values, extra=extra)
         config._validate(source)
@@ -199,7 +199,7 @@ class ModelConfig:
         return inv_freq, float(attention_factor)
 
 
-def _is_required(f) -> bool:
+def is_required(f) -> bool:
     return f.default is MISSING and f.default_factory is MISSING
 
 
@@ -220,7 +220,7 @@ _FIELD_TYPES = {
 }
 
 
-def _check_type(source: str, name: str, value, expected: str):
+def check_field(source: str, name: str, value, expected: str):
     def is_int(v) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
 
@@ -230,6 +230,7 @@ def _check_type(source: str, name: str, value, expected: str):
         _BOOL: lambda v: isinstance(v, bool),
         _STR: lambda v: isinstance(v, str),
         "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+        "list[int]": lambda v: isinstance(v, list) and all(is_int(x) for x in v),
         "dict": lambda v: isinstance(v, dict),
         "int|null": lambda v: v is None or is_int(v),
         "int|list[int]|null": lambda v: v is None or is_int(v) or (isinstance(v, list) and all(is_int(x) for x in v)),
