@@ -13,8 +13,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e .
 	touch $@
 
+# NeMo AutoModel is the V4.1 oracle (transformers has no V4.1 class); its wheel pins a training
+# stack the forward does not need, so it goes in without dependencies (see deepinfer/ARCHITECTURE.md).
+NEMO_AUTOMODEL := nemo-automodel==0.7.0
+
 $(VENV)/.dev-installed: $(VENV)/.installed
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps $(NEMO_AUTOMODEL)
 	touch $@
 
 install: $(VENV)/.installed
