@@ -20,7 +20,7 @@ from audit.store import read_run
 from deepinfer import LLM, SamplingParams
 from deepinfer import cli as engine_cli
 from deepinfer.checkpoint import preset_config
-from deepinfer.engine.cache import CACHE_MEMORY_FRACTION, cache_bytes, cache_memory, default_max_model_len, pool_specs
+from deepinfer.engine.cache import CACHE_MEMORY_FRACTION, cache_bytes, cache_memory, default_max_model_len
 from deepinfer.engine.config import EngineConfig, config_from_flags
 from deepinfer.errors import DeepInferError
 from deepinfer.model import DeepseekV4
@@ -58,7 +58,7 @@ def specs_of(preset: str) -> tuple[list, int, int]:
     """The cache pools of a preset (built on the meta device: no weights), its positions, its itemsize."""
     config = preset_config(preset)
     dtype = torch.bfloat16 if config.extra["dtype"] == "bfloat16" else torch.float32
-    specs = pool_specs(config, DeepseekV4(config, kernels.bind("batch_invariant", "cpu"), dtype, device="meta").cache_widths())
+    specs = DeepseekV4(config, kernels.bind("batch_invariant", "cpu"), dtype, device="meta").pools
     return specs, config.max_position_embeddings, dtype.itemsize
 
 

@@ -1,12 +1,16 @@
 """Paged cache pools and per-sequence block tables.
 
-Five kinds of rows are cached, each in its own pool of fixed-size blocks:
+Three kinds of rows are cached, each kind in pools of fixed-size blocks; which pools exist is the
+model's call (`pool_specs()`, see `deepinfer.model.batch.PoolSpec`):
 
 - `window`: every layer's sliding-window KV, one row per token; rows older than the window are freed.
-- `csa_state` / `hca_state`: the compressor's per-token projections (its partial state), kept only
-  until the windows they feed are closed (CSA keeps one extra window for the overlap).
-- `csa_entries` / `hca_entries`: compressed rows (CSA: KV + indexer key), one per closed window,
-  kept for the life of the sequence.
+- `state`: a compressor's per-token projections (its partial state), kept only until the windows
+  they feed are closed (an overlapping compressor keeps one extra window).
+- `entries`: compressed rows (KV, and the indexer's key where there is one), one per closed
+  window, kept for the life of the sequence.
+
+V4 has `window`, `csa_state`/`csa_entries` and `hca_state`/`hca_entries` (one row per CSA or HCA
+layer); V4.1 has `window` and, per KV-source layer s, `src{s}_entries` and (ratio 2) `src{s}_state`.
 
 A block table maps a sequence's logical block i (rows [i*B, (i+1)*B) of that kind) to a physical
 block; freed entries point at the null block (block 0 of every pool, never handed out: see
@@ -25,55 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepinfer.config import CSA, ModelConfig
 from deepinfer.errors import DeepInferError
-from deepinfer.model import NULL_BLOCK, POOL_PREFIX
+from deepinfer.model import NULL_BLOCK, PoolSpec
 CACHE_MEMORY_FRACTION = 0.5  # of the memory left once the weights are loaded (see `cache_memory`)
-
-
-@dataclass(frozen=True)
-class PoolSpec:
-    name: str
-    kind: str  # "window" | "state" | "entries"
-    layers: tuple[int, ...]
-    width: int
-    ratio: int = 1
-    window: int = 0
-    overlap: bool = False
-
-    def rows_for(self, end: int) -> int:
-        """Rows that exist once tokens [0, end) are computed."""
-        return end // self.ratio if self.kind == "entries" else end
-
-    def first_kept_row(self, next_pos: int) -> int:
-        """Oldest row a step starting at token `next_pos` can still read."""
-        if self.kind == "window":
-            return max(0, next_pos - self.window + 1)
-        if self.kind == "state":
-            start = (next_pos // self.ratio) * self.ratio
-            return max(0, start - (self.ratio if self.overlap else 0))
-        return 0
-
-    def max_blocks_per_seq(self, max_model_len: int, max_step_tokens: int, block_size: int) -> int:
-        if self.kind == "entries":
-            return math.ceil(self.rows_for(max_model_len) / block_size) + 1
-        back = self.window - 1 if self.kind == "window" else self.ratio * (2 if self.overlap else 1)
-        return math.ceil((back + min(max_step_tokens, max_model_len)) / block_size) + 1
-
-
-def pool_specs(config: ModelConfig, widths: list[dict[str, int]]) -> list[PoolSpec]:
-    """The pools a model needs, from its layer types and each layer's row widths."""
-    specs = [PoolSpec("window", "window", tuple(range(config.num_hidden_layers)), config.head_dim,
-                      window=config.sliding_window)]
-    for layer_type, prefix in POOL_PREFIX.items():
-        layers = tuple(i for i, t in enumerate(config.layer_types) if t == layer_type)
-        if not layers:
-            continue
-        ratio = config.compress_rates[layer_type]
-        overlap = layer_type == CSA
-        for kind in ("state", "entries"):
-            specs.append(PoolSpec(f"{prefix}_{kind}", kind, layers, widths[layers[0]][kind], ratio, overlap=overlap))
-    return specs
 
 
 def step_budget(max_num_batched_tokens: int, max_model_len: int, chunked_prefill: bool) -> int:
@@ -153,8 +111,7 @@ class CacheManager:
 
     def __init__(
         self,
-        config: ModelConfig,
-        widths: list[dict[str, int]],
+        specs: list[PoolSpec],
         *,
         max_num_seqs: int,
         max_model_len: int,
@@ -165,7 +122,7 @@ class CacheManager:
         device: torch.device | str,
     ) -> None:
         self.block_size = block_size
-        self.specs = {spec.name: spec for spec in pool_specs(config, widths)}
+        self.specs = {spec.name: spec for spec in specs}
         self.storage: dict[str, torch.Tensor] = {}
         self.free_blocks: dict[str, list[int]] = {}
         self.num_blocks: dict[str, int] = {}
@@ -177,10 +134,11 @@ class CacheManager:
                 len(spec.layers), (count + 1) * block_size, spec.width, dtype=dtype, device=device
             )
             self.free_blocks[spec.name] = [b for b in range(count, -1, -1) if b != NULL_BLOCK]
-        self.layer_views = self._layer_views(config)
+        self.layer_views = self._layer_views()
 
-    def _layer_views(self, config: ModelConfig) -> list[dict[str, torch.Tensor]]:
-        views: list[dict[str, torch.Tensor]] = [{} for _ in range(config.num_hidden_layers)]
+    def _layer_views(self) -> list[dict[str, torch.Tensor]]:
+        """Per layer, its rows of each pool it owns, by pool kind."""
+        views: list[dict[str, torch.Tensor]] = [{} for _ in range(1 + max(max(s.layers) for s in self.specs.values()))]
         for spec in self.specs.values():
             for slot, layer in enumerate(spec.layers):
                 views[layer][spec.kind] = self.storage[spec.name][slot]

@@ -17,7 +17,7 @@ import kernels
 from kernels.cpu_isa import CpuIsaError, check_cpu_isa
 from deepinfer.checkpoint import default_checkpoint, load_checkpoint, preset_config, random_tensors
 from deepinfer.config import ModelConfig
-from deepinfer.engine.cache import CacheManager, cache_memory, default_max_model_len, pool_specs, step_budget
+from deepinfer.engine.cache import CacheManager, cache_memory, default_max_model_len, step_budget
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.output import OutputProcessor
 from deepinfer.engine.runner import ModelRunner
@@ -103,7 +103,7 @@ class LLM:
         self.max_num_batched_tokens = step_budget(config.max_num_batched_tokens, self.max_model_len,
                                                   config.enable_chunked_prefill)
         self.cache = CacheManager(
-            model_config, self.model.cache_widths(), max_num_seqs=config.max_num_seqs,
+            self.model.pools, max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len, max_step_tokens=self.max_num_batched_tokens,
             num_blocks=config.num_cache_blocks, block_size=config.block_size, dtype=self.dtype, device=self.device,
         )
@@ -120,7 +120,7 @@ class LLM:
         weights = itertools.chain(self.model.parameters(), self.model.buffers())
         weight_bytes = sum(t.numel() * t.element_size() for t in weights)
         return default_max_model_len(
-            pool_specs(self.config, self.model.cache_widths()), self.config.max_position_embeddings,
+            self.model.pools, self.config.max_position_embeddings,
             cache_memory(self.device, weight_bytes), max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, chunked_prefill=config.enable_chunked_prefill,
             block_size=config.block_size, itemsize=self.dtype.itemsize,

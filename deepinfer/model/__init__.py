@@ -1,4 +1,4 @@
-from deepinfer.model.batch import NULL_BLOCK, POOL_PREFIX, StepBatch, bucket
+from deepinfer.model.batch import NULL_BLOCK, PoolSpec, StepBatch, bucket
 from deepinfer.model.transformer import DeepseekV4
 
-__all__ = ["DeepseekV4", "NULL_BLOCK", "POOL_PREFIX", "StepBatch", "bucket"]
+__all__ = ["DeepseekV4", "NULL_BLOCK", "PoolSpec", "StepBatch", "bucket"]

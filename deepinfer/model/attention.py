@@ -18,6 +18,8 @@ from deepinfer.model.layers import Linear, RMSNorm, empty
 from deepinfer.model.rope import RotaryTable
 from kernels import Ops
 
+POOL_PREFIX = {CSA: "csa", HCA: "hca"}  # pool names of each compressed layer type: {prefix}_state, {prefix}_entries
+
 
 class Compressor(nn.Module):
     """Gated pooling of token projections into one entry per window (`wkv`, `wgate`, `ape`).
@@ -145,7 +147,7 @@ class Attention(nn.Module):
         keys = [window[addresses.window_read]]
         valid = [addresses.window_valid]
         if self.layer_type != SLIDING:
-            step = addresses.compressors[self.layer_type]
+            step = addresses.compressors[POOL_PREFIX[self.layer_type]]
             entry_keys, entry_valid = self._compressed_entries(x, q_residual, step, cache, rope, compress_rope)
             keys.append(entry_keys)
             valid.append(entry_valid)

@@ -15,15 +15,14 @@ ever reads it as an invalid (masked) key.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 import torch
 
-from deepinfer.config import CSA, HCA, ModelConfig
 from deepinfer.transfer import upload
 
 NULL_BLOCK = 0
-POOL_PREFIX = {CSA: "csa", HCA: "hca"}
 
 
 def bucket(n: int) -> int:
@@ -37,6 +36,44 @@ def close_capacity(tokens: int, seqs: int, ratio: int) -> int:
     """How many compression windows a step of `tokens` tokens over `seqs` sequences can close: a
     sequence's n consecutive tokens close at most n // ratio + 1 windows."""
     return min(tokens, tokens // ratio + seqs)
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """One cache pool: `kind` "window" (one row per token), "state" (a compressor's per-token
+    projections) or "entries" (one row per closed window of `ratio` tokens); `layers` own a slice
+    of it each. A compressor's two pools are named `{prefix}_state` and `{prefix}_entries`."""
+
+    name: str
+    kind: str
+    layers: tuple[int, ...]
+    width: int
+    ratio: int = 1
+    window: int = 0
+    overlap: bool = False
+
+    @property
+    def prefix(self) -> str:
+        return self.name.rsplit("_", 1)[0]
+
+    def rows_for(self, end: int) -> int:
+        """Rows that exist once tokens [0, end) are computed."""
+        return end // self.ratio if self.kind == "entries" else end
+
+    def first_kept_row(self, next_pos: int) -> int:
+        """Oldest row a step starting at token `next_pos` can still read."""
+        if self.kind == "window":
+            return max(0, next_pos - self.window + 1)
+        if self.kind == "state":
+            start = (next_pos // self.ratio) * self.ratio
+            return max(0, start - (self.ratio if self.overlap else 0))
+        return 0
+
+    def max_blocks_per_seq(self, max_model_len: int, max_step_tokens: int, block_size: int) -> int:
+        if self.kind == "entries":
+            return math.ceil(self.rows_for(max_model_len) / block_size) + 1
+        back = self.window - 1 if self.kind == "window" else self.ratio * (2 if self.overlap else 1)
+        return math.ceil((back + min(max_step_tokens, max_model_len)) / block_size) + 1
 
 
 @dataclass
@@ -81,29 +118,32 @@ class StepBatch:
 
 @dataclass
 class CompressorAddresses:
-    """Cache rows one compressor kind (CSA or HCA) touches in one step; C = `close_capacity`.
+    """Cache rows one compressor touches in one step; C = `close_capacity`.
 
-    state_write [T]: where each token's projections go in the state pool.
-    close_read [C, S] / close_valid [C, S]: the state rows pooled into each window the step may close
-    (S = 2 * ratio with overlap, else ratio); close_write [C]: the entry's slot (the null block for
-    capacity the step does not use); close_position [C]: the entry's rope position.
+    close_token [C]: the step's tokens that close a window, first, in token order (then tokens
+    that do not, as padding); close_write [C]: each window's entry slot (the null block for the
+    padding); close_position [C]: the entry's rope position (its window's first token).
     entry_read [T, E] / entry_valid [T, E]: the entries each token may attend to (or score).
+    With a state pool (a compressor that pools more than one token): state_write [T], where each
+    token's projections go; close_read [C, S] / close_valid [C, S], the state rows pooled into each
+    window (S = 2 * ratio with overlap, else ratio).
     """
 
-    state_write: torch.Tensor
-    close_read: torch.Tensor
-    close_valid: torch.Tensor
+    close_token: torch.Tensor
     close_write: torch.Tensor
     close_position: torch.Tensor
     entry_read: torch.Tensor
     entry_valid: torch.Tensor
+    state_write: torch.Tensor | None = None
+    close_read: torch.Tensor | None = None
+    close_valid: torch.Tensor | None = None
 
 
 @dataclass
 class CacheAddresses:
     """Physical cache rows (`block * block_size + offset`) of one step, computed on the device from a
-    `StepBatch`: window_write [T]; window_read / window_valid [T, sliding_window]; per compressor kind
-    a `CompressorAddresses`."""
+    `StepBatch`: window_write [T]; window_read / window_valid [T, sliding_window]; per compressor
+    (keyed by its pools' prefix) a `CompressorAddresses`."""
 
     window_write: torch.Tensor
     window_read: torch.Tensor
@@ -111,7 +151,9 @@ class CacheAddresses:
     compressors: dict[str, CompressorAddresses] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, batch: StepBatch, config: ModelConfig) -> "CacheAddresses":
+    def of(cls, batch: StepBatch, pools: list[PoolSpec]) -> "CacheAddresses":
+        """The addresses of every pool in `pools` (a model's `pool_specs()`); compressors are keyed by
+        their pools' prefix."""
         tokens = batch.positions.shape[0]
         index = torch.arange(tokens, device=batch.positions.device)
         real = index < batch.query_start[-1]
@@ -119,17 +161,16 @@ class CacheAddresses:
         seq = (torch.searchsorted(batch.query_start, index, right=True) - 1).clamp(0, rows_of - 1)
         pos = batch.positions
         paged = _Paged(batch, seq, real)
-        window = config.sliding_window
+        window = next(spec.window for spec in pools if spec.kind == "window")
         read = pos.unsqueeze(1) - window + 1 + torch.arange(window, device=pos.device)
         addresses = cls(
             window_write=paged.write("window", pos),
             window_read=paged.slots("window", seq.unsqueeze(1), read),
             window_valid=read >= 0,
         )
-        for layer_type, prefix in POOL_PREFIX.items():
-            if layer_type in config.layer_types:
-                addresses.compressors[layer_type] = _compressor_addresses(
-                    paged, prefix, config.compress_rates[layer_type], layer_type == CSA, rows_of)
+        for spec in pools:
+            if spec.kind == "entries":
+                addresses.compressors[spec.prefix] = _compressor_addresses(paged, spec, rows_of)
         return addresses
 
 
@@ -154,8 +195,9 @@ class _Paged:
         return torch.where(keep, self.slots(pool, self.seq, rows), self.null_slot)
 
 
-def _compressor_addresses(paged: _Paged, prefix: str, ratio: int, overlap: bool, rows_of: int) -> CompressorAddresses:
-    state, entries = f"{prefix}_state", f"{prefix}_entries"
+def _compressor_addresses(paged: _Paged, entries: PoolSpec, rows_of: int) -> CompressorAddresses:
+    """Addresses of one compressor (its entries pool, and its state pool when it has one)."""
+    state, ratio, overlap = f"{entries.prefix}_state", entries.ratio, entries.overlap
     pos = paged.batch.positions
     device = pos.device
     closes = paged.real & ((pos + 1) % ratio == 0)
@@ -163,18 +205,20 @@ def _compressor_addresses(paged: _Paged, prefix: str, ratio: int, overlap: bool,
     # the closing tokens first, in token order (a fixed-shape compaction: no host read of how many)
     token = torch.sort((~closes).to(torch.int32), stable=True).indices[:capacity]
     window = pos[token] // ratio
-    first = window * ratio - (ratio if overlap else 0)
-    span = torch.arange(2 * ratio if overlap else ratio, device=device)
-    read = first.unsqueeze(1) + span
     used = closes[token]
-    width = paged.batch.block_tables[entries].shape[1] * paged.batch.block_size
+    width = paged.batch.block_tables[entries.name].shape[1] * paged.batch.block_size
     entry = torch.arange(width, device=device).expand(pos.shape[0], width)
-    return CompressorAddresses(
-        state_write=paged.write(state, pos),
-        close_read=paged.slots(state, paged.seq[token].unsqueeze(1), read),
-        close_valid=(read >= 0) & used.unsqueeze(1),
-        close_write=torch.where(used, paged.slots(entries, paged.seq[token], window), paged.null_slot),
+    addresses = CompressorAddresses(
+        close_token=token,
+        close_write=torch.where(used, paged.slots(entries.name, paged.seq[token], window), paged.null_slot),
         close_position=window * ratio,
-        entry_read=paged.slots(entries, paged.seq.unsqueeze(1), entry),
+        entry_read=paged.slots(entries.name, paged.seq.unsqueeze(1), entry),
         entry_valid=entry < ((pos + 1) // ratio).unsqueeze(1),
     )
+    if state in paged.batch.block_tables:
+        first = window * ratio - (ratio if overlap else 0)
+        read = first.unsqueeze(1) + torch.arange(2 * ratio if overlap else ratio, device=device)
+        addresses.state_write = paged.write(state, pos)
+        addresses.close_read = paged.slots(state, paged.seq[token].unsqueeze(1), read)
+        addresses.close_valid = (read >= 0) & used.unsqueeze(1)
+    return addresses

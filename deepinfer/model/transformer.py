@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.config import SLIDING, ModelConfig
-from deepinfer.model.attention import Attention
-from deepinfer.model.batch import CacheAddresses, StepBatch
+from deepinfer.config import CSA, SLIDING, ModelConfig
+from deepinfer.model.attention import POOL_PREFIX, Attention
+from deepinfer.model.batch import CacheAddresses, PoolSpec, StepBatch
 from deepinfer.model.hyper import HyperHead, HyperMix, expand
 from deepinfer.model.layers import Linear, RMSNorm, empty
 from deepinfer.model.moe import MoE
@@ -71,16 +71,30 @@ class DeepseekV4(nn.Module):
         self.head = Linear(config.hidden_size, config.vocab_size, ops, dtype, device)
         self.main_rope = RotaryTable(config, ops, "main")
         self.compress_rope = RotaryTable(config, ops, "compress")
+        self.pools = self.pool_specs()
 
-    def cache_widths(self) -> list[dict[str, int]]:
-        return [dict(block.attn.cache_widths(), window=self.config.head_dim) for block in self.model.layers]
+    def pool_specs(self) -> list[PoolSpec]:
+        """The cache pools: every layer's window, and per compressed layer type (CSA, HCA) a state and
+        an entries pool with one slice per layer of that type."""
+        config = self.config
+        specs = [PoolSpec("window", "window", tuple(range(config.num_hidden_layers)), config.head_dim,
+                          window=config.sliding_window)]
+        for layer_type, prefix in POOL_PREFIX.items():
+            layers = tuple(i for i, t in enumerate(config.layer_types) if t == layer_type)
+            if not layers:
+                continue
+            widths = self.model.layers[layers[0]].attn.cache_widths()
+            for kind in ("state", "entries"):
+                specs.append(PoolSpec(f"{prefix}_{kind}", kind, layers, widths[kind],
+                                      config.compress_rates[layer_type], overlap=layer_type == CSA))
+        return specs
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, caches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Runs every token of the step through the layers (writing their cache rows) and returns the
         final hidden states [R, hidden] of the rows listed in `batch.sample_index` (all when None).
         Shapes follow the batch's buckets only, and nothing is read back to the host."""
-        addresses = CacheAddresses.of(batch, self.config)
+        addresses = CacheAddresses.of(batch, self.pools)
         x = self.model.embed_tokens(batch.input_ids)
         streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
         ropes = {"main": self.main_rope(batch.positions), "compress": self.compress_rope(batch.positions)}
