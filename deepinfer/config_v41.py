@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from deepinfer.config import ConfigError, check_field, is_required
 
 MODEL_TYPE = "deepseek_v41"
@@ -138,6 +140,28 @@ class V41Config:
                 uses_candidates=indexes and 0 <= candidate < layer, engram=engram,
             ))
         return roles
+
+    def rope_inv_freq(self, label: str) -> tuple[torch.Tensor, float]:
+        """Inverse frequencies (one per interleaved pair of the last `qk_rope_head_dim` channels) and
+        the cos/sin scale for `main` (window-only layers: `rope_theta`, unscaled) or `compress`
+        (compressed layers, their entries and the indexer: `compress_rope_theta` with YaRN's
+        frequency ramp and no magnitude factor). The arithmetic follows the reference's order, so
+        the angles agree bit for bit (they feed cache quantizers, where one ulp can flip a code)."""
+        dim = self.qk_rope_head_dim
+        theta = self.compress_rope_theta if label == "compress" else self.rope_theta
+        freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        if label != "compress":
+            return freqs, 1.0
+        scaling = self.rope_scaling
+        original, factor = float(scaling["original_max_position_embeddings"]), float(scaling["factor"])
+
+        def bound(beta: float) -> float:
+            return dim * math.log(original / (beta * 2 * math.pi)) / (2 * math.log(theta))
+
+        low = max(math.floor(bound(float(scaling["beta_fast"]))), 0)
+        high = min(math.ceil(bound(float(scaling["beta_slow"]))), dim - 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        return freqs / factor * ramp + freqs * (1 - ramp), 1.0
 
     def to_dict(self) -> dict:
         """The released `config.json` layout (nested `text_config`)."""

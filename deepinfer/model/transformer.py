@@ -58,7 +58,51 @@ class Backbone(nn.Module):
         self.hc_head = HyperHead(config, ops, device)
 
 
-class DeepseekV4(nn.Module):
+class Decoder(nn.Module):
+    """What both model families share: fp32 logits from `head`, and loading checkpoint tensors by name.
+    Subclasses set `ops`, `config`, `head`, `main_rope` and `compress_rope`."""
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden).float()
+
+    def load_tensors(
+        self, tensors: dict[str, torch.Tensor], device: torch.device | str) -> None:
+        """Take checkpoint tensors by name (stacking `ffn.experts.{e}.w{1,2,3}` per layer) as the
+        model's parameters on `device`. The weights that modules list in `MATMUL_WEIGHTS` pass
+        through `ops.matmul_layout` (the numerics mode's preferred storage order; values unchanged).
+
+        The model may be built on the meta device: parameters are replaced, not copied into.
+        Tensors are popped from `tensors` as they are consumed, so a caller that hands over its
+        only reference keeps peak memory near one model's worth.
+        """
+        n_experts = self.config.n_routed_experts
+        self.main_rope.to(device)
+        self.compress_rope.to(device)
+        entries = [(name, p, True) for name, p in self.named_parameters()]
+        entries += [(name, b, False) for name, b in self.named_buffers()]
+        for name, current, is_param in entries:
+            prefix, attr = name.rsplit(".", 1) if "." in name else ("", name)
+            if attr == "w13":
+                value = torch.stack([
+                    torch.cat([tensors.pop(f"{prefix}.{e}.w1.weight"), tensors.pop(f"{prefix}.{e}.w3.weight")])
+                    for e in range(n_experts)
+                ])
+            elif attr == "w2" and prefix.endswith("experts"):
+                value = torch.stack([tensors.pop(f"{prefix}.{e}.w2.weight") for e in range(n_experts)])
+            else:
+                value = tensors.pop(name)
+            value = value.to(device=device, dtype=current.dtype)
+            module = self.get_submodule(prefix) if prefix else self
+            if attr in getattr(module, "MATMUL_WEIGHTS", ()):
+                value = self.ops.matmul_layout(value)
+            if is_param:
+                module._parameters[attr] = nn.Parameter(value, requires_grad=False)
+            else:
+                module._buffers[attr] = value
+
+
+class DeepseekV4(Decoder):
     """Stateless over the paged caches it is handed: `forward` returns the hidden states of the rows
     the step samples or scores, `logits` turns hidden states into fp32 logits."""
 
@@ -104,42 +148,3 @@ class DeepseekV4(nn.Module):
         if batch.sample_index is not None:
             streams = streams[batch.sample_index]
         return self.model.norm(self.model.hc_head(streams))
-
-    @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden).float()
-
-    def load_tensors(
-        self, tensors: dict[str, torch.Tensor], device: torch.device | str) -> None:
-        """Take checkpoint tensors by name (stacking `ffn.experts.{e}.w{1,2,3}` per layer) as the
-        model's parameters on `device`. The weights that modules list in `MATMUL_WEIGHTS` pass
-        through `ops.matmul_layout` (the numerics mode's preferred storage order; values unchanged).
-
-        The model may be built on the meta device: parameters are replaced, not copied into.
-        Tensors are popped from `tensors` as they are consumed, so a caller that hands over its
-        only reference keeps peak memory near one model's worth.
-        """
-        n_experts = self.config.n_routed_experts
-        self.main_rope.to(device)
-        self.compress_rope.to(device)
-        entries = [(name, p, True) for name, p in self.named_parameters()]
-        entries += [(name, b, False) for name, b in self.named_buffers()]
-        for name, current, is_param in entries:
-            prefix, attr = name.rsplit(".", 1) if "." in name else ("", name)
-            if attr == "w13":
-                value = torch.stack([
-                    torch.cat([tensors.pop(f"{prefix}.{e}.w1.weight"), tensors.pop(f"{prefix}.{e}.w3.weight")])
-                    for e in range(n_experts)
-                ])
-            elif attr == "w2" and prefix.endswith("experts"):
-                value = torch.stack([tensors.pop(f"{prefix}.{e}.w2.weight") for e in range(n_experts)])
-            else:
-                value = tensors.pop(name)
-            value = value.to(device=device, dtype=current.dtype)
-            module = self.get_submodule(prefix) if prefix else self
-            if attr in getattr(module, "MATMUL_WEIGHTS", ()):
-                value = self.ops.matmul_layout(value)
-            if is_param:
-                module._parameters[attr] = nn.Parameter(value, requires_grad=False)
-            else:
-                module._buffers[attr] = value

@@ -1,0 +1,192 @@
+"""V4.1 attention (CSA2): a sliding window in every layer plus compressed entries shared across layers.
+
+A few layers own a compressor (KV sources: `full` role). Ratio 1 keeps one entry per token (its
+normalised projection); ratio r > 1 pools each non-overlapping group of r tokens (no positional
+bias, unlike V4). An entry holds the compressed KV (RoPE'd at its group's first position) and the
+indexer's key (from the pre-RoPE latent), in one row of the source's `entries` pool. Index
+sources score the entries per query and keep the top-k: `full` layers over their own keys,
+`reindex` layers over the latest KV source's keys, restricted to the candidate pool that the
+candidate-source layer picked. `reuse` layers attend to the latest source's entries at the latest
+index source's choice. The choice (`Selection`) is carried from layer to layer within a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from deepinfer.config_v41 import FULL, REINDEX, SWA, LayerRole, V41Config
+from deepinfer.model.batch import CacheAddresses, CompressorAddresses
+from deepinfer.model.layers import Linear, RMSNorm, empty
+from deepinfer.model.rope import RotaryTable
+from kernels import Ops
+
+
+def pool_prefix(kv_source: int) -> str:
+    """Pool names of a KV source's compressor: {prefix}_entries and, at ratio > 1, {prefix}_state."""
+    return f"src{kv_source}"
+
+
+@dataclass
+class Selection:
+    """The entries each token attends to, chosen by the latest index source of this step.
+
+    chosen [T, k]: positions into each token's entry list (the KV source's `entry_read`), the valid
+    ones first in ascending order; valid [T, k]; candidates [T, E]: the candidate pool, once the
+    candidate-source layer has run.
+    """
+
+    chosen: torch.Tensor
+    valid: torch.Tensor
+    candidates: torch.Tensor | None = None
+
+
+class Compressor2(nn.Module):
+    """A KV source's compressor: `wkv` (and, at ratio > 1, `wgate`) in fp32, then `norm`."""
+
+    def __init__(self, config: V41Config, ops: Ops, ratio: int, device) -> None:
+        super().__init__()
+        self.ops = ops
+        self.ratio, self.dim = ratio, config.head_dim
+        self.wkv = Linear(config.hidden_size, config.head_dim, ops, torch.float32, device)
+        if ratio > 1:
+            self.wgate = Linear(config.hidden_size, config.head_dim, ops, torch.float32, device)
+        self.norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops, device)
+
+    @property
+    def state_width(self) -> int:
+        """Width of a token's row in the state pool ([wkv | wgate]); 0 when nothing waits for a group."""
+        return 2 * self.dim if self.ratio > 1 else 0
+
+    def latents(self, x: torch.Tensor, step: CompressorAddresses, state: torch.Tensor | None) -> torch.Tensor:
+        """Write the step's state rows (ratio > 1), then the normalised pre-RoPE latent [C, dim] of
+        every group the step may close (rows for unused capacity are junk, written to the null block)."""
+        if self.ratio == 1:
+            return self.norm(self.wkv(x.float()[step.close_token]))
+        state[step.state_write] = torch.cat([self.wkv(x.float()), self.wgate(x.float())], dim=-1).to(state.dtype)
+        rows = state[step.close_read]
+        valid = step.close_valid.unsqueeze(-1)
+        values = rows[..., :self.dim].float().masked_fill(~valid, 0)
+        scores = rows[..., self.dim:].float().masked_fill(~valid, float("-inf"))
+        bias = torch.zeros(self.ratio, self.dim, device=x.device)
+        return self.norm(self.ops.window_pool(values, scores, bias).to(x.dtype))
+
+
+class Indexer2(nn.Module):
+    """Index queries (every index source) and keys (KV sources: `wk`, `k_norm` on the latent)."""
+
+    def __init__(self, config: V41Config, ops: Ops, role: LayerRole, dtype, device) -> None:
+        super().__init__()
+        self.ops = ops
+        self.role = role
+        self.n_heads, self.head_dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
+        self.block, self.top_blocks = config.candidate_block_size, config.candidate_topk_blocks
+        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, ops, dtype, device)
+        self.weights_proj = Linear(config.hidden_size, self.n_heads, ops, dtype, device)
+        if role.kind == FULL:
+            self.wk = Linear(config.head_dim, self.head_dim, ops, dtype, device)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops, device)
+
+    def keys(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.ops.rotary(self.k_norm(self.wk(latent)), cos, sin)
+
+    def select(
+        self, x: torch.Tensor, q_residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+        keys: torch.Tensor, valid: torch.Tensor, visible: torch.Tensor, carried: Selection | None,
+    ) -> Selection:
+        """Score each token's visible entries (`keys` [T, E, Di], `valid` [T, E]; `visible` [T] how
+        many it may see) and keep the top-k, inside the candidate pool once there is one."""
+        q = self.wq_b(q_residual).view(x.shape[0], self.n_heads, self.head_dim)
+        q = self.ops.rotary(q, *rope)
+        weights = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        scores = self.ops.indexer_scores(q, keys, weights, valid, 1.0)
+        candidates = carried.candidates if carried is not None else None
+        if self.role.candidate_source:
+            candidates = self._candidate_pool(scores, visible) & valid
+        elif self.role.uses_candidates:
+            scores = scores.masked_fill(~candidates, float("-inf"))
+        width = scores.shape[1]
+        chosen = self.ops.topk_indices(scores, min(self.topk, width))
+        good = scores.gather(1, chosen) > float("-inf")
+        # valid choices first, ascending; the invalid ones after (where padding cannot move them)
+        order = torch.sort(torch.where(good, chosen, chosen + width), dim=-1).values
+        good = order < width
+        return Selection(torch.where(good, order, order - width), good, candidates)
+
+    def _candidate_pool(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Blocks of `candidate_block_size` entries scored by their best entry; the block holding the
+        newest visible entry always kept; the best `candidate_topk_blocks` blocks -> mask [T, E]."""
+        width = scores.shape[1]
+        blocks = F.pad(scores, (0, -width % self.block), value=float("-inf")).unflatten(1, (-1, self.block)).amax(-1)
+        newest = ((visible - 1) // self.block).unsqueeze(1)
+        blocks = blocks.masked_fill(torch.arange(blocks.shape[1], device=scores.device) == newest, float("inf"))
+        picked = self.ops.topk_indices(blocks, min(self.top_blocks, blocks.shape[1]))
+        keep = torch.zeros_like(blocks, dtype=torch.bool).scatter(1, picked, blocks.gather(1, picked) > float("-inf"))
+        return keep.repeat_interleave(self.block, dim=1)[:, :width]
+
+
+class Attention2(nn.Module):
+    def __init__(self, config: V41Config, ops: Ops, role: LayerRole, dtype, device) -> None:
+        super().__init__()
+        self.ops = ops
+        self.role = role
+        self.n_heads, self.head_dim, self.o_groups = config.num_attention_heads, config.head_dim, config.o_groups
+        self.eps = config.rms_norm_eps
+        h = config.hidden_size
+        self.wq_a = Linear(h, config.q_lora_rank, ops, dtype, device)
+        self.q_norm = RMSNorm(config.q_lora_rank, self.eps, ops, device)
+        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, ops, dtype, device)
+        self.wkv = Linear(h, self.head_dim, ops, dtype, device)
+        self.kv_norm = RMSNorm(self.head_dim, self.eps, ops, device)
+        self.wo_a = Linear(self.n_heads * self.head_dim // self.o_groups, self.o_groups * config.o_lora_rank, ops,
+                           dtype, device)
+        self.wo_b = Linear(self.o_groups * config.o_lora_rank, h, ops, dtype, device)
+        self.attn_sink = empty(self.n_heads, dtype=torch.float32, device=device)
+        if role.kind == FULL:
+            self.compressor = Compressor2(config, ops, role.ratio, device)
+        if role.kind in (FULL, REINDEX):
+            self.indexer = Indexer2(config, ops, role, dtype, device)
+
+    def forward(
+        self, x: torch.Tensor, addresses: CacheAddresses, cache: dict[str, torch.Tensor],
+        rope: tuple[torch.Tensor, torch.Tensor], compress_rope: RotaryTable, positions: torch.Tensor,
+        selection: Selection | None,
+    ) -> tuple[torch.Tensor, Selection | None]:
+        """`cache`: this layer's `window` and its KV source's `entries` (and `state`). Returns the
+        output and the selection the next layers reuse."""
+        tokens = x.shape[0]
+        q_residual = self.q_norm(self.wq_a(x))
+        q = self.ops.rotary(self.wq_b(q_residual).view(tokens, self.n_heads, self.head_dim), *rope)
+        kv = self.ops.rotary(self.kv_norm(self.wkv(x)), *rope)
+        window = cache["window"]
+        window[addresses.window_write] = kv.to(window.dtype)
+        keys, valid = [window[addresses.window_read]], [addresses.window_valid]
+        if self.role.kind != SWA:
+            step = addresses.compressors[pool_prefix(self.role.kv_source)]
+            entries = cache["entries"]
+            if self.role.kind == FULL:
+                self._compress(x, step, entries, cache.get("state"), compress_rope)
+            if self.role.kind in (FULL, REINDEX):
+                visible = (positions + 1) // self.role.ratio
+                index_keys = entries[step.entry_read, self.head_dim:]
+                selection = self.indexer.select(x, q_residual, rope, index_keys, step.entry_valid, visible, selection)
+            keys.append(entries[step.entry_read.gather(1, selection.chosen), :self.head_dim])
+            valid.append(selection.valid)
+        out = self.ops.sink_attention(q, torch.cat(keys, dim=1), torch.cat(valid, dim=1), self.attn_sink,
+                                      self.head_dim**-0.5)
+        out = self.ops.rotary(out, rope[0], -rope[1])
+        grouped = self.ops.grouped_linear(out.reshape(tokens, self.o_groups, -1), self.wo_a.weight, self.o_groups)
+        return self.wo_b(grouped.flatten(1)), selection
+
+    def _compress(self, x: torch.Tensor, step: CompressorAddresses, entries: torch.Tensor,
+                  state: torch.Tensor | None, compress_rope: RotaryTable) -> None:
+        """Write each group the step closes as an entry: [KV RoPE'd at the group's first position |
+        the indexer's key]."""
+        latent = self.compressor.latents(x, step, state)
+        cos, sin = compress_rope(step.close_position)
+        row = torch.cat([self.ops.rotary(latent, cos, sin), self.indexer.keys(latent, cos, sin)], dim=-1)
+        entries[step.close_write] = row.to(entries.dtype)
+

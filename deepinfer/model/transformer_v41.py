@@ -1,0 +1,114 @@
+"""The DeepSeek-V4.1 decoder: embedding, blocks with single-pass hyper-connections, CSA2 attention and
+MoE, the final collapse, norm and head.
+
+Single-pass mHC: each sublayer collapses the residual streams with the `pre` coefficients computed
+by the sublayer before it (the first attention site: all weight on stream 0, the embedding) and
+hands its own `pre` on; after the last block the streams collapse with the last FFN site's `pre`.
+There is no `hc_head`. Parameter names follow the released checkpoint (`embed`, `layers.{i}.*`,
+`norm`, `head`), so loading is name for name except for the stacked routed experts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer.config_v41 import SWA, V41Config
+from deepinfer.model.batch import CacheAddresses, PoolSpec, StepBatch
+from deepinfer.model.csa2 import Attention2, Selection, pool_prefix
+from deepinfer.model.hyper import HyperMix, collapse, expand
+from deepinfer.model.layers import Linear, RMSNorm, empty
+from deepinfer.model.moe import MoE
+from deepinfer.model.rope import RotaryTable
+from deepinfer.model.transformer import Decoder
+from kernels import Ops
+
+
+class Block41(nn.Module):
+    MATMUL_WEIGHTS = ("hc_attn_fn", "hc_ffn_fn")
+
+    def __init__(self, config: V41Config, ops: Ops, layer: int, dtype, device) -> None:
+        super().__init__()
+        self.ops = ops
+        self.role = config.roles[layer]
+        n, h = config.hc_mult, config.hidden_size
+        self.attn = Attention2(config, ops, self.role, dtype, device)
+        self.ffn = MoE(config, ops, "moe", dtype, device)
+        self.attn_norm = RMSNorm(h, config.rms_norm_eps, ops, device)
+        self.ffn_norm = RMSNorm(h, config.rms_norm_eps, ops, device)
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", empty((2 + n) * n, n * h, dtype=torch.float32, device=device))
+            setattr(self, f"hc_{site}_base", empty((2 + n) * n, dtype=torch.float32, device=device))
+            setattr(self, f"hc_{site}_scale", empty(3, dtype=torch.float32, device=device))
+        self.mix = HyperMix(config, ops)
+
+    def forward(
+        self, streams: torch.Tensor, pre: torch.Tensor, input_ids: torch.Tensor, addresses: CacheAddresses,
+        cache: dict[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor], compress_rope: RotaryTable,
+        positions: torch.Tensor, selection: Selection | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, Selection | None]:
+        """Streams in and out [T, n, hidden]; `pre` [T, n] carried in from the previous site and out
+        from this block's FFN site; the selection carried to the next layers."""
+        attn_pre, post, comb = self.mix.coefficients(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
+        out, selection = self.attn(self.attn_norm(collapse(self.ops, pre, streams)), addresses, cache, rope,
+                                   compress_rope, positions, selection)
+        streams = expand(self.ops, post, comb, out, streams)
+        ffn_pre, post, comb = self.mix.coefficients(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
+        out = self.ffn(self.ffn_norm(collapse(self.ops, attn_pre, streams)), input_ids)
+        return expand(self.ops, post, comb, out, streams), ffn_pre, selection
+
+
+class DeepseekV41(Decoder):
+    """Stateless over the paged caches it is handed, like `DeepseekV4` (same `forward` contract)."""
+
+    def __init__(self, config: V41Config, ops: Ops, dtype: torch.dtype = torch.float32, device="cpu") -> None:
+        super().__init__()
+        self.ops = ops
+        self.config = config
+        self.roles = config.roles
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.embed.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(Block41(config, ops, i, dtype, device) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, device)
+        self.head = Linear(config.hidden_size, config.vocab_size, ops, dtype, device)
+        self.main_rope = RotaryTable(config, ops, "main")
+        self.compress_rope = RotaryTable(config, ops, "compress")
+        self.pools = self.pool_specs()
+
+    def pool_specs(self) -> list[PoolSpec]:
+        """Every layer's window; per KV source an entries pool ([KV | index key] per group) and, when
+        it pools more than one token, a state pool."""
+        config = self.config
+        specs = [PoolSpec("window", "window", tuple(range(config.num_hidden_layers)), config.head_dim,
+                          window=config.sliding_window)]
+        for layer in config.kv_source_layer_ids:
+            ratio, prefix = config.compress_ratios[layer], pool_prefix(layer)
+            specs.append(PoolSpec(f"{prefix}_entries", "entries", (layer,),
+                                  config.head_dim + config.index_head_dim, ratio))
+            state = self.layers[layer].attn.compressor.state_width
+            if state:
+                specs.append(PoolSpec(f"{prefix}_state", "state", (layer,), state, ratio))
+        return specs
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, caches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """As `DeepseekV4.forward`: every token through the layers (writing their cache rows), then the
+        final hidden states [R, hidden] of the rows in `batch.sample_index` (all when None)."""
+        addresses = CacheAddresses.of(batch, self.pools)
+        x = self.embed(batch.input_ids)
+        n = self.config.hc_mult
+        streams = x.unsqueeze(1).expand(-1, n, -1).contiguous()
+        pre = torch.zeros(x.shape[0], n, dtype=torch.float32, device=x.device)
+        pre[:, 0] = 1
+        ropes = {"main": self.main_rope(batch.positions), "compress": self.compress_rope(batch.positions)}
+        selection = None
+        for layer, block in enumerate(self.layers):
+            role = block.role
+            # a compressed layer reads its KV source's entries (and, being the source, writes them)
+            cache = caches[layer] if role.kind == SWA else {**caches[role.kv_source], "window": caches[layer]["window"]}
+            rope = ropes["main" if role.kind == SWA else "compress"]
+            streams, pre, selection = block(streams, pre, batch.input_ids, addresses, cache, rope,
+                                            self.compress_rope, batch.positions, selection)
+        if batch.sample_index is not None:
+            streams, pre = streams[batch.sample_index], pre[batch.sample_index]
+        return self.norm(collapse(self.ops, pre, streams))
