@@ -4,8 +4,8 @@ layer after it, Full at ratio 1 that also picks the candidate pool, Reuse at rat
 restricted to the pool. NeMo's weights go through its own state-dict adapter into the released
 tensor names, which our model loads.
 
-Not covered yet (the model does not have them): the cache quantize-dequantize (NeMo's is turned
-off here), Engram, the DSpark layers. Exact ties in the indexer's top-k (entries whose score is
+Engram sits at the window-only layer and at a Reuse layer, with our tiny tokenizer's compressed
+ids. Not covered yet: the cache quantize-dequantize (NeMo's is turned off here), the DSpark layers. Exact ties in the indexer's top-k (entries whose score is
 exactly 0 because every head's dot product is negative) are broken arbitrarily by the reference
 and by lowest index here; with 16 index heads they do not occur in these prompts.
 """
@@ -17,6 +17,7 @@ import warnings
 
 import pytest
 import torch
+from transformers import PreTrainedTokenizerFast
 
 import kernels
 from deepinfer import SamplingParams
@@ -25,39 +26,48 @@ from deepinfer.engine.cache import CacheManager
 from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.scheduler import ScheduledChunk
 from deepinfer.engine.sequence import Sequence
+from deepinfer.model.engram import compressed_token_map, engram_layouts
 from deepinfer.model.transformer_v41 import DeepseekV41
+from deepinfer.recipe.tokenizer import PAD, build_tokenizer
 from test_config_v41 import flash_text
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 TOLERANCE = 1e-4
 PROMPT_LEN = 70
+VOCAB = 512
 
 
-def tiny_text() -> dict:
+def tiny_text(tokenizer) -> dict:
+    """Every role, and Engram at a window-only layer and a Reuse layer (sized for `tokenizer`)."""
+    _, compressed = compressed_token_map(tokenizer)
+    layouts = engram_layouts([0, 4], 3, 2, 97, compressed)
     text = flash_text()
     text.update(
-        vocab_size=512, hidden_size=128, moe_intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+        vocab_size=VOCAB, hidden_size=128, moe_intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
         head_dim=64, qk_rope_head_dim=16, q_lora_rank=64, o_lora_rank=32, o_groups=2, n_routed_experts=8,
         num_experts_per_tok=2, sliding_window=16, rms_norm_eps=1e-6, max_position_embeddings=4096,
         rope_scaling={"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
                       "original_max_position_embeddings": 256},
         compress_ratios=[0, 2, 2, 1, 1, 1, 0, 0, 0], kv_source_layer_ids=[1, 3], index_source_layer_ids=[1, 3, 5],
         index_n_heads=16, index_head_dim=32, index_topk=8, candidate_source_layer_id=3, candidate_topk_blocks=3,
-        candidate_block_size=4, engram_layer_ids=[], engram_num_embeddings=[], dspark_target_layer_ids=[],
-        dspark_noise_token_id=500, dspark_n_routed_experts=8, dspark_num_experts_per_tok=2,
+        candidate_block_size=4, dspark_target_layer_ids=[], dspark_noise_token_id=500, dspark_n_routed_experts=8,
+        dspark_num_experts_per_tok=2, engram_layer_ids=[0, 4], engram_num_embeddings=[x.rows for x in layouts],
+        engram_max_ngram_size=3, engram_n_heads=2, engram_head_dim=16, engram_vocab_size=97,
+        engram_compressed_vocab_size=compressed, engram_pad_token_id=tokenizer.token_to_id(PAD),
     )
     return text
 
 
 @pytest.fixture(scope="module")
-def reference(monkeypatch_module) -> tuple[V41Config, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-    """(our config, the released-layout tensors, a prompt [L], NeMo's logits [L, vocab])."""
+def reference(monkeypatch_module) -> tuple:
+    """(our config, the released-layout tensors, a prompt [L], NeMo's logits [L, vocab], the tokenizer)."""
     from nemo_automodel.components.models.deepseek_v41 import attention as nemo_attention
     from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
     from nemo_automodel.components.models.deepseek_v41.model import BackendConfig, DeepseekV41ForCausalLM
 
     monkeypatch_module.setattr(nemo_attention, "quantize_cache", lambda values, **_: values)
-    text = tiny_text()
+    tokenizer = build_tokenizer(VOCAB)
+    text = tiny_text(tokenizer)
     fields = {k: v for k, v in text.items() if k != "model_type"}
     torch.manual_seed(0)
     with warnings.catch_warnings():
@@ -65,21 +75,22 @@ def reference(monkeypatch_module) -> tuple[V41Config, dict[str, torch.Tensor], t
         nemo_config = DeepseekV41Config(text_config=fields, vision_config=None, dtype="float32")
         backend = BackendConfig(attn="eager", linear="torch", rms_norm="torch_fp32", experts="torch",
                                 dispatcher="torch", rope="torch", gate_precision="float32")
-        model = DeepseekV41ForCausalLM(nemo_config, backend=backend)
+        model = DeepseekV41ForCausalLM(nemo_config, backend=backend,
+                                       tokenizer=PreTrainedTokenizerFast(tokenizer_object=tokenizer))
     model.initialize_weights(buffer_device=torch.device("cpu"), dtype=torch.float32)
     with torch.no_grad():  # the initialisation leaves these at 0 / 1; random values exercise them
         for name, param in model.named_parameters():
             if name.endswith(("sinks_param.weight", "e_score_correction_bias", ".base", ".scale")):
                 param.normal_(0, 0.5)
     model.eval()
-    prompt = torch.randint(0, 512, (PROMPT_LEN,), generator=torch.Generator().manual_seed(5))
+    prompt = torch.randint(0, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         logits = model(prompt.unsqueeze(0)).logits[0].float()
     released = model.state_dict_adapter.to_hf(model.state_dict())
     tensors = {name: t.detach().clone() for name, t in released.items()
                if not name.startswith(("vision.", "aligner.", "image_")) and not name.endswith("gate.bias_vl")}
     config = V41Config.from_dict({"model_type": "deepseek_v41", "text_config": text})
-    return config, tensors, prompt, logits
+    return config, tensors, prompt, logits, tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -88,9 +99,11 @@ def monkeypatch_module():
         yield patch
 
 
-def engine(config: V41Config, tensors: dict[str, torch.Tensor]) -> tuple[DeepseekV41, CacheManager, ModelRunner]:
+def engine(reference) -> tuple[DeepseekV41, CacheManager, ModelRunner]:
+    config, tensors, *_, tokenizer = reference
     model = DeepseekV41(config, kernels.bind("batch_invariant", "cpu"), torch.float32, device="meta")
     model.load_tensors(dict(tensors), "cpu")
+    model.use_tokenizer(tokenizer)
     cache = CacheManager(model.pools, max_num_seqs=4, max_model_len=256, max_step_tokens=256, num_blocks=None,
                          block_size=16, dtype=torch.float32, device="cpu")
     return model, cache, ModelRunner(model, cache, "cpu")
@@ -124,19 +137,20 @@ def test_the_configuration_has_every_role(reference):
     roles = reference[0].roles
     assert [(r.kind, r.ratio) for r in roles] == [(SWA, 0), (FULL, 2), (REUSE, 2), (FULL, 1), (REUSE, 1), (REINDEX, 1)]
     assert roles[3].candidate_source and roles[5].uses_candidates
+    assert [i for i, r in enumerate(roles) if r.engram] == [0, 4]
 
 
 @pytest.mark.parametrize("chunk", [PROMPT_LEN, 37, 1])
 def test_logits_match_nemo_in_prefill_chunks_and_decode(reference, chunk):
-    config, tensors, prompt, want = reference
-    got = chunked_logits(engine(config, tensors), [prompt.tolist()], chunk)[0]
+    prompt, want = reference[2], reference[3]
+    got = chunked_logits(engine(reference), [prompt.tolist()], chunk)[0]
     drift = (got - want).abs().max().item()
     assert drift <= TOLERANCE, f"chunk {chunk}: {drift:.2e} from NeMo"
 
 
 def test_a_sequence_is_bitwise_the_same_alone_and_batched(reference):
-    config, tensors, prompt, _ = reference
-    other = torch.randint(0, 512, (45,), generator=torch.Generator().manual_seed(9)).tolist()
-    alone = chunked_logits(engine(config, tensors), [prompt.tolist()], PROMPT_LEN)[0]
-    batched = chunked_logits(engine(config, tensors), [other, prompt.tolist()], 13)[1]
+    prompt = reference[2]
+    other = torch.randint(0, VOCAB, (45,), generator=torch.Generator().manual_seed(9)).tolist()
+    alone = chunked_logits(engine(reference), [prompt.tolist()], PROMPT_LEN)[0]
+    batched = chunked_logits(engine(reference), [other, prompt.tolist()], 13)[1]
     assert torch.equal(alone, batched)

@@ -40,10 +40,8 @@ class StepGraph:
         in a buffer the next replay overwrites."""
         if not self.fits(batch):
             raise ValueError(f"a step shaped {batch.shapes()} does not fit the graph captured for {self.shapes}")
-        for name in ("input_ids", "positions", "query_start", "sample_index"):
-            if getattr(batch, name) is not None:
-                getattr(self.batch, name).copy_(getattr(batch, name))
-        for pool, table in batch.block_tables.items():
-            self.batch.block_tables[pool].copy_(table)
+        captured = self.batch.tensors()
+        for name, tensor in batch.tensors().items():
+            captured[name].copy_(tensor)
         self.graph.replay()
         return self.hidden

@@ -138,6 +138,10 @@ class ModelRunner:
             block_tables={pool: self._block_table(chunks, pool, len(query_start) - 1) for pool in self.cache.specs},
             block_size=self.cache.block_size, sample_index=padded_index,
         )
+        engram = self.model.engram_tokens
+        if engram is not None:
+            histories = [chunk.seq.token_ids[:chunk.start] for chunk in chunks]
+            batch.engram_ids, batch.engram_lookback = engram.step_inputs(ids, histories, len(query_start) - 1)
         rows = {name: torch.tensor(values, dtype=torch.long) for name, values in
                 (("sample_rows", sample_rows), ("score_rows", score_rows), ("score_targets", score_targets))}
         return batch, rows

@@ -83,7 +83,9 @@ class StepBatch:
     input_ids [T], positions [T]; query_start [B + 1]: row b's tokens are [query_start[b],
     query_start[b + 1]); block_tables: per pool, [B, M] physical block of each logical block (M a
     bucket of the step's longest table); sample_index [R]: the tokens whose final hidden states the
-    forward returns (a bucket; None returns all T).
+    forward returns (a bucket; None returns all T). Models with Engram (V4.1) also get
+    engram_ids [T], the compressed token ids, and engram_lookback [B, n-gram order - 1], each row's
+    compressed ids just before its first token (`deepinfer.model.engram`).
     """
 
     input_ids: torch.Tensor
@@ -92,27 +94,26 @@ class StepBatch:
     block_tables: dict[str, torch.Tensor]
     block_size: int
     sample_index: torch.Tensor | None = None
+    engram_ids: torch.Tensor | None = None
+    engram_lookback: torch.Tensor | None = None
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor's shape, by name: two batches with equal shapes share a captured graph."""
-        tensors = {"input_ids": self.input_ids, "positions": self.positions, "query_start": self.query_start,
-                   "sample_index": self.sample_index,
-                   **{f"table/{pool}": table for pool, table in self.block_tables.items()}}
-        return {name: tuple(t.shape) for name, t in tensors.items() if t is not None}
+        return {name: tuple(t.shape) for name, t in self.tensors().items()}
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the batch by name (block tables as `table/{pool}`)."""
+        flat = {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+        return {**flat, **{f"table/{pool}": table for pool, table in self.block_tables.items()}}
 
     def to(self, device: torch.device, extra: dict[str, torch.Tensor] | None = None
            ) -> tuple["StepBatch", dict[str, torch.Tensor]]:
         """This batch, and the `extra` host tensors, on `device` in one copy (`deepinfer.transfer`)."""
-        flat = {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
-        flat.update({f"table/{pool}": table for pool, table in self.block_tables.items()})
         extra = extra or {}
-        flat.update({f"extra/{name}": tensor for name, tensor in extra.items()})
-        moved = upload(flat, device)
-        batch = StepBatch(
-            input_ids=moved["input_ids"], positions=moved["positions"], query_start=moved["query_start"],
-            block_tables={pool: moved[f"table/{pool}"] for pool in self.block_tables},
-            block_size=self.block_size, sample_index=moved.get("sample_index"),
-        )
+        moved = upload({**self.tensors(), **{f"extra/{name}": tensor for name, tensor in extra.items()}}, device)
+        own = {f.name: moved.get(f.name) for f in fields(self) if f.name not in ("block_tables", "block_size")}
+        batch = StepBatch(**own, block_tables={pool: moved[f"table/{pool}"] for pool in self.block_tables},
+                          block_size=self.block_size)
         return batch, {name: moved[f"extra/{name}"] for name in extra}
 
 

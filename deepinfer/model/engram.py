@@ -186,6 +186,27 @@ def config_layouts(config: V41Config) -> list[EngramLayout]:
     return layouts
 
 
+@dataclass(frozen=True)
+class EngramTokens:
+    """What a step needs for Engram besides the model: each token id's compressed id (int64 [vocab],
+    on the host), the pad's compressed id, and how many earlier tokens an n-gram reaches back."""
+
+    compressed: torch.Tensor
+    pad: int
+    lookback: int
+
+    def step_inputs(self, input_ids: torch.Tensor, histories: list[list[int]], rows: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step's compressed ids [T] (of `input_ids`, padding included) and lookback [rows,
+        lookback]: per row, the compressed ids of the tokens before its first token this step
+        (`histories[b]`, the row's earlier tokens; pad rows and missing tokens get the pad)."""
+        lookback = torch.full((rows, self.lookback), self.pad, dtype=torch.long)
+        for row, history in enumerate(histories):
+            previous = self.compressed[torch.tensor(history[-self.lookback:], dtype=torch.long)].tolist()
+            lookback[row] = torch.tensor(lookback_ids(previous, self.lookback, self.pad))
+        return self.compressed[input_ids], lookback
+
+
 def lookback_ids(previous: Sequence[int], width: int, pad_id: int) -> list[int]:
     """The last `width` (>= 1) of a sequence's compressed ids before a step, most recent last, pad-filled:
     a row of `ngram_context`'s lookback."""

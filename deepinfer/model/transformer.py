@@ -60,7 +60,10 @@ class Backbone(nn.Module):
 
 class Decoder(nn.Module):
     """What both model families share: fp32 logits from `head`, and loading checkpoint tensors by name.
-    Subclasses set `ops`, `config`, `head`, `main_rope` and `compress_rope`."""
+    Subclasses set `ops`, `config`, `head`, `main_rope` and `compress_rope`; a model with Engram sets
+    `engram_tokens` (`deepinfer.model.engram.EngramTokens`), which the runner turns into step inputs."""
+
+    engram_tokens = None
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

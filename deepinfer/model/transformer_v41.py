@@ -16,6 +16,7 @@ from torch import nn
 from deepinfer.config_v41 import SWA, V41Config
 from deepinfer.model.batch import CacheAddresses, PoolSpec, StepBatch
 from deepinfer.model.csa2 import Attention2, Selection, pool_prefix
+from deepinfer.model.engram import Engram, EngramTokens, config_layouts, engram_rows, engram_token_map
 from deepinfer.model.hyper import HyperMix, collapse, expand
 from deepinfer.model.layers import Linear, RMSNorm, empty
 from deepinfer.model.moe import MoE
@@ -41,14 +42,19 @@ class Block41(nn.Module):
             setattr(self, f"hc_{site}_base", empty((2 + n) * n, dtype=torch.float32, device=device))
             setattr(self, f"hc_{site}_scale", empty(3, dtype=torch.float32, device=device))
         self.mix = HyperMix(config, ops)
+        if self.role.engram:
+            self.engram = Engram(config, layer, ops, dtype, device)
 
     def forward(
         self, streams: torch.Tensor, pre: torch.Tensor, input_ids: torch.Tensor, addresses: CacheAddresses,
         cache: dict[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor], compress_rope: RotaryTable,
-        positions: torch.Tensor, selection: Selection | None,
+        positions: torch.Tensor, selection: Selection | None, engram_rows: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, Selection | None]:
         """Streams in and out [T, n, hidden]; `pre` [T, n] carried in from the previous site and out
-        from this block's FFN site; the selection carried to the next layers."""
+        from this block's FFN site; the selection carried to the next layers; `engram_rows` this
+        layer's memory rows per token (Engram layers: the memory joins every stream first)."""
+        if self.role.engram:
+            streams = self.engram(streams, engram_rows)
         attn_pre, post, comb = self.mix.coefficients(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
         out, selection = self.attn(self.attn_norm(collapse(self.ops, pre, streams)), addresses, cache, rope,
                                    compress_rope, positions, selection)
@@ -74,6 +80,20 @@ class DeepseekV41(Decoder):
         self.main_rope = RotaryTable(config, ops, "main")
         self.compress_rope = RotaryTable(config, ops, "compress")
         self.pools = self.pool_specs()
+        self.engram_layouts = {layout.layer: layout.tensors() for layout in config_layouts(config)}
+        self.engram_tokens: EngramTokens | None = None
+
+    def use_tokenizer(self, tokenizer) -> None:
+        """Engram hashes compressed token ids, which come from the checkpoint's tokenizer (checked
+        against the config's `engram_compressed_vocab_size`)."""
+        if self.config.engram_layer_ids:
+            compressed, pad = engram_token_map(self.config, tokenizer)
+            self.engram_tokens = EngramTokens(compressed, pad, self.config.engram_max_ngram_size - 1)
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor], device: torch.device | str) -> None:
+        super().load_tensors(tensors, device)
+        self.engram_layouts = {layer: tuple(t.to(device) for t in layout)
+                               for layer, layout in self.engram_layouts.items()}
 
     def pool_specs(self) -> list[PoolSpec]:
         """Every layer's window; per KV source an entries pool ([KV | index key] per group) and, when
@@ -102,13 +122,19 @@ class DeepseekV41(Decoder):
         pre[:, 0] = 1
         ropes = {"main": self.main_rope(batch.positions), "compress": self.compress_rope(batch.positions)}
         selection = None
+        if self.engram_layouts and batch.engram_ids is None:
+            raise ValueError("this model has Engram layers: call use_tokenizer() before running it")
         for layer, block in enumerate(self.layers):
+            rows = None
+            if block.role.engram:
+                rows = engram_rows(batch.engram_ids, batch.query_start, batch.engram_lookback,
+                                   *self.engram_layouts[layer])
             role = block.role
             # a compressed layer reads its KV source's entries (and, being the source, writes them)
             cache = caches[layer] if role.kind == SWA else {**caches[role.kv_source], "window": caches[layer]["window"]}
             rope = ropes["main" if role.kind == SWA else "compress"]
             streams, pre, selection = block(streams, pre, batch.input_ids, addresses, cache, rope,
-                                            self.compress_rope, batch.positions, selection)
+                                            self.compress_rope, batch.positions, selection, rows)
         if batch.sample_index is not None:
             streams, pre = streams[batch.sample_index], pre[batch.sample_index]
         return self.norm(collapse(self.ops, pre, streams))
