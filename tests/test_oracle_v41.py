@@ -58,14 +58,17 @@ def tiny_text(tokenizer) -> dict:
     return text
 
 
-@pytest.fixture(scope="module")
-def reference(monkeypatch_module) -> tuple:
-    """(our config, the released-layout tensors, a prompt [L], NeMo's logits [L, vocab], the tokenizer)."""
+@pytest.fixture(scope="module", params=[False, True], ids=["qdq-off", "qdq-on"])
+def reference(request, monkeypatch_module) -> tuple:
+    """(our config, the released-layout tensors, a prompt [L], NeMo's logits [L, vocab], the tokenizer,
+    whether the caches are quantize-dequantized)."""
     from nemo_automodel.components.models.deepseek_v41 import attention as nemo_attention
     from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
     from nemo_automodel.components.models.deepseek_v41.model import BackendConfig, DeepseekV41ForCausalLM
 
-    monkeypatch_module.setattr(nemo_attention, "quantize_cache", lambda values, **_: values)
+    qdq = request.param
+    if not qdq:
+        monkeypatch_module.setattr(nemo_attention, "quantize_cache", lambda values, **_: values)
     tokenizer = build_tokenizer(VOCAB)
     text = tiny_text(tokenizer)
     fields = {k: v for k, v in text.items() if k != "model_type"}
@@ -90,7 +93,8 @@ def reference(monkeypatch_module) -> tuple:
     tensors = {name: t.detach().clone() for name, t in released.items()
                if not name.startswith(("vision.", "aligner.", "image_")) and not name.endswith("gate.bias_vl")}
     config = V41Config.from_dict({"model_type": "deepseek_v41", "text_config": text})
-    return config, tensors, prompt, logits, tokenizer
+    monkeypatch_module.undo()
+    return config, tensors, prompt, logits, tokenizer, qdq
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +104,8 @@ def monkeypatch_module():
 
 
 def engine(reference) -> tuple[DeepseekV41, CacheManager, ModelRunner]:
-    config, tensors, *_, tokenizer = reference
-    model = DeepseekV41(config, kernels.bind("batch_invariant", "cpu"), torch.float32, device="meta")
+    config, tensors, *_, tokenizer, qdq = reference
+    model = DeepseekV41(config, kernels.bind("batch_invariant", "cpu"), torch.float32, device="meta", cache_qdq=qdq)
     model.load_tensors(dict(tensors), "cpu")
     model.use_tokenizer(tokenizer)
     cache = CacheManager(model.pools, max_num_seqs=4, max_model_len=256, max_step_tokens=256, num_blocks=None,

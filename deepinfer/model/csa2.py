@@ -12,6 +12,7 @@ index source's choice. The choice (`Selection`) is carried from layer to layer w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,28 @@ from deepinfer.model.batch import CacheAddresses, CompressorAddresses
 from deepinfer.model.layers import Linear, RMSNorm, empty
 from deepinfer.model.rope import RotaryTable
 from kernels import Ops
+from kernels.quant import fp8_ue8m0_qdq, mxfp4_qdq, nvfp4_qdq
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+@dataclass(frozen=True)
+class CacheFormats:
+    """The precision the release keeps its caches in, applied as quantize-dequantize: the window KV in
+    FP8 (ue8m0 scale per 32), the compressed KV in NVFP4, the indexer's queries and keys in MXFP4.
+    `CacheFormats.of(False)` keeps full precision everywhere."""
+
+    window: Callable[[torch.Tensor], torch.Tensor]
+    entries: Callable[[torch.Tensor], torch.Tensor]
+    index: Callable[[torch.Tensor], torch.Tensor]
+
+    @classmethod
+    def of(cls, qdq: bool) -> "CacheFormats":
+        if not qdq:
+            return cls(_identity, _identity, _identity)
+        return cls(fp8_ue8m0_qdq, nvfp4_qdq, mxfp4_qdq)
 
 
 def pool_prefix(kv_source: int) -> str:
@@ -78,10 +101,11 @@ class Compressor2(nn.Module):
 class Indexer2(nn.Module):
     """Index queries (every index source) and keys (KV sources: `wk`, `k_norm` on the latent)."""
 
-    def __init__(self, config: V41Config, ops: Ops, role: LayerRole, dtype, device) -> None:
+    def __init__(self, config: V41Config, ops: Ops, role: LayerRole, formats: CacheFormats, dtype, device) -> None:
         super().__init__()
         self.ops = ops
         self.role = role
+        self.formats = formats
         self.n_heads, self.head_dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
         self.block, self.top_blocks = config.candidate_block_size, config.candidate_topk_blocks
         self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, ops, dtype, device)
@@ -91,7 +115,7 @@ class Indexer2(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops, device)
 
     def keys(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return self.ops.rotary(self.k_norm(self.wk(latent)), cos, sin)
+        return self.formats.index(self.ops.rotary(self.k_norm(self.wk(latent)), cos, sin))
 
     def select(
         self, x: torch.Tensor, q_residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -100,7 +124,7 @@ class Indexer2(nn.Module):
         """Score each token's visible entries (`keys` [T, E, Di], `valid` [T, E]; `visible` [T] how
         many it may see) and keep the top-k, inside the candidate pool once there is one."""
         q = self.wq_b(q_residual).view(x.shape[0], self.n_heads, self.head_dim)
-        q = self.ops.rotary(q, *rope)
+        q = self.formats.index(self.ops.rotary(q, *rope))
         weights = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
         scores = self.ops.indexer_scores(q, keys, weights, valid, 1.0)
         candidates = carried.candidates if carried is not None else None
@@ -129,10 +153,11 @@ class Indexer2(nn.Module):
 
 
 class Attention2(nn.Module):
-    def __init__(self, config: V41Config, ops: Ops, role: LayerRole, dtype, device) -> None:
+    def __init__(self, config: V41Config, ops: Ops, role: LayerRole, formats: CacheFormats, dtype, device) -> None:
         super().__init__()
         self.ops = ops
         self.role = role
+        self.formats = formats
         self.n_heads, self.head_dim, self.o_groups = config.num_attention_heads, config.head_dim, config.o_groups
         self.eps = config.rms_norm_eps
         h = config.hidden_size
@@ -148,7 +173,7 @@ class Attention2(nn.Module):
         if role.kind == FULL:
             self.compressor = Compressor2(config, ops, role.ratio, device)
         if role.kind in (FULL, REINDEX):
-            self.indexer = Indexer2(config, ops, role, dtype, device)
+            self.indexer = Indexer2(config, ops, role, formats, dtype, device)
 
     def forward(
         self, x: torch.Tensor, addresses: CacheAddresses, cache: dict[str, torch.Tensor],
@@ -160,7 +185,7 @@ class Attention2(nn.Module):
         tokens = x.shape[0]
         q_residual = self.q_norm(self.wq_a(x))
         q = self.ops.rotary(self.wq_b(q_residual).view(tokens, self.n_heads, self.head_dim), *rope)
-        kv = self.ops.rotary(self.kv_norm(self.wkv(x)), *rope)
+        kv = self.formats.window(self.ops.rotary(self.kv_norm(self.wkv(x)), *rope))
         window = cache["window"]
         window[addresses.window_write] = kv.to(window.dtype)
         keys, valid = [window[addresses.window_read]], [addresses.window_valid]
@@ -187,6 +212,7 @@ class Attention2(nn.Module):
         the indexer's key]."""
         latent = self.compressor.latents(x, step, state)
         cos, sin = compress_rope(step.close_position)
-        row = torch.cat([self.ops.rotary(latent, cos, sin), self.indexer.keys(latent, cos, sin)], dim=-1)
+        kv = self.formats.entries(self.ops.rotary(latent, cos, sin))
+        row = torch.cat([kv, self.indexer.keys(latent, cos, sin)], dim=-1)
         entries[step.close_write] = row.to(entries.dtype)
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from deepinfer.config_v41 import SWA, V41Config
 from deepinfer.model.batch import CacheAddresses, PoolSpec, StepBatch
-from deepinfer.model.csa2 import Attention2, Selection, pool_prefix
+from deepinfer.model.csa2 import Attention2, CacheFormats, Selection, pool_prefix
 from deepinfer.model.engram import Engram, EngramTokens, config_layouts, engram_rows, engram_token_map
 from deepinfer.model.hyper import HyperMix, collapse, expand
 from deepinfer.model.layers import Linear, RMSNorm, empty
@@ -28,12 +28,12 @@ from kernels import Ops
 class Block41(nn.Module):
     MATMUL_WEIGHTS = ("hc_attn_fn", "hc_ffn_fn")
 
-    def __init__(self, config: V41Config, ops: Ops, layer: int, dtype, device) -> None:
+    def __init__(self, config: V41Config, ops: Ops, layer: int, formats: CacheFormats, dtype, device) -> None:
         super().__init__()
         self.ops = ops
         self.role = config.roles[layer]
         n, h = config.hc_mult, config.hidden_size
-        self.attn = Attention2(config, ops, self.role, dtype, device)
+        self.attn = Attention2(config, ops, self.role, formats, dtype, device)
         self.ffn = MoE(config, ops, "moe", dtype, device)
         self.attn_norm = RMSNorm(h, config.rms_norm_eps, ops, device)
         self.ffn_norm = RMSNorm(h, config.rms_norm_eps, ops, device)
@@ -65,16 +65,20 @@ class Block41(nn.Module):
 
 
 class DeepseekV41(Decoder):
-    """Stateless over the paged caches it is handed, like `DeepseekV4` (same `forward` contract)."""
+    """Stateless over the paged caches it is handed, like `DeepseekV4` (same `forward` contract).
+    `cache_qdq` applies the release's cache formats (`CacheFormats`; on by default, as the reference)."""
 
-    def __init__(self, config: V41Config, ops: Ops, dtype: torch.dtype = torch.float32, device="cpu") -> None:
+    def __init__(self, config: V41Config, ops: Ops, dtype: torch.dtype = torch.float32, device="cpu",
+                 cache_qdq: bool = True) -> None:
         super().__init__()
         self.ops = ops
         self.config = config
         self.roles = config.roles
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.embed.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(Block41(config, ops, i, dtype, device) for i in range(config.num_hidden_layers))
+        formats = CacheFormats.of(cache_qdq)
+        self.layers = nn.ModuleList(Block41(config, ops, i, formats, dtype, device)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, device)
         self.head = Linear(config.hidden_size, config.vocab_size, ops, dtype, device)
         self.main_rope = RotaryTable(config, ops, "main")
