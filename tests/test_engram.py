@@ -9,8 +9,10 @@ independent of chunking and of the other rows of a step) and the module's output
 
 from __future__ import annotations
 
+import functools
 import os
 import time
+import types
 import warnings
 
 import pytest
@@ -37,9 +39,17 @@ from deepinfer.recipe.tokenizer import PAD, build_tokenizer
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # before NeMo: eager experts, no C++ compile on CPU
 
-from nemo_automodel.components.models.common import BackendConfig  # noqa: E402
-from nemo_automodel.components.models.deepseek_v41 import engram as nemo_engram  # noqa: E402
-from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41TextConfig  # noqa: E402
+
+
+@functools.cache
+def nemo() -> types.SimpleNamespace:
+    """NeMo's modules, imported on first use: importing NeMo imports Triton, which must not happen
+    before tests/test_triton_kernels.py has chosen the interpreter at collection time."""
+    from nemo_automodel.components.models.common import BackendConfig
+    from nemo_automodel.components.models.deepseek_v41 import engram
+    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41TextConfig
+
+    return types.SimpleNamespace(BackendConfig=BackendConfig, engram=engram, TextConfig=DeepseekV41TextConfig)
 
 TINY_VOCAB = 1024  # the tiny preset's vocabulary
 SMALL = dict(hidden_size=64, engram_layer_ids=[1, 3], engram_max_ngram_size=4, engram_n_heads=3,
@@ -81,22 +91,22 @@ def small_text(tokenizer: Tokenizer, **changes) -> dict:
     return text
 
 
-def ours_and_nemo(text: dict) -> tuple[V41Config, DeepseekV41TextConfig]:
+def ours_and_nemo(text: dict) -> tuple[V41Config, object]:
     ours = V41Config.from_dict({"model_type": "deepseek_v41", "text_config": text})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers on the release's `rope_scaling` name
-        nemo = DeepseekV41TextConfig(**{k: v for k, v in text.items() if k != "model_type"}, dtype="float32")
-    return ours, nemo
+        nemo_config = nemo().TextConfig(**{k: v for k, v in text.items() if k != "model_type"}, dtype="float32")
+    return ours, nemo_config
 
 
 @pytest.fixture(scope="module")
-def configs(tiny_tokenizer) -> tuple[V41Config, DeepseekV41TextConfig]:
+def configs(tiny_tokenizer) -> tuple[V41Config, object]:
     return ours_and_nemo(small_text(tiny_tokenizer))
 
 
 @pytest.fixture(scope="module")
 def nemo_hash(configs, tiny_tokenizer):
-    return nemo_engram.DeepseekV41NgramHash(configs[1], PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer))
+    return nemo().engram.DeepseekV41NgramHash(configs[1], PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer))
 
 
 # --- token normalisation map ---
@@ -106,7 +116,7 @@ def nemo_hash(configs, tiny_tokenizer):
 def test_token_map_equals_nemo(make):
     tok = make()
     hf = PreTrainedTokenizerFast(tokenizer_object=tok)
-    theirs, their_size = nemo_engram._compressed_token_map(hf)
+    theirs, their_size = nemo().engram._compressed_token_map(hf)
     for given_tokenizer in (tok, hf):
         mapping, size = compressed_token_map(given_tokenizer)
         assert mapping.dtype == torch.long and mapping.tolist() == list(theirs) and size == their_size
@@ -252,7 +262,7 @@ def random_weights(module: torch.nn.Module, gen: torch.Generator) -> dict[str, t
 @pytest.fixture(scope="module")
 def modules(configs) -> tuple[torch.nn.Module, Engram]:
     ours_config, nemo_config = configs
-    theirs = nemo_engram.DeepseekV41Engram(nemo_config, 3, BackendConfig(linear="torch"))
+    theirs = nemo().engram.DeepseekV41Engram(nemo_config, 3, nemo().BackendConfig(linear="torch"))
     theirs.load_state_dict(random_weights(theirs, torch.Generator().manual_seed(1)))
     ours = Engram(ours_config, 3, kernels.bind("batch_invariant", "cpu"), torch.float32, "cpu")
     ours.load_state_dict(theirs.state_dict())
