@@ -95,7 +95,7 @@ class ModelConfig:
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         if raw.get("model_type", "deepseek_v4") != "deepseek_v4":
-            raise ConfigError(f"{source}: model_type is {raw['model_type']!r}, expected 'deepseek_v4'")
+            raise ConfigError(f"{source}: model_type is {raw['model_type']!r}, expected 'deepseek_v4' or 'deepseek_v41'")
         known = {f for f in cls.__dataclass_fields__ if f != "extra"}
         values = {}
         for name, f in cls.__dataclass_fields__.items():
@@ -242,8 +242,9 @@ def check_field(source: str, name: str, value, expected: str):
     return value
 
 
-def load_config(folder: str | Path) -> ModelConfig:
-    """Read and validate `folder/config.json`."""
+def load_config(folder: str | Path):
+    """Read and validate `folder/config.json`: a `ModelConfig` (V4), or a `V41Config` when its
+    `model_type` is `deepseek_v41` (the release's nested layout)."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise ConfigError(f"{path}: not found (is '{folder}' a DeepSeek-V4 checkpoint folder?)")
@@ -251,4 +252,8 @@ def load_config(folder: str | Path) -> ModelConfig:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ConfigError(f"{path}: invalid JSON ({err.msg} at line {err.lineno})") from None
+    if isinstance(raw, dict) and raw.get("model_type") == "deepseek_v41":
+        from deepinfer.config_v41 import V41Config  # it builds on this module
+
+        return V41Config.from_dict(raw, source=str(path))
     return ModelConfig.from_dict(raw, source=str(path))

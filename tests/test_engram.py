@@ -34,6 +34,7 @@ from deepinfer.model.engram import (
     engram_token_map,
     is_prime,
     lookback_ids,
+    vocabulary_map,
 )
 from deepinfer.recipe.tokenizer import PAD, build_tokenizer
 
@@ -306,15 +307,16 @@ def test_tokenizer_that_disagrees_with_the_config_is_refused(tiny_tokenizer):
     flash = V41Config.from_dict(flash_raw())
     with pytest.raises(ValueError) as err:
         engram_token_map(flash, tiny_tokenizer)
-    assert str(err.value) == ("Engram: the tokenizer folds to 832 compressed token ids but "
+    # 832 from the tokenizer's 1024 ids, and one each for the 128256 ids of Flash's vocabulary past them
+    assert str(err.value) == ("Engram: the vocabulary folds to 129088 compressed token ids with this tokenizer but "
                               "engram_compressed_vocab_size is 99092 (the hash multipliers depend on it)")
 
 
-def test_pad_outside_the_tokenizer_is_refused(tiny_tokenizer):
-    config, _ = ours_and_nemo(small_text(tiny_tokenizer, vocab_size=2048, engram_pad_token_id=1500))
-    with pytest.raises(ValueError) as err:
-        engram_token_map(config, tiny_tokenizer)
-    assert str(err.value) == "Engram: engram_pad_token_id 1500 is outside the tokenizer's 1024 ids"
+def test_ids_past_the_tokenizer_get_compressed_ids_of_their_own(tiny_tokenizer):
+    mapping, size = vocabulary_map(tiny_tokenizer, 1030)
+    small, small_size = compressed_token_map(tiny_tokenizer)
+    assert size == small_size + 6 and torch.equal(mapping[:1024], small)
+    assert mapping[1024:].tolist() == list(range(small_size, small_size + 6))
 
 
 def test_too_few_table_rows_are_refused(tiny_tokenizer):

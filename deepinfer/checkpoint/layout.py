@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from deepinfer.checkpoint.errors import CheckpointError
 from deepinfer.config import CSA, HCA, SLIDING, ModelConfig
+from deepinfer.config_v41 import V41Config
 
 WEIGHT, FP32, INDEX = "weight", "fp32", "index"
 MTP_PREFIX = "mtp."
@@ -26,7 +27,13 @@ class TensorSpec:
         return math.prod(self.shape)
 
 
-def expected_tensors(config: ModelConfig, include_mtp: bool) -> dict[str, TensorSpec]:
+def expected_tensors(config: ModelConfig | V41Config, include_mtp: bool) -> dict[str, TensorSpec]:
+    """Every tensor the engine loads. V4.1 (`layout_v41`) lists its backbone; its draft layers are
+    among the tensors it accepts unused (`unused_tensor`), so `include_mtp` is V4's alone."""
+    if isinstance(config, V41Config):
+        from deepinfer.checkpoint.layout_v41 import expected_tensors_v41  # it builds on TensorSpec here
+
+        return expected_tensors_v41(config)
     c = config
     h, hc = c.hidden_size, c.hc_mult
     out: dict[str, TensorSpec] = {
@@ -58,6 +65,16 @@ def expected_tensors(config: ModelConfig, include_mtp: bool) -> dict[str, Tensor
                 p + "confidence.bias": TensorSpec((1,), WEIGHT),
             })
     return out
+
+
+def unused_tensor(config: ModelConfig | V41Config, name: str) -> bool:
+    """A tensor a checkpoint may hold that the engine leaves unused (V4.1: the draft layers, the vision
+    tower, the routers' image-token biases); V4 has none."""
+    if isinstance(config, V41Config):
+        from deepinfer.checkpoint.layout_v41 import is_optional
+
+        return is_optional(name)
+    return False
 
 
 def _block(p: str, c: ModelConfig, layer_type: str, mlp_type: str) -> dict[str, TensorSpec]:
@@ -113,7 +130,7 @@ def _compressor(p: str, hidden: int, out_dim: int, proj_dim: int, rate: int) -> 
     }
 
 
-def weight_dtype_name(config: ModelConfig) -> str | None:
+def weight_dtype_name(config: ModelConfig | V41Config) -> str | None:
     """The storage dtype of "weight" tensors that config.json declares (`dtype`), if it does."""
     name = config.extra.get("dtype")
     if name is None:
@@ -130,7 +147,7 @@ PARAMETER_GROUPS = ("embedding + head", "attention", "routed experts", "shared e
 def parameter_group(name: str) -> str:
     if name.startswith(MTP_PREFIX):
         return "mtp draft"
-    if name in ("model.embed_tokens.weight", "head.weight"):
+    if name in ("model.embed_tokens.weight", "embed.weight", "head.weight"):
         return "embedding + head"
     if ".ffn.experts." in name:
         return "routed experts"
@@ -141,7 +158,7 @@ def parameter_group(name: str) -> str:
     return "norms + hyper-connections"
 
 
-def parameter_counts(config: ModelConfig, include_mtp: bool) -> dict[str, int]:
+def parameter_counts(config: ModelConfig | V41Config, include_mtp: bool) -> dict[str, int]:
     """Element counts per `PARAMETER_GROUPS` entry (groups with no tensors are left out)."""
     counts: dict[str, int] = {}
     for name, spec in expected_tensors(config, include_mtp).items():

@@ -10,7 +10,7 @@ import torch
 from deepinfer.checkpoint.errors import CheckpointError
 from deepinfer.checkpoint.files import INDEX_NAME, WeightReader, read_headers, weight_files
 from deepinfer.checkpoint.hashing import cached_hash, content_hash, hash_tensors, store_hash
-from deepinfer.checkpoint.layout import FP32, INDEX, MTP_PREFIX, expected_tensors, weight_dtype_name
+from deepinfer.checkpoint.layout import FP32, INDEX, MTP_PREFIX, expected_tensors, unused_tensor, weight_dtype_name
 from deepinfer.config import ModelConfig, load_config
 
 
@@ -43,7 +43,7 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu") -> C
     files = weight_files(folder)
     with WeightReader(files, device) as reader:
         has_mtp, _ = check_tensors(config, reader.headers)
-        tensors = {name: reader.get(name) for name in sorted(reader.headers)}
+        tensors = {name: reader.get(name) for name in sorted(reader.headers) if not unused_tensor(config, name)}
     _check_routing_tables(config, tensors)
     digest = cached_hash(files)
     if digest is None:
@@ -67,8 +67,8 @@ def inspect_checkpoint(folder: str | Path, *, verify: bool = False) -> Checkpoin
 
 def check_tensors(config: ModelConfig, headers: dict[str, tuple[Path, str, tuple[int, ...]]]) -> tuple[bool, str]:
     """Check names, shapes and dtypes (from headers) against the layout; returns (has_mtp, weight dtype)."""
-    present = set(headers)
-    has_mtp = any(name.startswith(MTP_PREFIX) for name in present)
+    present = {name for name in headers if not unused_tensor(config, name)}
+    has_mtp = any(name.startswith(MTP_PREFIX) for name in headers)
     expected = expected_tensors(config, include_mtp=has_mtp)
     missing = sorted(set(expected) - present)
     if has_mtp and missing and all(name.startswith(MTP_PREFIX) for name in missing):

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 from deepinfer.checkpoint.errors import CheckpointError
+from deepinfer.checkpoint.presets_v41 import V41_CONFIG_ONLY, V41_PRESETS, v41_preset_config
 from deepinfer.config import CSA, HCA, SLIDING, ModelConfig
+from deepinfer.config_v41 import V41Config
 
-PRESETS = ("tiny", "small", "flash-4l", "flash")
-CONFIG_ONLY_PRESETS = ("flash",)  # too big to write here: config.json + tokenizer.json only
+PRESETS = ("tiny", "small", "flash-4l", "flash") + V41_PRESETS
+# too big to write here: config.json + tokenizer.json only
+CONFIG_ONLY_PRESETS = ("flash",) + V41_CONFIG_ONLY
 
 
-def preset_config(name: str) -> ModelConfig:
+def preset_config(name: str) -> ModelConfig | V41Config:
+    """The config of preset `name`: V4 ("tiny", ...) or V4.1 ("v41-tiny", ..., `presets_v41`)."""
     if name not in PRESETS:
         raise CheckpointError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    if name in V41_PRESETS:
+        return v41_preset_config(name)
     return {"tiny": _tiny, "small": _small, "flash-4l": _flash_4l, "flash": _flash}[name]()
 
 

@@ -33,6 +33,8 @@ _SPECIAL = (
     ("confidence.bias", 0.0, 0.1),
     ("_base", 0.0, 0.5),  # hyper-connection biases: hc_attn_base, hc_ffn_base, hc_base, hc_head_base
     ("_scale", 1.0, 0.1),  # hyper-connection gains
+    ("engram.q_weight", 1.0, 0.1),  # V4.1 Engram's per-stream gate weights (multiplied together)
+    ("engram.k_weight", 1.0, 0.1),
 )
 _CHUNK = 1 << 22
 _M32 = 0xFFFFFFFF
@@ -79,7 +81,7 @@ def random_tensor(config: ModelConfig, seed: int, name: str, spec: TensorSpec, d
 
 
 def _init_scale(config: ModelConfig, name: str, spec: TensorSpec) -> tuple[float, float]:
-    if name == "model.embed_tokens.weight":
+    if name in ("model.embed_tokens.weight", "embed.weight"):
         return 0.0, EMBED_STD
     if name == "head.weight":
         return 0.0, HEAD_GAIN / math.sqrt(config.hidden_size)

@@ -17,6 +17,7 @@ import kernels
 from kernels.cpu_isa import CpuIsaError, check_cpu_isa
 from deepinfer.checkpoint import default_checkpoint, load_checkpoint, preset_config, random_tensors
 from deepinfer.config import ModelConfig
+from deepinfer.config_v41 import V41Config
 from deepinfer.engine.cache import CacheManager, cache_memory, default_max_model_len, step_budget
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.output import OutputProcessor
@@ -24,7 +25,7 @@ from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.sequence import Sequence
 from deepinfer.errors import DeepInferError
-from deepinfer.model import DeepseekV4
+from deepinfer.model import DeepseekV41, build_model
 from deepinfer.outputs import RequestOutput
 from deepinfer.recipe.chat import ChatFormatError, encode_messages, parse_completion
 from deepinfer.recipe.tokenizer import TextTokenizer, build_tokenizer
@@ -87,14 +88,18 @@ class LLM:
             except CpuIsaError as err:
                 raise DeepInferError(str(err)) from None
         model_config, tensors, self.tokenizer, self.model_id = self._load(model)
-        self.config: ModelConfig = model_config
+        self.config: ModelConfig | V41Config = model_config
         if config.max_model_len is not None and config.max_model_len > model_config.max_position_embeddings:
             raise DeepInferError(
                 f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
                 f"{model_config.max_position_embeddings}"
             )
-        self.model = DeepseekV4(model_config, kernels.bind(config.numerics, self.device), self.dtype, device="meta")
+        self.model = build_model(model_config, kernels.bind(config.numerics, self.device), self.dtype)
         self.model.load_tensors(tensors, self.device)
+        if isinstance(self.model, DeepseekV41) and model_config.engram_layer_ids:
+            if self.tokenizer is None:
+                raise DeepInferError("this V4.1 checkpoint has Engram layers, whose hashes need its tokenizer.json")
+            self.model.use_tokenizer(self.tokenizer.backend)
         del tensors
         if config.max_model_len is None:
             config = replace(config, max_model_len=self._default_max_model_len(config))

@@ -1,4 +1,18 @@
-from deepinfer.model.batch import NULL_BLOCK, PoolSpec, StepBatch, bucket
-from deepinfer.model.transformer import DeepseekV4
+import torch
 
-__all__ = ["DeepseekV4", "NULL_BLOCK", "PoolSpec", "StepBatch", "bucket"]
+from deepinfer.config import ModelConfig
+from deepinfer.config_v41 import V41Config
+from deepinfer.model.batch import NULL_BLOCK, PoolSpec, StepBatch, bucket
+from deepinfer.model.transformer import Decoder, DeepseekV4
+from deepinfer.model.transformer_v41 import DeepseekV41
+from kernels import Ops
+
+
+def build_model(config: ModelConfig | V41Config, ops: Ops, dtype: torch.dtype, device: torch.device | str = "meta"
+                ) -> Decoder:
+    """The model its config describes: `DeepseekV41` for a V4.1 config, `DeepseekV4` otherwise."""
+    model_class = DeepseekV41 if isinstance(config, V41Config) else DeepseekV4
+    return model_class(config, ops, dtype, device=device)
+
+
+__all__ = ["Decoder", "DeepseekV4", "DeepseekV41", "NULL_BLOCK", "PoolSpec", "StepBatch", "bucket", "build_model"]

@@ -75,17 +75,24 @@ def compressed_token_map(tokenizer: Tokenizer) -> tuple[torch.Tensor, int]:
     return torch.tensor(mapping, dtype=torch.long), len(numbers)
 
 
-def engram_token_map(config: V41Config, tokenizer: Tokenizer) -> tuple[torch.Tensor, int]:
-    """`compressed_token_map` checked against the config; returns the map and the pad's compressed id."""
+def vocabulary_map(tokenizer: Tokenizer, vocab_size: int) -> tuple[torch.Tensor, int]:
+    """`compressed_token_map` over a model vocabulary of `vocab_size` ids. Ids past the tokenizer's
+    (a synthetic checkpoint's tokenizer can be smaller than its vocabulary; a released one is not)
+    cannot be decoded, so each gets a compressed id of its own, after the tokenizer's."""
     mapping, size = compressed_token_map(tokenizer)
+    missing = vocab_size - mapping.numel()
+    if missing <= 0:
+        return mapping, size
+    return torch.cat([mapping, torch.arange(size, size + missing, dtype=mapping.dtype)]), size + missing
+
+
+def engram_token_map(config: V41Config, tokenizer: Tokenizer) -> tuple[torch.Tensor, int]:
+    """`vocabulary_map` checked against the config; returns the map and the pad's compressed id."""
+    mapping, size = vocabulary_map(tokenizer, config.vocab_size)
     if size != config.engram_compressed_vocab_size:
         raise ConfigError(
-            f"Engram: the tokenizer folds to {size} compressed token ids but engram_compressed_vocab_size is "
-            f"{config.engram_compressed_vocab_size} (the hash multipliers depend on it)"
-        )
-    if not 0 <= config.engram_pad_token_id < mapping.numel():
-        raise ConfigError(
-            f"Engram: engram_pad_token_id {config.engram_pad_token_id} is outside the tokenizer's {mapping.numel()} ids"
+            f"Engram: the vocabulary folds to {size} compressed token ids with this tokenizer but "
+            f"engram_compressed_vocab_size is {config.engram_compressed_vocab_size} (the hash multipliers depend on it)"
         )
     return mapping, int(mapping[config.engram_pad_token_id])
 

@@ -132,6 +132,11 @@ class TextTokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    @property
+    def backend(self) -> Tokenizer:
+        """The underlying `tokenizers.Tokenizer` (V4.1's Engram builds its token map from it)."""
+        return self._tok
+
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if add_bos else ids

@@ -1,0 +1,81 @@
+"""The tensor inventory of a DeepSeek-V4.1 checkpoint in the released names (`embed`, `layers.{i}.*`,
+`norm`, `head`), derived from the config: every name, shape and storage kind (see `layout.TensorSpec`).
+
+Only the backbone the engine runs is listed. The release also carries the DSpark draft layers
+(`mtp.*`), a vision tower (`vision.*`, `aligner.*`, `image_*`) and the routers' image-token biases
+(`ffn.gate.bias_vl`); `OPTIONAL_PREFIXES` and `OPTIONAL_SUFFIXES` name them, and the loader
+accepts and leaves them unused.
+"""
+
+from __future__ import annotations
+
+from deepinfer.checkpoint.layout import FP32, WEIGHT, TensorSpec
+from deepinfer.config_v41 import FULL, REINDEX, LayerRole, V41Config
+
+OPTIONAL_PREFIXES = ("mtp.", "vision.", "aligner.", "image_")
+OPTIONAL_SUFFIXES = (".ffn.gate.bias_vl",)
+
+
+def expected_tensors_v41(config: V41Config) -> dict[str, TensorSpec]:
+    c = config
+    h = c.hidden_size
+    out = {
+        "embed.weight": TensorSpec((c.vocab_size, h), WEIGHT),
+        "head.weight": TensorSpec((c.vocab_size, h), WEIGHT),
+        "norm.weight": TensorSpec((h,), FP32),
+    }
+    for i, role in enumerate(c.roles):
+        out.update(_block(f"layers.{i}.", c, role, i))
+    return out
+
+
+def is_optional(name: str) -> bool:
+    """A released tensor the engine does not use (yet): draft layers, vision, image-token routing."""
+    return name.startswith(OPTIONAL_PREFIXES) or name.endswith(OPTIONAL_SUFFIXES)
+
+
+def _block(p: str, c: V41Config, role: LayerRole, layer: int) -> dict[str, TensorSpec]:
+    h, hd, hc, heads = c.hidden_size, c.head_dim, c.hc_mult, c.num_attention_heads
+    o_rank = c.o_groups * c.o_lora_rank
+    out = {
+        p + "attn_norm.weight": TensorSpec((h,), FP32),
+        p + "ffn_norm.weight": TensorSpec((h,), FP32),
+        p + "attn.wq_a.weight": TensorSpec((c.q_lora_rank, h), WEIGHT),
+        p + "attn.q_norm.weight": TensorSpec((c.q_lora_rank,), FP32),
+        p + "attn.wq_b.weight": TensorSpec((heads * hd, c.q_lora_rank), WEIGHT),
+        p + "attn.wkv.weight": TensorSpec((hd, h), WEIGHT),
+        p + "attn.kv_norm.weight": TensorSpec((hd,), FP32),
+        p + "attn.wo_a.weight": TensorSpec((o_rank, heads * hd // c.o_groups), WEIGHT),
+        p + "attn.wo_b.weight": TensorSpec((h, o_rank), WEIGHT),
+        p + "attn.attn_sink": TensorSpec((heads,), FP32),
+    }
+    if role.kind == FULL:
+        out[p + "attn.compressor.wkv.weight"] = TensorSpec((hd, h), FP32)
+        if role.ratio > 1:
+            out[p + "attn.compressor.wgate.weight"] = TensorSpec((hd, h), FP32)
+        out[p + "attn.compressor.norm.weight"] = TensorSpec((hd,), FP32)
+        out[p + "attn.indexer.wk.weight"] = TensorSpec((c.index_head_dim, hd), WEIGHT)
+        out[p + "attn.indexer.k_norm.weight"] = TensorSpec((c.index_head_dim,), FP32)
+    if role.kind in (FULL, REINDEX):
+        out[p + "attn.indexer.wq_b.weight"] = TensorSpec((c.index_n_heads * c.index_head_dim, c.q_lora_rank), WEIGHT)
+        out[p + "attn.indexer.weights_proj.weight"] = TensorSpec((c.index_n_heads, h), WEIGHT)
+    e, inter = c.n_routed_experts, c.moe_intermediate_size
+    out[p + "ffn.gate.weight"] = TensorSpec((e, h), WEIGHT)
+    out[p + "ffn.gate.bias"] = TensorSpec((e,), FP32)
+    for expert in [f"ffn.experts.{j}." for j in range(e)] + ["ffn.shared_experts."]:
+        out[p + expert + "w1.weight"] = TensorSpec((inter, h), WEIGHT)
+        out[p + expert + "w2.weight"] = TensorSpec((h, inter), WEIGHT)
+        out[p + expert + "w3.weight"] = TensorSpec((inter, h), WEIGHT)
+    mix = (2 + hc) * hc
+    for site in ("hc_attn_", "hc_ffn_"):
+        out[p + site + "fn"] = TensorSpec((mix, hc * h), FP32)
+        out[p + site + "base"] = TensorSpec((mix,), FP32)
+        out[p + site + "scale"] = TensorSpec((3,), FP32)
+    if role.engram:
+        rows = c.engram_num_embeddings[c.engram_layer_ids.index(layer)]
+        width = (c.engram_max_ngram_size - 1) * c.engram_n_heads * c.engram_head_dim
+        out[p + "engram.embed.weight"] = TensorSpec((rows, c.engram_head_dim), WEIGHT)
+        out[p + "engram.wkv.weight"] = TensorSpec(((hc + 1) * h, width), WEIGHT)
+        out[p + "engram.q_weight"] = TensorSpec((hc, h), FP32)
+        out[p + "engram.k_weight"] = TensorSpec((hc, h), FP32)
+    return out
