@@ -15,7 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepinfer.config import ConfigError
+from deepinfer.checkpoint.presets_v41 import V41_PRESETS, v41_preset_config
+from deepinfer.config import ConfigError, load_config
 from deepinfer.config_v41 import FULL, REINDEX, REUSE, SWA, V41Config
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -155,3 +156,11 @@ def test_schedules_are_accepted_exactly_when_nemo_accepts_them(text):
     except ConfigError:
         ours = False
     assert ours == nemo_accepts(text)
+
+
+@pytest.mark.parametrize("preset", V41_PRESETS)
+def test_presets_round_trip_and_nemo_accepts_them(tmp_path, preset):
+    config = v41_preset_config(preset)
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    assert load_config(tmp_path) == config
+    assert nemo_accepts(config.to_dict()["text_config"])

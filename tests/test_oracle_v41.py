@@ -12,15 +12,17 @@ and by lowest index here; with 16 index heads they do not occur in these prompts
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerFast
 
 import kernels
-from deepinfer import SamplingParams
+from deepinfer import LLM, SamplingParams
 from deepinfer.config_v41 import FULL, REINDEX, REUSE, SWA, V41Config
 from deepinfer.engine.cache import CacheManager
 from deepinfer.engine.runner import ModelRunner
@@ -34,6 +36,7 @@ from test_config_v41 import flash_text
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 TOLERANCE = 1e-4
 PROMPT_LEN = 70
+GREEDY_TOKENS = 8
 VOCAB = 512
 
 
@@ -61,7 +64,7 @@ def tiny_text(tokenizer) -> dict:
 @pytest.fixture(scope="module", params=[False, True], ids=["qdq-off", "qdq-on"])
 def reference(request, monkeypatch_module) -> tuple:
     """(our config, the released-layout tensors, a prompt [L], NeMo's logits [L, vocab], the tokenizer,
-    whether the caches are quantize-dequantized)."""
+    whether the caches are quantize-dequantized, NeMo's greedy continuation of the prompt)."""
     from nemo_automodel.components.models.deepseek_v41 import attention as nemo_attention
     from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
     from nemo_automodel.components.models.deepseek_v41.model import BackendConfig, DeepseekV41ForCausalLM
@@ -89,12 +92,15 @@ def reference(request, monkeypatch_module) -> tuple:
     prompt = torch.randint(0, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         logits = model(prompt.unsqueeze(0)).logits[0].float()
+        greedy = prompt.tolist()
+        for _ in range(GREEDY_TOKENS):  # NeMo has no cache: each token recomputes the whole sequence
+            greedy.append(int(model(torch.tensor([greedy])).logits[0, -1].argmax()))
     released = model.state_dict_adapter.to_hf(model.state_dict())
     tensors = {name: t.detach().clone() for name, t in released.items()
                if not name.startswith(("vision.", "aligner.", "image_")) and not name.endswith("gate.bias_vl")}
     config = V41Config.from_dict({"model_type": "deepseek_v41", "text_config": text})
     monkeypatch_module.undo()
-    return config, tensors, prompt, logits, tokenizer, qdq
+    return config, tensors, prompt, logits, tokenizer, qdq, greedy[PROMPT_LEN:]
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +110,7 @@ def monkeypatch_module():
 
 
 def engine(reference) -> tuple[DeepseekV41, CacheManager, ModelRunner]:
-    config, tensors, *_, tokenizer, qdq = reference
+    config, tensors, *_, tokenizer, qdq, _ = reference
     model = DeepseekV41(config, kernels.bind("batch_invariant", "cpu"), torch.float32, device="meta", cache_qdq=qdq)
     model.load_tensors(dict(tensors), "cpu")
     model.use_tokenizer(tokenizer)
@@ -158,3 +164,18 @@ def test_a_sequence_is_bitwise_the_same_alone_and_batched(reference):
     alone = chunked_logits(engine(reference), [prompt.tolist()], PROMPT_LEN)[0]
     batched = chunked_logits(engine(reference), [other, prompt.tolist()], 13)[1]
     assert torch.equal(alone, batched)
+
+
+def test_the_engine_serves_the_released_layout_like_nemo(reference, tmp_path):
+    """End to end: the tensors NeMo's adapter exports, written as a checkpoint folder, served by `LLM`
+    (with `cache_qdq` as the reference ran): prompt logprobs and greedy tokens."""
+    config, tensors, prompt, logits, tokenizer, qdq, greedy = reference
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    save_file({name: t.contiguous() for name, t in tensors.items()}, tmp_path / "model.safetensors")
+    llm = LLM(tmp_path, max_model_len=256, cache_qdq=qdq)
+    params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True, prompt_logprobs=True)
+    out = llm.generate([prompt.tolist()], params)[0]
+    want = torch.log_softmax(logits, dim=-1)[torch.arange(PROMPT_LEN - 1), prompt[1:]]
+    assert (torch.tensor(out.prompt_logprobs) - want).abs().max().item() <= TOLERANCE
+    assert out.token_ids == greedy

@@ -39,6 +39,9 @@ class EngineConfig:
                                                   "sequences of max_model_len)")
     block_size: int = _setting(16, "tokens per cache block")
     enable_chunked_prefill: bool = _setting(True, "split long prompts over steps")
+    cache_qdq: bool = _setting(True, "V4.1: keep the caches in the release's formats (FP8 window KV, NVFP4 "
+                                     "compressed KV, MXFP4 indexer queries and keys), as its reference does; "
+                                     "V4 has none")
     seed: int = _setting(0, "seed from which unseeded requests derive theirs")
     unseeded_seeds: str = _setting("request_order", "how unseeded requests get a seed: request_order (the engine's "
                                    "request counter) or content (a hash of the request)", choices=UNSEEDED_SEEDS)
@@ -51,8 +54,9 @@ class EngineConfig:
                 _check_positive(name, getattr(self, name))
         if self.seed is None or isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise DeepInferError(f"seed must be an integer, got {self.seed!r}")
-        if not isinstance(self.enable_chunked_prefill, bool):
-            raise DeepInferError(f"enable_chunked_prefill must be true or false, got {self.enable_chunked_prefill!r}")
+        for name in ("enable_chunked_prefill", "cache_qdq"):
+            if not isinstance(getattr(self, name), bool):
+                raise DeepInferError(f"{name} must be true or false, got {getattr(self, name)!r}")
         _check_choice("numerics", self.numerics, NUMERICS)
         _check_choice("unseeded_seeds", self.unseeded_seeds, UNSEEDED_SEEDS)
         if isinstance(self.dtype, torch.dtype):  # accepted from Python callers, recorded by name
@@ -118,7 +122,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     """One flag per `EngineConfig` field not in `skip`: `--max-num-seqs` and so on, `--run-seed` for
-    `seed`, `--no-chunked-prefill` for `enable_chunked_prefill`; defaults are the fields' defaults."""
+    `seed`, `--no-chunked-prefill` for `enable_chunked_prefill`, `--no-cache-qdq` for `cache_qdq`;
+    defaults are the fields' defaults."""
     for f in fields(EngineConfig):
         if f.name in skip:
             continue
@@ -126,6 +131,9 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
         if f.name == "enable_chunked_prefill":
             parser.add_argument("--no-chunked-prefill", dest=f.name, action="store_false", default=f.default,
                                 help="never split a prompt over steps (the step budget grows to max_model_len)")
+        elif f.name == "cache_qdq":
+            parser.add_argument("--no-cache-qdq", dest=f.name, action="store_false", default=f.default,
+                                help="V4.1: keep the caches in full precision instead of the release's formats")
         elif f.name == "seed":
             parser.add_argument("--run-seed", dest="run_seed", type=int, default=f.default, help=help_text)
         else:

@@ -94,7 +94,8 @@ class LLM:
                 f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
                 f"{model_config.max_position_embeddings}"
             )
-        self.model = build_model(model_config, kernels.bind(config.numerics, self.device), self.dtype)
+        self.model = build_model(model_config, kernels.bind(config.numerics, self.device), self.dtype,
+                                 cache_qdq=config.cache_qdq)
         self.model.load_tensors(tensors, self.device)
         if isinstance(self.model, DeepseekV41) and model_config.engram_layer_ids:
             if self.tokenizer is None:

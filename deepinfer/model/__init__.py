@@ -8,11 +8,13 @@ from deepinfer.model.transformer_v41 import DeepseekV41
 from kernels import Ops
 
 
-def build_model(config: ModelConfig | V41Config, ops: Ops, dtype: torch.dtype, device: torch.device | str = "meta"
-                ) -> Decoder:
-    """The model its config describes: `DeepseekV41` for a V4.1 config, `DeepseekV4` otherwise."""
-    model_class = DeepseekV41 if isinstance(config, V41Config) else DeepseekV4
-    return model_class(config, ops, dtype, device=device)
+def build_model(config: ModelConfig | V41Config, ops: Ops, dtype: torch.dtype, device: torch.device | str = "meta",
+                cache_qdq: bool = True) -> Decoder:
+    """The model its config describes: `DeepseekV41` for a V4.1 config (with the release's cache formats
+    unless `cache_qdq` is false), `DeepseekV4` otherwise."""
+    if isinstance(config, V41Config):
+        return DeepseekV41(config, ops, dtype, device=device, cache_qdq=cache_qdq)
+    return DeepseekV4(config, ops, dtype, device=device)
 
 
 __all__ = ["Decoder", "DeepseekV4", "DeepseekV41", "NULL_BLOCK", "PoolSpec", "StepBatch", "bucket", "build_model"]
