@@ -80,6 +80,8 @@ def _add_checkpoint(commands: argparse._SubParsersAction) -> None:
     create.add_argument("--preset", required=True, choices=PRESETS, help="model shape")
     create.add_argument("--out", required=True, help="folder to create (must not exist or be empty)")
     create.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
+    create.add_argument("--quantized", action="store_true",
+                        help="V4.1 presets: store the weights as the release does (FP8 dense, MXFP4 experts)")
     create.add_argument("--device", default="cpu",
                         help="where to generate the weights, e.g. cuda for big presets; the bits do not "
                              "depend on it (default: cpu)")
@@ -99,7 +101,8 @@ def _add_checkpoint(commands: argparse._SubParsersAction) -> None:
 
 
 def _cmd_checkpoint_create(args: argparse.Namespace) -> int:
-    out = create_checkpoint(args.preset, args.out, args.seed, device=args.device, progress=args.progress)
+    out = create_checkpoint(args.preset, args.out, args.seed, device=args.device, progress=args.progress,
+                            quantized=args.quantized)
     info = inspect_checkpoint(out)
     if not info.has_weights:
         total = sum(parameter_counts(info.config, include_mtp=False).values())

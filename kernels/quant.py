@@ -161,27 +161,31 @@ def _e2m1_magnitude(code: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-def fp8_block_decode(weight: torch.Tensor, scale: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """E4M3 weight [out, in] times its per-tile scale [ceil(out/block), ceil(in/block)] -> fp32.
+def fp8_block_decode(weight: torch.Tensor, scale: torch.Tensor, block: int | tuple[int, int] = 32) -> torch.Tensor:
+    """E4M3 weight [out, in] times its per-tile scale [ceil(out/rows), ceil(in/cols)] -> fp32, for
+    tiles of `block` = rows x cols (an int: square; V4.1's Engram tables use (1, 32), a scale per row
+    and 32 columns).
 
     `scale` is E8M0 (or its raw uint8 bytes), or float32 as in V4's FP8-expert checkpoints.
     """
     _check_dtype("fp8_block_decode", "weight", weight, (torch.float8_e4m3fn,))
     _check_2d("fp8_block_decode", weight)
-    _check_block("fp8_block_decode", block)
+    block = _tile(block)
+    _check_block("fp8_block_decode", min(block))
     _check_dtype("fp8_block_decode", "scale", scale, (torch.float8_e8m0fnu, torch.uint8, torch.float32))
     rows, cols = weight.shape
-    tiles = (-(-rows // block), -(-cols // block))
+    tiles = (-(-rows // block[0]), -(-cols // block[1]))
     if tuple(scale.shape) != tiles:
         raise ValueError(
             f"fp8_block_decode: scale shape {list(scale.shape)} does not match {list(tiles)} "
-            f"(weight {list(weight.shape)} in {block}x{block} tiles)"
+            f"(weight {list(weight.shape)} in {block[0]}x{block[1]} tiles)"
         )
     return weight.float() * _tile_scales(_scale_values(scale), block, rows, cols)
 
 
-def fp8_block_encode(weight: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 weight [out, in] -> (E4M3 weight, E8M0 scale [ceil(out/block), ceil(in/block)]).
+def fp8_block_encode(weight: torch.Tensor, block: int | tuple[int, int] = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 weight [out, in] -> (E4M3 weight, E8M0 scale [ceil(out/rows), ceil(in/cols)]) for tiles of
+    `block` = rows x cols (an int: square).
 
     Each tile's scale is the smallest power of two that brings its largest magnitude to 448 or
     less, worked out exactly from that magnitude's exponent and mantissa, so the output of
@@ -194,10 +198,11 @@ def fp8_block_encode(weight: torch.Tensor, block: int = 32) -> tuple[torch.Tenso
     """
     _check_2d("fp8_block_encode", weight)
     _check_floating("fp8_block_encode", weight)
-    _check_block("fp8_block_encode", block)
+    block = _tile(block)
+    _check_block("fp8_block_encode", min(block))
     rows, cols = weight.shape
-    padded = F.pad(weight.float(), (0, -cols % block, 0, -rows % block))
-    amax = padded.unflatten(1, (-1, block)).unflatten(0, (-1, block)).abs().amax(dim=(1, 3))
+    padded = F.pad(weight.float(), (0, -cols % block[1], 0, -rows % block[0]))
+    amax = padded.unflatten(1, (-1, block[1])).unflatten(0, (-1, block[0])).abs().amax(dim=(1, 3))
     mantissa, exponent = torch.frexp(_finite_or_zero(amax))
     # amax = m * 2^e with m in [0.5, 1), and 448 = 0.875 * 2^9: the smallest k with
     # amax / 2^k <= 448 is e - 9, or e - 8 when m > 0.875. The byte is k + 127.
@@ -265,11 +270,15 @@ def _scale_values(scale: torch.Tensor) -> torch.Tensor:
     return scale.float()
 
 
-def _tile_scales(scale: torch.Tensor, block: int, rows: int, cols: int) -> torch.Tensor:
+def _tile(block: int | tuple[int, int]) -> tuple[int, int]:
+    return (block, block) if isinstance(block, int) else tuple(block)
+
+
+def _tile_scales(scale: torch.Tensor, block: tuple[int, int], rows: int, cols: int) -> torch.Tensor:
     """Per-tile scales [R, C] spread over the [rows, cols] elements they cover."""
     tiles_r, tiles_c = scale.shape
-    spread = scale[:, None, :, None].expand(tiles_r, block, tiles_c, block)
-    return spread.reshape(tiles_r * block, tiles_c * block)[:rows, :cols]
+    spread = scale[:, None, :, None].expand(tiles_r, block[0], tiles_c, block[1])
+    return spread.reshape(tiles_r * block[0], tiles_c * block[1])[:rows, :cols]
 
 
 def _check_dtype(caller: str, name: str, tensor: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:

@@ -5,6 +5,8 @@ are accepted and left unused."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -73,3 +75,47 @@ def test_bad_tensors_fail_in_one_line(v41_checkpoint, tmp_path, change, message)
     with pytest.raises(CheckpointError) as err:
         load_checkpoint(folder)
     assert str(err.value) == message
+
+
+def test_a_quantized_checkpoint_loads_exactly_its_decoded_values(v41_checkpoint, tmp_path):
+    """`--quantized` stores FP8 dense weights (32x32 tiles), MXFP4 experts and FP8 Engram tables with
+    E8M0 scales; loading decodes them exactly, so it serves bit for bit like a plain checkpoint that
+    holds the decoded values."""
+    quantized = tmp_path / "quantized"
+    assert main(["checkpoint", "create", "--preset", "v41-tiny", "--out", str(quantized), "--seed", "4",
+                 "--quantized"]) == 0
+    stored = load_file(quantized / "model.safetensors")
+    assert stored["layers.1.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
+    assert stored["layers.1.attn.wq_a.scale"].shape == (2, 4)  # [64, 128] in 32x32 tiles
+    assert stored["layers.1.ffn.experts.3.w2.weight"].shape == (128, 32)  # [128, 64] as packed E2M1 pairs
+    assert stored["layers.0.engram.embed.scale"].shape == (4062, 1)  # a scale per row and 32 columns
+    decoded = load_checkpoint(quantized)
+    assert not any(name.endswith(".scale") for name in decoded.tensors)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    config = json.loads((quantized / "config.json").read_text())
+    del config["quantization_config"]
+    (plain / "config.json").write_text(json.dumps(config))
+    (plain / "tokenizer.json").write_bytes((quantized / "tokenizer.json").read_bytes())
+    save_file({name: t.contiguous() for name, t in decoded.tensors.items()}, plain / "model.safetensors")
+    got = [LLM(folder, max_model_len=256).generate([PROMPT], PARAMS)[0] for folder in (quantized, plain)]
+    assert got[0].token_ids == got[1].token_ids and got[0].logprobs == got[1].logprobs
+    original = LLM(v41_checkpoint, max_model_len=256).generate([PROMPT], PARAMS)[0]
+    assert got[0].logprobs != original.logprobs  # quantizing did change the weights
+
+
+def test_a_quantized_checkpoint_missing_a_scale_fails_in_one_line(tmp_path):
+    folder = tmp_path / "q"
+    assert main(["checkpoint", "create", "--preset", "v41-tiny", "--out", str(folder), "--quantized"]) == 0
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["layers.3.attn.wkv.scale"]
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(folder)
+    assert str(err.value) == "missing tensor layers.3.attn.wkv.scale"
+
+
+def test_only_v41_presets_quantize(tmp_path, capsys):
+    assert main(["checkpoint", "create", "--preset", "tiny", "--out", str(tmp_path / "t"), "--quantized"]) == 2
+    assert capsys.readouterr().err == "error: --quantized writes V4.1's released formats; preset 'tiny' is a V4 model\n"
+    assert not (tmp_path / "t").exists()

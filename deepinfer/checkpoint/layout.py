@@ -7,20 +7,22 @@ This is the one source of truth for the writer, the loader and the model: names 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from deepinfer.checkpoint.errors import CheckpointError
 from deepinfer.config import CSA, HCA, SLIDING, ModelConfig
 from deepinfer.config_v41 import V41Config
 
 WEIGHT, FP32, INDEX = "weight", "fp32", "index"
+FP8, FP4, SCALE = "fp8", "fp4", "scale"  # V4.1's quantized release: E4M3, packed E2M1 pairs, E8M0 scales
 MTP_PREFIX = "mtp."
 
 
 @dataclass(frozen=True)
 class TensorSpec:
     shape: tuple[int, ...]
-    kind: str  # WEIGHT: checkpoint dtype (fp32/bf16); FP32: always float32; INDEX: int64
+    kind: str  # WEIGHT: checkpoint dtype (fp32/bf16); FP32: always float32; INDEX: int64; FP8, FP4, SCALE
+    # (quantized V4.1): float8_e4m3fn, int8 holding two E2M1 codes, float8_e8m0fnu
 
     @property
     def numel(self) -> int:
@@ -159,7 +161,10 @@ def parameter_group(name: str) -> str:
 
 
 def parameter_counts(config: ModelConfig | V41Config, include_mtp: bool) -> dict[str, int]:
-    """Element counts per `PARAMETER_GROUPS` entry (groups with no tensors are left out)."""
+    """Element counts per `PARAMETER_GROUPS` entry (groups with no tensors are left out); a quantized
+    V4.1 checkpoint counts its weights' logical elements (not packed bytes, not scales)."""
+    if isinstance(config, V41Config) and config.quantization_config is not None:
+        config = replace(config, quantization_config=None)
     counts: dict[str, int] = {}
     for name, spec in expected_tensors(config, include_mtp).items():
         if spec.kind == INDEX:  # routing tables are lookups, not parameters

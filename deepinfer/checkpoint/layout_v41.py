@@ -9,11 +9,25 @@ accepts and leaves them unused.
 
 from __future__ import annotations
 
-from deepinfer.checkpoint.layout import FP32, WEIGHT, TensorSpec
+import math
+import re
+from dataclasses import replace
+
+import torch
+
+from deepinfer.checkpoint.layout import FP4, FP8, FP32, SCALE, WEIGHT, TensorSpec
 from deepinfer.config_v41 import FULL, REINDEX, LayerRole, V41Config
+from kernels.quant import fp8_block_decode, fp8_block_encode, mxfp4_decode, mxfp4_encode
 
 OPTIONAL_PREFIXES = ("mtp.", "vision.", "aligner.", "image_")
 OPTIONAL_SUFFIXES = (".ffn.gate.bias_vl",)
+# the release's quantization: FP8 E4M3 dense weights with E8M0 scales per 32x32 tile, MXFP4 routed
+# experts (a scale per row and 32 columns), FP8 Engram tables (a scale per row and 32 columns)
+QUANTIZATION = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32],
+                "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
+_QUANTIZED = re.compile(r"layers\.\d+\.(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
+                        r"|ffn\.(?:shared_experts|experts\.\d+)\.w[123]|engram\.(?:embed|wkv))\.weight")
+ROW_GROUP = 32
 
 
 def expected_tensors_v41(config: V41Config) -> dict[str, TensorSpec]:
@@ -26,7 +40,67 @@ def expected_tensors_v41(config: V41Config) -> dict[str, TensorSpec]:
     }
     for i, role in enumerate(c.roles):
         out.update(_block(f"layers.{i}.", c, role, i))
-    return out
+    if c.quantization_config is None:
+        return out
+    quantized = {}
+    for name, spec in out.items():
+        quantized.update({name: spec} if _format(name) is None else _quantized_specs(name, spec, _tile(c)))
+    return quantized
+
+
+def scale_name(name: str) -> str:
+    return name.removesuffix(".weight") + ".scale"
+
+
+def dequantize(config: V41Config, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A quantized checkpoint's tensors with every quantized weight decoded (exactly) to fp32 and its
+    scale dropped; a checkpoint without `quantization_config` is returned as it is."""
+    if config.quantization_config is None:
+        return tensors
+    tile = _tile(config)
+    for name in [n for n in tensors if _format(n) is not None]:
+        weight, scale = tensors[name], tensors.pop(scale_name(name))
+        tensors[name] = mxfp4_decode(weight, scale) if _format(name) == FP4 else fp8_block_decode(
+            weight, scale, (1, ROW_GROUP) if ".engram.embed." in name else tile)
+    return tensors
+
+
+def quantize(config: V41Config, tensors: dict[str, torch.Tensor]) -> tuple[V41Config, dict[str, torch.Tensor]]:
+    """The release's quantized form of a plain checkpoint: its config with `QUANTIZATION` and the tensors
+    with each quantized weight encoded beside its scale (`dequantize` undoes it up to rounding)."""
+    config = replace(config, quantization_config=dict(QUANTIZATION))
+    tile = _tile(config)
+    out = {}
+    for name, tensor in tensors.items():
+        fmt = _format(name)
+        if fmt is None:
+            out[name] = tensor
+            continue
+        encoded = mxfp4_encode(tensor) if fmt == FP4 else fp8_block_encode(
+            tensor, (1, ROW_GROUP) if ".engram.embed." in name else tile)
+        out[name], out[scale_name(name)] = encoded
+    return config, out
+
+
+def _format(name: str) -> str | None:
+    if not _QUANTIZED.fullmatch(name):
+        return None
+    return FP4 if ".ffn.experts." in name else FP8
+
+
+def _tile(config: V41Config) -> tuple[int, int]:
+    block = config.quantization_config.get("weight_block_size", [32, 32])
+    return int(block[0]), int(block[1])
+
+
+def _quantized_specs(name: str, spec: TensorSpec, tile: tuple[int, int]) -> dict[str, TensorSpec]:
+    rows, cols = spec.shape
+    if _format(name) == FP4:
+        return {name: TensorSpec((rows, cols // 2), FP4), scale_name(name): TensorSpec((rows, math.ceil(cols / ROW_GROUP)), SCALE)}
+    if ".engram.embed." in name:
+        tile = (1, ROW_GROUP)
+    return {name: TensorSpec((rows, cols), FP8),
+            scale_name(name): TensorSpec((math.ceil(rows / tile[0]), math.ceil(cols / tile[1])), SCALE)}
 
 
 def is_optional(name: str) -> bool:

@@ -10,8 +10,12 @@ import torch
 from deepinfer.checkpoint.errors import CheckpointError
 from deepinfer.checkpoint.files import INDEX_NAME, WeightReader, read_headers, weight_files
 from deepinfer.checkpoint.hashing import cached_hash, content_hash, hash_tensors, store_hash
-from deepinfer.checkpoint.layout import FP32, INDEX, MTP_PREFIX, expected_tensors, unused_tensor, weight_dtype_name
+from deepinfer.checkpoint.layout import (
+    FP4, FP8, FP32, INDEX, MTP_PREFIX, SCALE, expected_tensors, unused_tensor, weight_dtype_name,
+)
+from deepinfer.checkpoint.layout_v41 import dequantize
 from deepinfer.config import ModelConfig, load_config
+from deepinfer.config_v41 import V41Config
 
 
 @dataclass
@@ -43,12 +47,15 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu") -> C
     files = weight_files(folder)
     with WeightReader(files, device) as reader:
         has_mtp, _ = check_tensors(config, reader.headers)
-        tensors = {name: reader.get(name) for name in sorted(reader.headers) if not unused_tensor(config, name)}
+        tensors = {name: reader.get(name) for name in sorted(reader.headers)}
     _check_routing_tables(config, tensors)
     digest = cached_hash(files)
     if digest is None:
-        digest = hash_tensors(tensors)
+        digest = hash_tensors(tensors)  # every tensor as stored, the ones left unused included
         store_hash(files, digest)
+    tensors = {name: tensor for name, tensor in tensors.items() if not unused_tensor(config, name)}
+    if isinstance(config, V41Config):
+        tensors = dequantize(config, tensors)  # exact: FP8 / FP4 values times powers of two
     return Checkpoint(folder, config, tensors, has_mtp, digest, _tokenizer(folder))
 
 
@@ -63,6 +70,10 @@ def inspect_checkpoint(folder: str | Path, *, verify: bool = False) -> Checkpoin
         has_mtp, dtype = check_tensors(config, read_headers(weight_files(folder)))
         digest = content_hash(folder, trust_cache=not verify)
     return CheckpointInfo(folder, config, has_weights, has_mtp, dtype, digest, _tokenizer(folder))
+
+
+FIXED_DTYPES = {FP32: ("float32",), INDEX: ("int64",), FP8: ("float8_e4m3fn",), FP4: ("int8", "uint8"),
+                SCALE: ("float8_e8m0fnu", "uint8")}
 
 
 def check_tensors(config: ModelConfig, headers: dict[str, tuple[Path, str, tuple[int, ...]]]) -> tuple[bool, str]:
@@ -86,10 +97,10 @@ def check_tensors(config: ModelConfig, headers: dict[str, tuple[Path, str, tuple
         path, dtype, shape = headers[name]
         if shape != spec.shape:
             raise CheckpointError(f"{name}: shape {shape} does not match config {spec.shape}")
-        if spec.kind == FP32 or spec.kind == INDEX:
-            want = "float32" if spec.kind == FP32 else "int64"
-            if dtype != want:
-                raise CheckpointError(f"{name}: dtype {dtype}, expected {want}")
+        if spec.kind in FIXED_DTYPES:
+            want = FIXED_DTYPES[spec.kind]
+            if dtype not in want:
+                raise CheckpointError(f"{name}: dtype {dtype}, expected {' or '.join(want)}")
         elif weight_dtype is None:  # config.json declares none: the first weight sets it
             if dtype not in ("float32", "bfloat16"):
                 raise CheckpointError(f"{name}: dtype {dtype}, expected float32 or bfloat16")

@@ -17,7 +17,9 @@ from deepinfer.checkpoint.errors import CheckpointError
 from deepinfer.checkpoint.files import INDEX_NAME, deepinfer_home, weight_files
 from deepinfer.checkpoint.hashing import TensorHasher, store_hash
 from deepinfer.checkpoint.layout import weight_dtype_name
+from deepinfer.checkpoint.layout_v41 import quantize
 from deepinfer.checkpoint.presets import CONFIG_ONLY_PRESETS, preset_config
+from deepinfer.config_v41 import V41Config
 from deepinfer.checkpoint.random_init import RandomTensors
 from deepinfer.progress import Progress
 from deepinfer.recipe.tokenizer import build_tokenizer
@@ -72,8 +74,9 @@ def write_weights(folder: Path, tensors: Mapping[str, torch.Tensor], max_shard_b
 
 
 def create_checkpoint(preset: str, out: str | Path, seed: int, *, device: str | torch.device = "cpu",
-                      max_shard_bytes: int = SHARD_BYTES, progress: bool = False) -> Path:
-    """Write a seeded random checkpoint of `preset` to the new folder `out`.
+                      max_shard_bytes: int = SHARD_BYTES, progress: bool = False, quantized: bool = False) -> Path:
+    """Write a seeded random checkpoint of `preset` to the new folder `out`; `quantized` (V4.1 presets)
+    stores it as the release does (FP8 dense weights, MXFP4 experts, FP8 Engram tables).
 
     Everything goes to a hidden sibling folder first, renamed to `out` only when complete, so an
     interrupted run never leaves a partial checkpoint. Config-only presets get no weights. With
@@ -81,6 +84,8 @@ def create_checkpoint(preset: str, out: str | Path, seed: int, *, device: str | 
     a status line every 10 s when piped).
     """
     config = preset_config(preset)
+    if quantized and not isinstance(config, V41Config):
+        raise CheckpointError(f"--quantized writes V4.1's released formats; preset {preset!r} is a V4 model")
     out = Path(out)
     _refuse_existing(out)
     try:
@@ -98,6 +103,8 @@ def create_checkpoint(preset: str, out: str | Path, seed: int, *, device: str | 
         if preset not in CONFIG_ONLY_PRESETS:
             dtype = getattr(torch, weight_dtype_name(config) or "float32")
             tensors = RandomTensors(config, seed, dtype, device)
+            if quantized:
+                config, tensors = quantize(config, dict(tensors))
             with Progress(f"checkpoint {preset}", len(tensors), enabled=progress, unit="tensors") as bar:
                 digest = write_weights(tmp, tensors, max_shard_bytes, progress=bar)
         build_tokenizer(config.vocab_size).save(str(tmp / "tokenizer.json"))
