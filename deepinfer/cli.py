@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from deepinfer.checkpoint import PRESETS, create_checkpoint, inspect_checkpoint, parameter_counts
+from deepinfer.checkpoint.layout_v41 import footprint
 from deepinfer.config import CSA, HCA, ModelConfig
 from deepinfer.config_v41 import V41Config
 from deepinfer.engine.config import add_engine_flags, config_from_flags
@@ -142,7 +143,7 @@ def _cmd_checkpoint_info(args: argparse.Namespace) -> int:
 def _architecture_lines(c: ModelConfig | V41Config) -> list[str]:
     """The layer schedule and attention of either model family, for `checkpoint info`."""
     if isinstance(c, V41Config):
-        roles = c.roles
+        roles, parts = c.roles, footprint(c)
         candidate = next((i for i, r in enumerate(roles) if r.candidate_source), None)
         return [
             f"model       DeepSeek-V4.1 ({c.model_type})",
@@ -152,6 +153,8 @@ def _architecture_lines(c: ModelConfig | V41Config) -> list[str]:
             + (f"from layer {candidate} ({c.candidate_topk_blocks} blocks of {c.candidate_block_size})"
                if candidate is not None else "off"),
             f"engram      layers {c.engram_layer_ids}, tables {c.engram_num_embeddings} rows x {c.engram_head_dim}",
+            f"footprint   {_gib(sum(parts.values()))} in the release's formats (backbone): "
+            + ", ".join(f"{part} {_gib(n)}" for part, n in parts.items()),
         ]
     return [
         f"model       DeepSeek-V4 ({c.model_type})",
@@ -165,6 +168,10 @@ def _architecture_lines(c: ModelConfig | V41Config) -> list[str]:
 
 def _tally(items) -> str:
     return ", ".join(f"{kind} x{n}" for kind, n in Counter(items).items())
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _count(n: int) -> str:

@@ -13,6 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint import CheckpointError, load_checkpoint
+from deepinfer.checkpoint.layout_v41 import footprint
+from deepinfer.checkpoint.presets_v41 import v41_preset_config
 from deepinfer.cli import main
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
@@ -119,3 +121,16 @@ def test_only_v41_presets_quantize(tmp_path, capsys):
     assert main(["checkpoint", "create", "--preset", "tiny", "--out", str(tmp_path / "t"), "--quantized"]) == 2
     assert capsys.readouterr().err == "error: --quantized writes V4.1's released formats; preset 'tiny' is a V4 model\n"
     assert not (tmp_path / "t").exists()
+
+
+def test_flash_footprint_by_format(tmp_path, capsys):
+    """`checkpoint info` of the config-only v41-flash preset: the backbone in the release's formats."""
+    assert main(["checkpoint", "create", "--preset", "v41-flash", "--out", str(tmp_path / "f")]) == 0
+    parts = footprint(v41_preset_config("v41-flash"))
+    experts = 40 * 384 * 3 * 2304 * 5120  # layers x experts x (w1, w2, w3) x elements
+    assert parts["routed experts (MXFP4)"] == experts // 2  # two E2M1 codes per byte
+    assert parts["Engram tables (FP8)"] == (384006168 + 384016682) * 256
+    assert parts["E8M0 scales"] >= experts // 32 + (384006168 + 384016682) * 256 // 32
+    capsys.readouterr()
+    assert main(["checkpoint", "info", str(tmp_path / "f")]) == 0
+    assert "footprint   467.0 GiB in the release's formats (backbone)" in capsys.readouterr().out

@@ -143,7 +143,7 @@ def weight_dtype_name(config: ModelConfig | V41Config) -> str | None:
 
 
 PARAMETER_GROUPS = ("embedding + head", "attention", "routed experts", "shared experts + routers",
-                    "norms + hyper-connections", "mtp draft")
+                    "engram memory", "norms + hyper-connections", "mtp draft")
 
 
 def parameter_group(name: str) -> str:
@@ -153,6 +153,8 @@ def parameter_group(name: str) -> str:
         return "embedding + head"
     if ".ffn.experts." in name:
         return "routed experts"
+    if ".engram." in name:
+        return "engram memory"
     if ".ffn." in name:
         return "shared experts + routers"
     if ".attn." in name and not name.endswith("norm.weight"):

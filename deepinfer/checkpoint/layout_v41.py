@@ -153,3 +153,24 @@ def _block(p: str, c: V41Config, role: LayerRole, layer: int) -> dict[str, Tenso
         out[p + "engram.q_weight"] = TensorSpec((hc, h), FP32)
         out[p + "engram.k_weight"] = TensorSpec((hc, h), FP32)
     return out
+
+
+_BYTES = {FP8: 1, FP4: 1, SCALE: 1, FP32: 4}
+
+
+def footprint(config: V41Config) -> dict[str, int]:
+    """Bytes of the backbone stored as the release stores it (`QUANTIZATION`; bf16 where it does not
+    quantize, fp32 where the layout says so), by part: dense FP8, MXFP4 experts, FP8 Engram tables,
+    their E8M0 scales, bf16 and fp32 tensors. The draft layers and vision tower are not counted."""
+    parts: dict[str, int] = {}
+    for name, spec in expected_tensors_v41(replace(config, quantization_config=dict(QUANTIZATION))).items():
+        if spec.kind == SCALE:
+            part = "E8M0 scales"
+        elif spec.kind == FP4:
+            part = "routed experts (MXFP4)"
+        elif spec.kind == FP8:
+            part = "Engram tables (FP8)" if ".engram.embed." in name else "dense weights (FP8)"
+        else:
+            part = "fp32 (norms, mixing, compressors)" if spec.kind == FP32 else "bf16 (embedding, head, routers)"
+        parts[part] = parts.get(part, 0) + spec.numel * _BYTES.get(spec.kind, 2)
+    return parts
