@@ -14,7 +14,7 @@ from functools import partial
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kernels.quant import (
@@ -62,9 +62,17 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
-def assert_same_bits(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+def assert_same_bits(ours: torch.Tensor, theirs: torch.Tensor, any_nan: torch.Tensor | None = None) -> None:
+    """Bitwise equality, except that where `any_nan` is set both must be NaN, payload free.
+
+    IEEE 754 leaves open which payload a product of two NaNs carries, and CPUs pick by operand
+    order and vector lane, so where both factors are NaN only NaN-ness is a property.
+    """
     assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
-    assert torch.equal(bits(ours), bits(theirs))
+    if any_nan is None:
+        any_nan = torch.zeros(ours.shape, dtype=torch.bool)
+    assert torch.equal(bits(ours)[~any_nan], bits(theirs)[~any_nan])
+    assert bool(ours[any_nan].isnan().all()) and bool(theirs[any_nan].isnan().all())
 
 
 def sample(seed: int, shape: tuple[int, ...], center: int, spread: int, grid: bool, specials: float) -> torch.Tensor:
@@ -175,12 +183,15 @@ def random_e8m0(g: torch.Generator, shape: tuple[int, ...], low: int = 0, high: 
 
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**31), rows=st.integers(1, 100), cols=st.integers(1, 100))
+@example(seed=196, rows=32, cols=71)  # a NaN weight in a NaN-scaled tile
 def test_fp8_block_decode_equals_nemo(nemo, seed, rows, cols):
     g = torch.Generator().manual_seed(seed)
     weight = random_fp8(g, (rows, cols))
     scale = random_e8m0(g, (-(-rows // 32), -(-cols // 32)))
     ours = fp8_block_decode(weight, scale, 32)
-    assert_same_bits(ours, nemo.decode_v41(weight, scale))
+    tile_nan = scale.float().isnan().repeat_interleave(32, 0)[:rows].repeat_interleave(32, 1)[:, :cols]
+    nan_times_nan = weight.float().isnan() & tile_nan
+    assert_same_bits(ours, nemo.decode_v41(weight, scale), nan_times_nan)
     assert_same_bits(fp8_block_decode(weight, scale.view(torch.uint8), 32), ours)
 
 
