@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 import harness.record as record
+from deepinfer.checkpoint import MODEL_HELP
 from audit.store import RunStore
 from harness.suites import load_suite
 from harness.sweep import default_sweep
@@ -62,7 +63,7 @@ def measure(suite, variant, model) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", default="smoke")
-    parser.add_argument("--model", default=None, help="checkpoint folder (default: the embedded tiny checkpoint)")
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     suite = load_suite(args.suite)

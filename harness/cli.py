@@ -15,6 +15,7 @@ from pathlib import Path
 
 from audit.errors import AuditError
 from deepinfer import cli as engine_cli
+from deepinfer.checkpoint import MODEL_HELP
 from deepinfer.engine.config import add_engine_flags, config_from_flags
 from deepinfer.errors import DeepInferError
 from harness.eval_cli import add_eval_command
@@ -99,7 +100,7 @@ def add_audit(commands: argparse._SubParsersAction) -> None:
 
 
 def _model_and_suite(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="checkpoint folder (default: the embedded tiny checkpoint)")
+    parser.add_argument("--model", help=MODEL_HELP)
     parser.add_argument("--suite", required=True,
                         help="KIND:PATH, a JSONL file of requests, or a shipped suite name (smoke)")
     parser.add_argument("--run-seed", type=int, default=0, help="seed from which unseeded requests derive theirs")

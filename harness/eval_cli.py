@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 
 from deepinfer import NUMERICS
+from deepinfer.checkpoint import MODEL_HELP
 from harness.lm_eval_cli import needs_lm_eval
 
 EXIT_DIFFERENT = 1
@@ -34,7 +35,7 @@ def add_eval_command(commands: argparse._SubParsersAction) -> None:
                                                 "its files are hashed into the runs' manifests")
     command.add_argument("--batch-sizes", default="1,8,64", help="engine batch sizes to compare (default: 1,8,64)")
     command.add_argument("--out", required=True, help="output folder (new or empty)")
-    command.add_argument("--model", help="checkpoint folder (default: the embedded tiny checkpoint)")
+    command.add_argument("--model", help=MODEL_HELP)
     command.add_argument("--numerics", default="batch_invariant", choices=NUMERICS)
     command.add_argument("--dtype", default="float32")
     command.add_argument("--device", default="cpu")

@@ -100,7 +100,7 @@ def model_arguments(model_args: dict, lm_eval_settings: dict) -> dict:
 class DeepInferLM(TemplateLM):
     """The DeepInfer engine behind lm-eval's three request types.
 
-    `model` is a checkpoint folder (None: the embedded tiny checkpoint); `engine` takes any other
+    `model` is a checkpoint folder (None: the embedded default checkpoint); `engine` takes any other
     `EngineConfig` setting (numerics, dtype, device, max_model_len, ...); `batch_size` is the engine's
     `max_num_seqs` (None: its default); `run_seed` seeds sampled generations (per request id, so not by
     arrival); `run_dir` (a new folder) receives the run; `suite` describes the tasks in its manifest.

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from deepinfer import NUMERICS
+from deepinfer.checkpoint import MODEL_HELP
 from deepinfer.engine.config import add_engine_flags, config_from_flags
 from deepinfer.errors import DeepInferError
 from harness.replay import MODES
@@ -37,7 +38,7 @@ def add_replay_commands(audit_commands: argparse._SubParsersAction) -> None:
     record.add_argument("--mode", choices=MODES, default="teacher-forced",
                         help="teacher-forced: regenerate each turn from the recorded history; free-running: the "
                              "model's turns feed forward, tools answer from the trace (default: teacher-forced)")
-    record.add_argument("--model", help="checkpoint folder (default: the embedded tiny checkpoint)")
+    record.add_argument("--model", help=MODEL_HELP)
     add_engine_flags(record)
     record.set_defaults(run=_cmd_record)
 

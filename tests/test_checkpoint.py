@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 
 import deepinfer.checkpoint.writer as writer
 from deepinfer.checkpoint import (
+    DEFAULT_PRESET,
     CheckpointError,
     content_hash,
     create_checkpoint,
@@ -23,6 +24,7 @@ from deepinfer.checkpoint import (
 from deepinfer.checkpoint.files import weight_files
 from deepinfer.checkpoint.hashing import cache_path
 from deepinfer.checkpoint.layout import FP32, INDEX, WEIGHT
+from deepinfer.checkpoint.layout_v41 import released_format
 from deepinfer.checkpoint.random_init import RandomTensors, random_tensor
 from deepinfer.cli import main
 from deepinfer.config import CSA, HCA, SLIDING, ConfigError
@@ -173,7 +175,7 @@ def test_create_into_empty_folder_and_unknown_preset(tmp_path):
     create_checkpoint("tiny", tmp_path / "empty", seed=0)
     assert (tmp_path / "empty" / "model.safetensors").is_file()
     assert _error(create_checkpoint, "huge", tmp_path / "y", 0) == (
-        "unknown preset 'huge'; choose one of tiny, small, flash-4l, flash, v41-tiny, v41-small, v41-flash")
+        "unknown preset 'huge'; choose one of tiny, small, flash-4l, flash, v41-tiny, v41-small, v41-flash-5l, v41-flash")
 
 
 def test_interrupted_create_leaves_nothing(tmp_path, monkeypatch):
@@ -194,14 +196,14 @@ def test_default_checkpoint_race(tmp_path, monkeypatch):
     def build_while_another_process_wins(vocab_size):
         if not raced:  # the "other process" completes its create while we are mid-way through ours
             raced.append(True)
-            create_checkpoint("tiny", writer.default_checkpoint_path(), seed=0)
+            create_checkpoint(DEFAULT_PRESET, writer.default_checkpoint_path(), seed=0, quantized=True)
         return real(vocab_size)
 
     monkeypatch.setattr(writer, "build_tokenizer", build_while_another_process_wins)
     path = default_checkpoint()
     assert path == writer.default_checkpoint_path() and path.parent == tmp_path / "home" and raced
     assert sorted(p.name for p in (tmp_path / "home").iterdir()) == ["content-hashes", path.name]  # loser cleaned up
-    assert load_checkpoint(path).has_mtp
+    assert load_checkpoint(path).config == released_format(preset_config(DEFAULT_PRESET))
     assert default_checkpoint() == path
 
 

@@ -6,10 +6,11 @@ from deepinfer.checkpoint.layout import TensorSpec, expected_tensors, parameter_
 from deepinfer.checkpoint.loader import Checkpoint, CheckpointInfo, inspect_checkpoint, load_checkpoint
 from deepinfer.checkpoint.presets import CONFIG_ONLY_PRESETS, PRESETS, preset_config
 from deepinfer.checkpoint.random_init import random_tensors
-from deepinfer.checkpoint.writer import create_checkpoint, default_checkpoint, write_weights
+from deepinfer.checkpoint.writer import DEFAULT_PRESET, MODEL_HELP, create_checkpoint, default_checkpoint, write_weights
 
 __all__ = [
-    "CONFIG_ONLY_PRESETS", "PRESETS", "Checkpoint", "CheckpointError", "CheckpointInfo", "TensorSpec",
+    "CONFIG_ONLY_PRESETS", "DEFAULT_PRESET", "MODEL_HELP", "PRESETS", "Checkpoint", "CheckpointError",
+    "CheckpointInfo", "TensorSpec",
     "content_hash", "create_checkpoint", "default_checkpoint", "expected_tensors", "inspect_checkpoint",
     "load_checkpoint", "parameter_counts", "preset_config", "random_tensors", "write_weights",
 ]

@@ -68,7 +68,7 @@ def dequantize(config: V41Config, tensors: dict[str, torch.Tensor]) -> dict[str,
 def quantize(config: V41Config, tensors: dict[str, torch.Tensor]) -> tuple[V41Config, dict[str, torch.Tensor]]:
     """The release's quantized form of a plain checkpoint: its config with `QUANTIZATION` and the tensors
     with each quantized weight encoded beside its scale (`dequantize` undoes it up to rounding)."""
-    config = replace(config, quantization_config=dict(QUANTIZATION))
+    config = released_format(config)
     tile = _tile(config)
     out = {}
     for name, tensor in tensors.items():
@@ -80,6 +80,11 @@ def quantize(config: V41Config, tensors: dict[str, torch.Tensor]) -> tuple[V41Co
             tensor, (1, ROW_GROUP) if ".engram.embed." in name else tile)
         out[name], out[scale_name(name)] = encoded
     return config, out
+
+
+def released_format(config: V41Config) -> V41Config:
+    """`config` declaring the release's quantization (`QUANTIZATION`)."""
+    return replace(config, quantization_config=dict(QUANTIZATION))
 
 
 def _format(name: str) -> str | None:
@@ -163,7 +168,7 @@ def footprint(config: V41Config) -> dict[str, int]:
     quantize, fp32 where the layout says so), by part: dense FP8, MXFP4 experts, FP8 Engram tables,
     their E8M0 scales, bf16 and fp32 tensors. The draft layers and vision tower are not counted."""
     parts: dict[str, int] = {}
-    for name, spec in expected_tensors_v41(replace(config, quantization_config=dict(QUANTIZATION))).items():
+    for name, spec in expected_tensors_v41(released_format(config)).items():
         if spec.kind == SCALE:
             part = "E8M0 scales"
         elif spec.kind == FP4:

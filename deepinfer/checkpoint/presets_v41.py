@@ -1,6 +1,11 @@
 """DeepSeek-V4.1 model shapes for synthetic checkpoints, in the released `config.json` layout.
 
-Each small preset has every CSA2 role (window-only, Full at ratio 2 and a Reuse after it, Full at
+`v41-tiny` and `v41-small` are for CPU work; `v41-flash-5l` has Flash's widths in five layers (an
+H200 holds it in the release's formats, ~40 GiB; decoded to bf16 it would not fit); `v41-flash` is
+the release's shape, config only. The Flash-width presets declare the release's quantization, the
+small ones are plain unless written with `--quantized`.
+
+Each preset below Flash size has every CSA2 role (window-only, Full at ratio 2 and a Reuse after it, Full at
 ratio 1 that picks the candidate pool, Reuse at ratio 1, Reindex in the pool) and Engram at two
 layers. Engram's compressed vocabulary and table sizes follow from the preset's tokenizer (the
 same one `checkpoint create` writes), so the config always agrees with it.
@@ -8,11 +13,12 @@ same one `checkpoint create` writes), so the config always agrees with it.
 
 from __future__ import annotations
 
+from deepinfer.checkpoint.layout_v41 import QUANTIZATION
 from deepinfer.config_v41 import MODEL_TYPE, TEXT_MODEL_TYPE, V41Config
 from deepinfer.model.engram import engram_layouts, vocabulary_map
 from deepinfer.recipe.tokenizer import BOS, EOS, PAD, build_tokenizer
 
-V41_PRESETS = ("v41-tiny", "v41-small", "v41-flash")
+V41_PRESETS = ("v41-tiny", "v41-small", "v41-flash-5l", "v41-flash")
 V41_CONFIG_ONLY = ("v41-flash",)
 # every role in six layers; the three draft layers (not built yet) are window-only
 _ROLE_SCHEDULE = dict(compress_ratios=[0, 2, 2, 1, 1, 1, 0, 0, 0], kv_source_layer_ids=[1, 3],
@@ -23,6 +29,17 @@ _COMMON = dict(
     norm_topk_prob=True, routed_scaling_factor=1.5, swiglu_limit=10.0, hc_mult=4, hc_sinkhorn_iters=20,
     hc_eps=1e-6, rope_theta=10000.0, compress_rope_theta=160000.0, hidden_act="silu", attention_bias=False,
     tie_word_embeddings=False, dspark_block_size=5, dspark_markov_rank=16, engram_max_ngram_size=3,
+)
+
+
+# the release's widths (V41 notes, section 2); Flash-width presets are stored as the release stores them
+_FLASH_WIDTHS = dict(
+    dtype="bfloat16", vocab_size=129280, hidden_size=5120, moe_intermediate_size=2304, num_attention_heads=64,
+    head_dim=512, qk_rope_head_dim=64, q_lora_rank=1280, o_lora_rank=1024, o_groups=8, n_routed_experts=384,
+    num_experts_per_tok=6, sliding_window=128, rms_norm_eps=1e-20, max_position_embeddings=1048576,
+    yarn_original=65536, index_n_heads=32, index_head_dim=128, index_topk=512, candidate_topk_blocks=2048,
+    candidate_block_size=8, engram_n_heads=8, engram_head_dim=256, engram_max_ngram_size=4,
+    dspark_n_routed_experts=128, dspark_num_experts_per_tok=3, dspark_markov_rank=256, quantized=True,
 )
 
 
@@ -42,14 +59,12 @@ def v41_preset_config(name: str) -> V41Config:
             yarn_original=1024, index_n_heads=16, index_head_dim=64, index_topk=64, candidate_topk_blocks=16,
             candidate_block_size=8, engram_n_heads=4, engram_head_dim=64, engram_vocab_size=100003,
             dspark_n_routed_experts=16, dspark_num_experts_per_tok=2, **_ROLE_SCHEDULE),
+        "v41-flash-5l": dict(  # Flash widths; every role in five layers; Engram tables 1/80 of Flash's
+            **_FLASH_WIDTHS, engram_vocab_size=200003, num_hidden_layers=5, num_nextn_predict_layers=3,
+            compress_ratios=[0, 2, 2, 1, 1, 0, 0, 0], kv_source_layer_ids=[1, 3], index_source_layer_ids=[1, 3, 4],
+            candidate_source_layer_id=3, engram_layer_ids=[0, 4], dspark_target_layer_ids=[2, 3, 4]),
         "v41-flash": dict(  # the release's shape (V41 notes, section 2)
-            dtype="bfloat16", vocab_size=129280, hidden_size=5120, moe_intermediate_size=2304, num_attention_heads=64,
-            head_dim=512, qk_rope_head_dim=64, q_lora_rank=1280, o_lora_rank=1024, o_groups=8, n_routed_experts=384,
-            num_experts_per_tok=6, sliding_window=128, rms_norm_eps=1e-20, max_position_embeddings=1048576,
-            yarn_original=65536, index_n_heads=32, index_head_dim=128, index_topk=512, candidate_topk_blocks=2048,
-            candidate_block_size=8, engram_n_heads=8, engram_head_dim=256, engram_vocab_size=16000000,
-            engram_max_ngram_size=4, dspark_n_routed_experts=128, dspark_num_experts_per_tok=3,
-            dspark_markov_rank=256, num_hidden_layers=40, num_nextn_predict_layers=3,
+            **_FLASH_WIDTHS, engram_vocab_size=16000000, num_hidden_layers=40, num_nextn_predict_layers=3,
             compress_ratios=[0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0], kv_source_layer_ids=[2, 8, 14, 20],
             index_source_layer_ids=[2, 8, 14, 20, 24, 28, 32, 36], candidate_source_layer_id=20,
             engram_layer_ids=[1, 14], dspark_target_layer_ids=[37, 38, 39]),
@@ -59,7 +74,7 @@ def v41_preset_config(name: str) -> V41Config:
     return _config(**shapes[name])
 
 
-def _config(*, dtype: str, yarn_original: int, **fields) -> V41Config:
+def _config(*, dtype: str, yarn_original: int, quantized: bool = False, **fields) -> V41Config:
     text = {**_COMMON, **fields}
     tokenizer = build_tokenizer(text["vocab_size"])
     _, compressed = vocabulary_map(tokenizer, text["vocab_size"])
@@ -75,4 +90,6 @@ def _config(*, dtype: str, yarn_original: int, **fields) -> V41Config:
         dspark_noise_token_id=tokenizer.get_vocab_size() - 1,
     )
     raw = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": MODEL_TYPE, "dtype": dtype, "text_config": text}
+    if quantized:
+        raw["quantization_config"] = dict(QUANTIZATION)
     return V41Config.from_dict(raw, source=f"preset {text['vocab_size']}")

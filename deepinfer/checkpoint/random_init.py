@@ -16,11 +16,14 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 
 import torch
 
 from deepinfer.checkpoint.layout import FP32, INDEX, TensorSpec, expected_tensors
+from deepinfer.checkpoint.layout_v41 import quantize
 from deepinfer.config import ModelConfig
+from deepinfer.config_v41 import V41Config
 
 EMBED_STD = 1.0
 HEAD_GAIN = 3.0  # logits std ≈ HEAD_GAIN, since the final norm output has unit RMS
@@ -45,6 +48,17 @@ def random_tensors(config: ModelConfig, seed: int, dtype: torch.dtype, device: s
                    include_mtp: bool = True) -> dict[str, torch.Tensor]:
     """All checkpoint tensors; `dtype` applies to "weight" tensors (fp32/index kinds keep theirs)."""
     return dict(RandomTensors(config, seed, dtype, device, include_mtp))
+
+
+def stored_random_tensors(config: ModelConfig | V41Config, seed: int, dtype: torch.dtype,
+                          device: str | torch.device = "cpu", include_mtp: bool = True) -> Mapping[str, torch.Tensor]:
+    """The seeded tensors as a checkpoint of `config` stores them: `RandomTensors` of the plain model,
+    encoded in the release's formats when the config declares V4.1's quantization (the plain tensors
+    are generated one at a time, so only the encoded model is ever held whole)."""
+    if isinstance(config, V41Config) and config.quantization_config is not None:
+        plain = replace(config, quantization_config=None)
+        return quantize(plain, RandomTensors(plain, seed, dtype, device, include_mtp))[1]
+    return RandomTensors(config, seed, dtype, device, include_mtp)
 
 
 class RandomTensors(Mapping[str, torch.Tensor]):

@@ -17,14 +17,16 @@ from deepinfer.checkpoint.errors import CheckpointError
 from deepinfer.checkpoint.files import INDEX_NAME, deepinfer_home, weight_files
 from deepinfer.checkpoint.hashing import TensorHasher, store_hash
 from deepinfer.checkpoint.layout import weight_dtype_name
-from deepinfer.checkpoint.layout_v41 import quantize
+from deepinfer.checkpoint.layout_v41 import released_format
 from deepinfer.checkpoint.presets import CONFIG_ONLY_PRESETS, preset_config
 from deepinfer.config_v41 import V41Config
-from deepinfer.checkpoint.random_init import RandomTensors
+from deepinfer.checkpoint.random_init import stored_random_tensors
 from deepinfer.progress import Progress
 from deepinfer.recipe.tokenizer import build_tokenizer
 
 SHARD_BYTES = 2 * 1024**3
+DEFAULT_PRESET = "v41-tiny"  # the embedded default: the target family, stored in the release's formats
+MODEL_HELP = f"checkpoint folder (default: the embedded {DEFAULT_PRESET} checkpoint, quantized as released)"
 
 
 def write_weights(folder: Path, tensors: Mapping[str, torch.Tensor], max_shard_bytes: int = SHARD_BYTES,
@@ -86,6 +88,8 @@ def create_checkpoint(preset: str, out: str | Path, seed: int, *, device: str | 
     config = preset_config(preset)
     if quantized and not isinstance(config, V41Config):
         raise CheckpointError(f"--quantized writes V4.1's released formats; preset {preset!r} is a V4 model")
+    if quantized:
+        config = released_format(config)
     out = Path(out)
     _refuse_existing(out)
     try:
@@ -102,9 +106,7 @@ def create_checkpoint(preset: str, out: str | Path, seed: int, *, device: str | 
         digest = None
         if preset not in CONFIG_ONLY_PRESETS:
             dtype = getattr(torch, weight_dtype_name(config) or "float32")
-            tensors = RandomTensors(config, seed, dtype, device)
-            if quantized:
-                config, tensors = quantize(config, dict(tensors))
+            tensors = stored_random_tensors(config, seed, dtype, device)
             with Progress(f"checkpoint {preset}", len(tensors), enabled=progress, unit="tensors") as bar:
                 digest = write_weights(tmp, tensors, max_shard_bytes, progress=bar)
         build_tokenizer(config.vocab_size).save(str(tmp / "tokenizer.json"))
@@ -123,12 +125,13 @@ def create_checkpoint(preset: str, out: str | Path, seed: int, *, device: str | 
 
 def default_checkpoint_path() -> Path:
     """Where the embedded default lives (it may not exist yet)."""
-    config_json = json.dumps(preset_config("tiny").to_dict(), sort_keys=True)
-    return deepinfer_home() / f"tiny-seed0-{hashlib.sha256(config_json.encode()).hexdigest()[:12]}"
+    config_json = json.dumps(released_format(preset_config(DEFAULT_PRESET)).to_dict(), sort_keys=True)
+    return deepinfer_home() / f"{DEFAULT_PRESET}-seed0-{hashlib.sha256(config_json.encode()).hexdigest()[:12]}"
 
 
 def default_checkpoint() -> Path:
-    """The embedded default: the tiny preset, seed 0, created once under `$DEEPINFER_HOME`.
+    """The embedded default: the `DEFAULT_PRESET` preset in the release's formats (FP8 dense weights,
+    MXFP4 experts), seed 0, created once under `$DEEPINFER_HOME`.
 
     The folder name carries a digest of the preset's config, so a release that changes the preset
     builds a fresh default instead of reusing a stale one. Concurrent first calls each build a
@@ -137,7 +140,7 @@ def default_checkpoint() -> Path:
     target = default_checkpoint_path()
     if not (target / "config.json").is_file():
         try:
-            create_checkpoint("tiny", target, seed=0)
+            create_checkpoint(DEFAULT_PRESET, target, seed=0, quantized=True)
         except CheckpointError:
             if not (target / "config.json").is_file():
                 raise
