@@ -10,8 +10,9 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from deepinfer.checkpoint import PRESETS, create_checkpoint, inspect_checkpoint, parameter_counts
+from deepinfer.checkpoint import MODEL_HELP, PRESETS, create_checkpoint, inspect_checkpoint, parameter_counts
 from deepinfer.checkpoint.layout_v41 import footprint
+from deepinfer.checkpoint.quantized_v4 import describe as describe_quantization
 from deepinfer.config import CSA, HCA, ModelConfig
 from deepinfer.config_v41 import V41Config
 from deepinfer.engine.config import add_engine_flags, config_from_flags
@@ -163,6 +164,7 @@ def _architecture_lines(c: ModelConfig | V41Config) -> list[str]:
         f"attention   window {c.sliding_window}, compress CSA {c.compress_rates.get(CSA, '-')} / "
         f"HCA {c.compress_rates.get(HCA, '-')}, indexer {c.index_n_heads} heads x {c.index_head_dim} "
         f"top-{c.index_topk}",
+        *([f"quantized   {describe_quantization(c)}"] if c.quantization_config is not None else []),
     ]
 
 
@@ -188,13 +190,13 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
                     "(--prompts-file; each line has 'prompt' (text), 'prompt_token_ids' or 'messages' "
                     "(+ optional 'tools'), and optionally 'sampling' overrides such as max_tokens, "
                     "temperature, top_p, top_k, min_p, seed, stop). Each result is one JSON line on stdout "
-                    "(or --out) in input order. Without --model the embedded tiny checkpoint is used "
+                    "(or --out) in input order. Without --model the embedded default checkpoint (v41-tiny) is used "
                     "(created once in $DEEPINFER_HOME).",
     )
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one text prompt")
     source.add_argument("--prompts-file", help="JSONL file of requests")
-    gen.add_argument("--model", help="checkpoint folder (default: the embedded tiny checkpoint)")
+    gen.add_argument("--model", help=MODEL_HELP)
     gen.add_argument("--out", help="write results here instead of stdout")
     gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per request (default: 32)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")

@@ -21,6 +21,12 @@ HCA = "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
 MLP_TYPES = ("hash_moe", "moe")
 SCORING_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
+# transformers' FineGrainedFP8Config (quant_method "fp8"): the values we load, and the defaults it gives
+# the fields a config.json leaves out
+QUANT_CHOICES = {"quant_method": ("fp8",), "activation_scheme": ("dynamic",), "scale_fmt": ("float", "ue8m0"),
+                 "expert_dtype": ("fp8", "fp4")}
+QUANT_DEFAULTS = {"activation_scheme": "dynamic", "weight_block_size": [128, 128], "scale_fmt": "float",
+                  "expert_dtype": "fp8"}
 
 
 class ConfigError(DeepInferError, ValueError):
@@ -68,6 +74,7 @@ class ModelConfig:
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
     model_type: str = "deepseek_v4"
+    quantization_config: dict | None = None
     extra: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -83,10 +90,17 @@ class ModelConfig:
     def compress_rate(self, layer_type: str) -> int:
         return self.compress_rates[layer_type] if layer_type != SLIDING else 0
 
+    def quantization(self, key: str) -> str | list[int] | None:
+        """Field `key` of `quantization_config`, or FineGrainedFP8Config's default (None if it has none)
+        when the field is left out."""
+        return self.quantization_config.get(key, QUANT_DEFAULTS.get(key))
+
     def to_dict(self) -> dict:
         """The `config.json` content, field for field as `DeepseekV4Config` writes it."""
         out = asdict(self)
         extra = out.pop("extra")
+        if out["quantization_config"] is None:  # as transformers writes an unquantized config
+            del out["quantization_config"]
         out["qk_rope_head_dim"] = self.rope_head_dim
         return {**extra, **out}
 
@@ -164,6 +178,28 @@ class ModelConfig:
                         fail(f"rope_parameters.{label}.{key} must be a number for yarn")
         if self.tie_word_embeddings:
             fail("field 'tie_word_embeddings' must be false for DeepSeek-V4")
+        if self.quantization_config is not None:
+            self._validate_quantization(source, fail)
+
+    def _validate_quantization(self, source: str, fail) -> None:
+        """The FP8 format we decode (`checkpoint.quantized_v4`); anything else would change which tensors
+        a checkpoint holds, or how they decode."""
+        for key, allowed in QUANT_CHOICES.items():
+            if self.quantization(key) not in allowed:
+                fail(f"field 'quantization_config.{key}' must be one of {list(allowed)}, got {self.quantization(key)!r}")
+        block = check_field(source, "quantization_config.weight_block_size", self.quantization("weight_block_size"),
+                            "list[int]")
+        if len(block) != 2 or min(block) <= 0:
+            fail(f"field 'quantization_config.weight_block_size' must be two positive integers, got {block}")
+        for key in ("modules_to_not_convert", "modules_to_convert"):
+            if self.quantization(key):
+                fail(f"field 'quantization_config.{key}' is not supported: V4 quantizes a fixed set of weights")
+        if self.quantization("expert_dtype") == "fp4":
+            if self.quantization("scale_fmt") != "ue8m0":
+                fail("field 'quantization_config.expert_dtype' 'fp4' needs scale_fmt 'ue8m0' (MXFP4 scales are E8M0)")
+            if self.hidden_size % 2 or self.moe_intermediate_size % 2:
+                fail("field 'quantization_config.expert_dtype' 'fp4' packs value pairs: hidden_size and "
+                     "moe_intermediate_size must be even")
 
     def rope_inv_freq(self, label: str) -> tuple[torch.Tensor, float]:
         """Inverse frequencies (one per interleaved pair) and cos/sin scale for rope type `label`.
@@ -216,7 +252,7 @@ _FIELD_TYPES = {
     "num_nextn_predict_layers": _INT, "partial_rotary_factor": _FLOAT, "rms_norm_eps": _FLOAT,
     "rope_parameters": "dict", "rope_theta": _FLOAT, "compress_rope_theta": _FLOAT,
     "bos_token_id": "int|null", "eos_token_id": "int|list[int]|null", "hidden_act": _STR,
-    "tie_word_embeddings": _BOOL, "model_type": _STR,
+    "tie_word_embeddings": _BOOL, "model_type": _STR, "quantization_config": "dict",
 }
 
 

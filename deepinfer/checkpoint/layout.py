@@ -14,7 +14,7 @@ from deepinfer.config import CSA, HCA, SLIDING, ModelConfig
 from deepinfer.config_v41 import V41Config
 
 WEIGHT, FP32, INDEX = "weight", "fp32", "index"
-FP8, FP4, SCALE = "fp8", "fp4", "scale"  # V4.1's quantized release: E4M3, packed E2M1 pairs, E8M0 scales
+FP8, FP4, SCALE = "fp8", "fp4", "scale"  # quantized checkpoints: E4M3, packed E2M1 pairs, E8M0 scales
 MTP_PREFIX = "mtp."
 
 
@@ -22,7 +22,8 @@ MTP_PREFIX = "mtp."
 class TensorSpec:
     shape: tuple[int, ...]
     kind: str  # WEIGHT: checkpoint dtype (fp32/bf16); FP32: always float32; INDEX: int64; FP8, FP4, SCALE
-    # (quantized V4.1): float8_e4m3fn, int8 holding two E2M1 codes, float8_e8m0fnu
+    # (quantized V4.1, and V4 in transformers' FP8 format): float8_e4m3fn, int8 holding two E2M1 codes,
+    # float8_e8m0fnu (V4's float32 scales, `scale_fmt` "float", are FP32)
 
     @property
     def numel(self) -> int:
@@ -30,8 +31,9 @@ class TensorSpec:
 
 
 def expected_tensors(config: ModelConfig | V41Config, include_mtp: bool) -> dict[str, TensorSpec]:
-    """Every tensor the engine loads. V4.1 (`layout_v41`) lists its backbone; its draft layers are
-    among the tensors it accepts unused (`unused_tensor`), so `include_mtp` is V4's alone."""
+    """Every tensor the engine loads, quantized ones as the config's `quantization_config` stores them.
+    V4.1 (`layout_v41`) lists its backbone; its draft layers are among the tensors it accepts unused
+    (`unused_tensor`), so `include_mtp` is V4's alone."""
     if isinstance(config, V41Config):
         from deepinfer.checkpoint.layout_v41 import expected_tensors_v41  # it builds on TensorSpec here
 
@@ -66,6 +68,10 @@ def expected_tensors(config: ModelConfig | V41Config, include_mtp: bool) -> dict
                 p + "confidence.weight": TensorSpec((1, h), WEIGHT),
                 p + "confidence.bias": TensorSpec((1,), WEIGHT),
             })
+    if c.quantization_config is not None:
+        from deepinfer.checkpoint.quantized_v4 import quantized_layout  # it builds on TensorSpec here
+
+        return quantized_layout(c, out)
     return out
 
 
@@ -164,8 +170,8 @@ def parameter_group(name: str) -> str:
 
 def parameter_counts(config: ModelConfig | V41Config, include_mtp: bool) -> dict[str, int]:
     """Element counts per `PARAMETER_GROUPS` entry (groups with no tensors are left out); a quantized
-    V4.1 checkpoint counts its weights' logical elements (not packed bytes, not scales)."""
-    if isinstance(config, V41Config) and config.quantization_config is not None:
+    checkpoint counts its weights' logical elements (not packed bytes, not scales)."""
+    if config.quantization_config is not None:
         config = replace(config, quantization_config=None)
     counts: dict[str, int] = {}
     for name, spec in expected_tensors(config, include_mtp).items():

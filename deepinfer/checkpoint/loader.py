@@ -13,7 +13,8 @@ from deepinfer.checkpoint.hashing import cached_hash, content_hash, hash_tensors
 from deepinfer.checkpoint.layout import (
     FP4, FP8, FP32, INDEX, MTP_PREFIX, SCALE, expected_tensors, unused_tensor, weight_dtype_name,
 )
-from deepinfer.checkpoint.layout_v41 import dequantize
+from deepinfer.checkpoint.layout_v41 import dequantize as dequantize_v41
+from deepinfer.checkpoint.quantized_v4 import dequantize as dequantize_v4
 from deepinfer.config import ModelConfig, load_config
 from deepinfer.config_v41 import V41Config
 
@@ -54,8 +55,8 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu") -> C
         digest = hash_tensors(tensors)  # every tensor as stored, the ones left unused included
         store_hash(files, digest)
     tensors = {name: tensor for name, tensor in tensors.items() if not unused_tensor(config, name)}
-    if isinstance(config, V41Config):
-        tensors = dequantize(config, tensors)  # exact: FP8 / FP4 values times powers of two
+    dequantize = dequantize_v41 if isinstance(config, V41Config) else dequantize_v4
+    tensors = dequantize(config, tensors)  # FP8 / FP4 values times their scales, in fp32
     return Checkpoint(folder, config, tensors, has_mtp, digest, _tokenizer(folder))
 
 
