@@ -9,6 +9,11 @@ without touching the model and no call pays for a lookup. Modes:
   (`kernels/invariant.py` in PyTorch; on CUDA, the Triton kernels of `kernels/triton_ops.py`
   replace the ops they cover);
 - `fast`: plain PyTorch ops, whose bits may change with batch shape (`kernels/fast.py`).
+
+In every table `linear`, `grouped_linear` and `moe_experts` also take weights kept quantized
+(`kernels.quant.QuantizedWeight`), with the bits of their decoded values: the Triton kernels decode
+them tile by tile, the PyTorch ops decode them first (`quant.accepts_quantized`), and
+`matmul_layout` leaves them as they are.
 """
 
 from __future__ import annotations

@@ -13,7 +13,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from kernels.quant import accepts_quantized
 
+
+@accepts_quantized
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`x @ weight.T` in the weight's dtype."""
     return F.linear(x.to(weight.dtype), weight)
@@ -24,6 +27,7 @@ def matmul_layout(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
+@accepts_quantized
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
     """Block-diagonal projection: x [T, G, Din], weight [G * Dout, Din] -> [T, G, Dout]."""
     w = weight.view(groups, -1, weight.shape[-1]).transpose(1, 2)

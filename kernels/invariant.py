@@ -75,6 +75,7 @@ from kernels.fast import (  # noqa: F401  (re-exported: already row-invariant)
     softmax,
     unweighted_rms_norm,
 )
+from kernels.quant import QuantizedWeight, accepts_quantized
 
 K_BLOCK = 512
 ROW_TILE = 256
@@ -123,8 +124,11 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
     return pointwise(F.silu, gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
-def matmul_layout(weight: torch.Tensor) -> torch.Tensor:
-    """The weight ([..., N, K]) stored the way `linear` wants it: fp32 CPU weights column-major."""
+def matmul_layout(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
+    """The weight ([..., N, K]) stored the way `linear` wants it: fp32 CPU weights column-major. A
+    QuantizedWeight stays as the checkpoint stores it (`linear` decodes it)."""
+    if isinstance(weight, QuantizedWeight):
+        return weight
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or _column_major(weight):
         return weight
     return weight.mT.contiguous().mT
@@ -134,6 +138,7 @@ def _column_major(weight: torch.Tensor) -> bool:
     return weight.stride(-2) == 1 and weight.stride(-1) >= weight.shape[-2]
 
 
+@accepts_quantized
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`x @ weight.T`; a row's bits depend only on that row (see the module docstring).
 
@@ -188,6 +193,7 @@ def window_pool(kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor) -> tor
     return ordered_sum(kv.float() * weights, dim=1)
 
 
+@accepts_quantized
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
     """Block-diagonal projection: x [T, G, Din], weight [G * Dout, Din] -> [T, G, Dout]."""
     per_group = weight.view(groups, -1, weight.shape[-1])

@@ -16,6 +16,9 @@ it overflows to inf):
   128 in V4; V4's FP8-expert checkpoints carry float32 scales instead).
 - MXFP4: packed E2M1 [out, in / 2] and one E8M0 scale per row and 32 columns.
 
+`QuantizedWeight` holds such a weight (or a stack of them) as stored, for kernels that decode it
+tile by tile (kernels/triton_ops.py); the PyTorch ops take it through `accepts_quantized`.
+
 Caches: the reference model stores four activations in low precision, and simulates that by
 quantizing and dequantizing them ("QDQ") in its forward; to match it an engine must do the same,
 bit for bit (NeMo AutoModel 0.7.0's `quantize_cache`). Each function works on the last
@@ -34,6 +37,10 @@ carry different signs and payloads).
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -257,6 +264,127 @@ def mxfp4_encode(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     code = _e2m1_code(groups.abs() / scale.float().unsqueeze(-1), ties_to_even=False)
     code = (code | ((groups < 0).int() << 3)).flatten(-2).to(torch.uint8)
     return (code[..., 0::2] | (code[..., 1::2] << 4)).view(torch.int8), scale
+
+
+_DATA_DTYPES = {"fp8": (torch.float8_e4m3fn,), "mxfp4": (torch.int8, torch.uint8)}
+_SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
+_COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedWeight:
+    """A weight [..., N, K] (a stack of them, for experts) kept as the checkpoint stores it, so that it
+    fits in memory where its decoded values would not; kernels decode it tile by tile.
+
+    `data` is E4M3 [..., N, K] ("fp8") or packed E2M1 [..., N, K / 2] ("mxfp4"); `scale` holds the E8M0
+    scales (or their uint8 bytes) [..., ceil(N / tile[0]), ceil(K / tile[1])]; `tile` is (32, 32) for
+    V4.1's dense weights, (128, 128) for V4's, (1, 32) for MXFP4 and the Engram tables. Its values are
+    `decode()`'s: exact fp32 values cast to `dtype`, the dtype the matmuls compute in.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    fmt: str
+    tile: tuple[int, int]
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        self._check_formats()
+        if self.data.ndim < 2:
+            raise ValueError(f"QuantizedWeight: data must be [..., N, K], got shape {list(self.data.shape)}")
+        *lead, rows, cols = self.shape
+        expected = [*lead, -(-rows // self.tile[0]), -(-cols // self.tile[1])]
+        if list(self.scale.shape) != expected:
+            raise ValueError(
+                f"QuantizedWeight: scale shape {list(self.scale.shape)} does not match {expected} "
+                f"(weight {list(self.shape)} in {self.tile[0]}x{self.tile[1]} tiles)"
+            )
+        if self.scale.device != self.data.device:
+            raise ValueError(f"QuantizedWeight: scale is on {self.scale.device}, data on {self.data.device}")
+
+    def _check_formats(self) -> None:
+        if self.fmt not in _DATA_DTYPES:
+            raise ValueError(f"QuantizedWeight: fmt must be fp8 or mxfp4, got {self.fmt!r}")
+        _check_dtype("QuantizedWeight", "data", self.data, _DATA_DTYPES[self.fmt])
+        _check_dtype("QuantizedWeight", "scale", self.scale, _SCALE_DTYPES)
+        if self.dtype not in _COMPUTE_DTYPES:
+            dtype = str(self.dtype).removeprefix("torch.")
+            raise ValueError(f"QuantizedWeight: dtype must be float32 or bfloat16, got {dtype}")
+        tile = self.tile
+        if not (isinstance(tile, tuple) and len(tile) == 2 and all(isinstance(n, int) and n > 0 for n in tile)):
+            raise ValueError(f"QuantizedWeight: tile must be a tuple of two positive ints, got {tile!r}")
+        if self.fmt == "mxfp4" and tile != (1, MXFP4_GROUP):
+            raise ValueError(f"QuantizedWeight: mxfp4 tile must be (1, {MXFP4_GROUP}), got {tile}")
+
+    @property
+    def shape(self) -> torch.Size:
+        """The logical shape [..., N, K] (packed MXFP4 data has K / 2 columns)."""
+        packing = 2 if self.fmt == "mxfp4" else 1
+        return torch.Size((*self.data.shape[:-1], packing * self.data.shape[-1]))
+
+    def decode(self) -> torch.Tensor:
+        """The exact fp32 values (the decoders the loader uses) cast to `dtype`."""
+        if self.fmt == "mxfp4":
+            return mxfp4_decode(self.data, self.scale).to(self.dtype)
+        *lead, rows, cols = self.shape
+        data, scale = self.data.reshape(-1, rows, cols), self.scale.reshape(-1, *self.scale.shape[-2:])
+        matrices = [fp8_block_decode(d, s, self.tile).to(self.dtype) for d, s in zip(data, scale)]
+        return torch.stack(matrices).view(*lead, rows, cols)
+
+    def __getitem__(self, index: int) -> QuantizedWeight:
+        """Weight `index` of a stack [E, N, K] (one expert)."""
+        if self.data.ndim < 3:
+            raise ValueError(f"QuantizedWeight: only a stack [E, N, K] can be indexed, got shape {list(self.shape)}")
+        return replace(self, data=self.data[index], scale=self.scale[index])
+
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        return replace(self, data=self.data.to(device), scale=self.scale.to(device))
+
+    @classmethod
+    def stack(cls, weights: Sequence[QuantizedWeight]) -> QuantizedWeight:
+        """[E, N, K] from E weights [N, K] of one format, tile, dtype and shape (the routed experts)."""
+        first = _same_kind("stack", weights)
+        if any(w.shape != first.shape for w in weights):
+            raise ValueError(f"QuantizedWeight.stack: shapes differ: {[list(w.shape) for w in weights]}")
+        data = torch.stack([w.data for w in weights])
+        return replace(first, data=data, scale=torch.stack([w.scale for w in weights]))
+
+    @classmethod
+    def cat(cls, weights: Sequence[QuantizedWeight]) -> QuantizedWeight:
+        """The weights' rows one after the other, [..., N1 + N2 + ..., K] (w13 from w1 and w3). Every part
+        but the last must end on a tile boundary, or a scale row would cover two parts' rows."""
+        first = _same_kind("cat", weights)
+        if any(w.shape[:-2] != first.shape[:-2] or w.shape[-1] != first.shape[-1] for w in weights):
+            raise ValueError(f"QuantizedWeight.cat: shapes differ beyond rows: {[list(w.shape) for w in weights]}")
+        tile_rows = first.tile[0]
+        for part, weight in enumerate(weights[:-1]):
+            if weight.shape[-2] % tile_rows:
+                rows = weight.shape[-2]
+                raise ValueError(f"QuantizedWeight.cat: part {part} has {rows} rows, not a multiple of {tile_rows}")
+        data = torch.cat([w.data for w in weights], dim=-2)
+        return replace(first, data=data, scale=torch.cat([w.scale for w in weights], dim=-2))
+
+
+def _same_kind(caller: str, weights: Sequence[QuantizedWeight]) -> QuantizedWeight:
+    """The first of `weights`, checked to share format, tile, dtype and storage dtypes with the others."""
+    if not weights:
+        raise ValueError(f"QuantizedWeight.{caller}: no weights")
+    if len({(w.fmt, w.tile, w.dtype, w.data.dtype, w.scale.dtype) for w in weights}) > 1:
+        raise ValueError(f"QuantizedWeight.{caller}: weights differ in format, tile, dtype or storage dtypes")
+    return weights[0]
+
+
+def accepts_quantized(op: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`op(x, weight, ...)` taking a QuantizedWeight too, decoded before the call: PyTorch ops have no
+    quantized kernels, and decoding is exact, so the bits are those of `op` on `weight.decode()`."""
+
+    @functools.wraps(op)
+    def call(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, *args, **kwargs) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            weight = weight.decode()
+        return op(x, weight, *args, **kwargs)
+
+    return call
 
 
 def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:

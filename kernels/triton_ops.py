@@ -23,6 +23,16 @@ Why a row's bits cannot depend on the batch, kernel by kernel:
   with no valid key is skipped. So padding a key list with invalid entries, which is what
   batching sequences of different lengths does, leaves the result bit-identical.
 
+A quantized weight (`kernels.quant.QuantizedWeight`: FP8 or MXFP4 bytes and E8M0 scales) is read
+as raw bytes and decoded inside `_tile_dot`, slice by slice: the integer arithmetic of `_e4m3`,
+`_e2m1` and `_e8m0` gives each code's and scale's exact fp32 value, their product is exact (a
+power of two times a value of at most 4 significant bits; only overflow rounds, to inf, as on
+the host), and its cast to x's dtype rounds to nearest even as the host's `.to(dtype)` does
+(only bf16 subnormals round at all). So the B operand of each `tl.dot` holds the values
+`QuantizedWeight.decode()` would have stored there, masked elements +0.0 as before; the K loop,
+its BLOCK_K and the dot are the same code, so a quantized weight gives the bits of its decoded
+values, and everything above holds for it unchanged.
+
 fp32 matmuls use `input_precision="ieee"` (no TF32), so their results stay close to the fp32
 reference; transcendental functions (exp, log, rsqrt) use Triton's default, possibly
 approximate, versions: deterministic per element, so invariance is unaffected.
@@ -35,6 +45,7 @@ import triton
 import triton.language as tl
 
 from kernels import fast, invariant
+from kernels.quant import QuantizedWeight
 
 BLOCK_M = 64
 BLOCK_N = 64
@@ -44,63 +55,133 @@ KV_BLOCK = 64
 
 
 @triton.jit
-def _tile_dot(x_rows, w_cols, row_ok, col_ok, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr):
-    """One output tile in fp32: rows x_rows[:, k] times columns w_cols[k, :] (pointers to each row's and
-    column's element 0), with `tl.dot` over BLOCK_K slices of K in increasing k. Both matmul kernels use
-    it, so a row's bits are the same whichever computes it."""
+def _weight_rows(w_ptr, s_ptr, matrix, rows, N, K, FORMAT: tl.constexpr, TILE_N: tl.constexpr,
+                 TILE_K: tl.constexpr):
+    """Pointers to element 0 of rows `rows` (int64) of matrix `matrix` in a contiguous stack of [N, K]
+    weights, and to the rows of their scales ([ceil(N / TILE_N), ceil(K / TILE_K)] per matrix)."""
+    if FORMAT == "mxfp4":
+        w_rows = w_ptr + (matrix * N + rows)[None, :] * (K // 2)
+    else:
+        w_rows = w_ptr + (matrix * N + rows)[None, :] * K
+    s_rows = s_ptr + (matrix * tl.cdiv(N, TILE_N) + rows // TILE_N)[None, :] * tl.cdiv(K, TILE_K)
+    return w_rows, s_rows
+
+
+@triton.jit
+def _e4m3(byte):
+    """fp32 values of E4M3 bytes: signed zeros, subnormals m * 2^-9, NaN for 0x7F and 0xFF."""
+    bits = byte.to(tl.int32)
+    exponent, mantissa = (bits >> 3) & 15, bits & 7
+    subnormal = (mantissa.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)
+    magnitude = tl.where(exponent == 0, subnormal, ((exponent + 120) << 23) | (mantissa << 20))
+    magnitude = tl.where((bits & 0x7F) == 0x7F, 0x7FC00000, magnitude)
+    return (magnitude | ((bits & 0x80) << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1(code):
+    """fp32 values of E2M1 codes 0..15 (int32) as `quant.mxfp4_decode` gives them: magnitudes in
+    quarters, code 8 (negative zero) +0.0."""
+    exponent, mantissa = (code >> 1) & 3, code & 1
+    magnitude = tl.where(exponent == 0, 2 * mantissa, (2 + mantissa) << exponent).to(tl.float32) * 0.25
+    return tl.where(code >= 8, 0.0 - magnitude, magnitude)
+
+
+@triton.jit
+def _e8m0(byte):
+    """fp32 values of E8M0 bytes: 2^(b - 127), byte 0 the subnormal 2^-127, byte 255 NaN."""
+    bits = byte.to(tl.int32)
+    value = tl.where(bits == 0, 0x00400000, bits << 23)
+    return tl.where(bits == 255, 0x7FC00000, value).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _b_tile(w_rows, s_rows, ks, mask, FORMAT: tl.constexpr, TILE_K: tl.constexpr):
+    """The weight's [BLOCK_K, BLOCK_N] slice at columns ks; a quantized one decoded to fp32 as
+    `QuantizedWeight.decode` does (code value times scale), masked elements +0.0."""
+    if FORMAT == "plain":
+        b = tl.load(w_rows + ks[:, None], mask=mask, other=0.0)
+    else:
+        if FORMAT == "fp8":
+            values = _e4m3(tl.load(w_rows + ks[:, None], mask=mask, other=0))
+        else:  # mxfp4: column k is nibble k % 2 (the low one for even k) of byte k // 2
+            packed = tl.load(w_rows + (ks // 2)[:, None], mask=mask, other=0).to(tl.int32)
+            values = _e2m1((packed >> ((ks % 2) * 4)[:, None]) & 15)
+        b = values * _e8m0(tl.load(s_rows + (ks // TILE_K)[:, None], mask=mask, other=0))
+    return b
+
+
+@triton.jit
+def _tile_dot(x_rows, w_rows, s_rows, row_ok, col_ok, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, FORMAT: tl.constexpr, TILE_K: tl.constexpr):
+    """One output tile in fp32: rows x_rows[:, k] times weight rows w_rows[k, :] (pointers to each row's
+    element 0, see `_weight_rows`), with `tl.dot` over BLOCK_K slices of K in increasing k. Both matmul
+    kernels use it, so a row's bits are the same whichever computes it; a quantized weight's slice is
+    cast to x's dtype, so the dot sees the values a decoded weight would hold."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_cols + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+        b = _b_tile(w_rows, s_rows, ks, k_ok[:, None] & col_ok[None, :], FORMAT, TILE_K)
+        acc = tl.dot(a, b.to(a.dtype), acc, input_precision="ieee")
     return acc
 
 
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
-    x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_om,
+    x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FORMAT: tl.constexpr, TILE_N: tl.constexpr, TILE_K: tl.constexpr,
 ):
     """out[m, g, :] = x[m, g, :] @ w[g].T for row tile program_id(0), column tile 1, group 2.
 
-    x: [M, G, K] with row stride stride_xm; w: [G, N, K] contiguous; out: [M, G, N] with row
-    stride stride_om.
+    x: [M, G, K] with row stride stride_xm; w: [G * N, K] contiguous (its bytes and scales s for a
+    quantized FORMAT, see `_b_operands`); out: [M, G, N] with row stride stride_om.
     """
     group = tl.program_id(2)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + group * K
-    w_cols = w_ptr + (group * N + cols).to(tl.int64)[None, :] * K
-    acc = _tile_dot(x_rows, w_cols, row_ok, col_ok, K, BLOCK_M, BLOCK_N, BLOCK_K)
+    w_rows, s_rows = _weight_rows(w_ptr, s_ptr, 0, (group * N + cols).to(tl.int64), N, K, FORMAT, TILE_N, TILE_K)
+    acc = _tile_dot(x_rows, w_rows, s_rows, row_ok, col_ok, K, BLOCK_M, BLOCK_N, BLOCK_K, FORMAT, TILE_K)
     out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + group * N + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+def _b_operands(weight: torch.Tensor | QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The matmul kernels' weight and scale arguments and the constexprs that say how to read them: a
+    plain weight as it is (its scale argument unused), a quantized one as raw bytes, decoded in the kernel."""
+    if isinstance(weight, QuantizedWeight):
+        data, scale = weight.data.view(torch.uint8).contiguous(), weight.scale.view(torch.uint8).contiguous()
+        return data, scale, {"FORMAT": weight.fmt, "TILE_N": weight.tile[0], "TILE_K": weight.tile[1]}
+    weight = weight.contiguous()
+    return weight, weight, {"FORMAT": "plain", "TILE_N": 1, "TILE_K": 1}
+
+
+def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, groups: int) -> torch.Tensor:
     """x [M, G, K] (any float dtype), weight [G * N, K] -> [M, G, N] in weight's dtype."""
     rows, _, depth = x.shape
     x = x.to(weight.dtype).contiguous()
-    weight = weight.contiguous()
     width = weight.shape[0] // groups
     out = torch.empty(rows, groups, width, dtype=weight.dtype, device=x.device)
     if out.numel() == 0:
         return out
+    w, s, layout = _b_operands(weight)
     grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(width, BLOCK_N), groups)
     _matmul_kernel[grid](
-        x, weight, out, rows, width, depth, groups * depth, groups * width,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        x, w, s, out, rows, width, depth, groups * depth, groups * width,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, **layout,
     )
     return out
 
 
 @triton.jit
 def _expert_matmul_kernel(
-    x_ptr, rows_ptr, offsets_ptr, w_ptr, out_ptr, N, K, stride_xm,
+    x_ptr, rows_ptr, offsets_ptr, w_ptr, s_ptr, out_ptr, N, K, stride_xm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FORMAT: tl.constexpr, TILE_N: tl.constexpr, TILE_K: tl.constexpr,
 ):
     """out[s, :] = x[rows[s], :] @ w[e].T for every slot s of expert e = program_id(1), column
     tile program_id(0). Expert e's slots are offsets[e] .. offsets[e + 1] (read on the device);
@@ -108,12 +189,12 @@ def _expert_matmul_kernel(
     tiles, so a slot's bits are those of its row through `linear` with w[e].
 
     x: [*, K] with row stride stride_xm; rows: int64 [S]; offsets: int64 [E + 1]; w: [E, N, K]
-    contiguous; out: [S, N] contiguous.
+    contiguous (bytes and scales s for a quantized FORMAT); out: [S, N] contiguous.
     """
     expert = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    w_cols = w_ptr + expert.to(tl.int64) * N * K + cols.to(tl.int64)[None, :] * K
+    w_rows, s_rows = _weight_rows(w_ptr, s_ptr, expert.to(tl.int64), cols.to(tl.int64), N, K, FORMAT, TILE_N, TILE_K)
     start = tl.load(offsets_ptr + expert)
     end = tl.load(offsets_ptr + expert + 1)
     for first in range(start, end, BLOCK_M):
@@ -121,31 +202,34 @@ def _expert_matmul_kernel(
         slot_ok = slots < end
         src = tl.load(rows_ptr + slots, mask=slot_ok, other=0)
         x_rows = x_ptr + src.to(tl.int64)[:, None] * stride_xm
-        acc = _tile_dot(x_rows, w_cols, slot_ok, col_ok, K, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc = _tile_dot(x_rows, w_rows, s_rows, slot_ok, col_ok, K, BLOCK_M, BLOCK_N, BLOCK_K, FORMAT, TILE_K)
         out = out_ptr + slots.to(tl.int64)[:, None] * N + cols[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=slot_ok[:, None] & col_ok[None, :])
 
 
-def expert_matmul(x: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def expert_matmul(
+    x: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor | QuantizedWeight
+) -> torch.Tensor:
     """Per expert e, x[rows[s]] @ weight[e].T for its slots s in offsets[e] .. offsets[e + 1]:
     x [*, K], rows int64 [S], offsets int64 [E + 1], weight [E, N, K] -> [S, N] in weight's dtype.
     Experts with no slot cost one empty program per column tile; nothing is read back to the host."""
     x = x.to(weight.dtype).contiguous()
-    weight = weight.contiguous()
     experts, width, depth = weight.shape
     out = torch.empty(rows.shape[0], width, dtype=weight.dtype, device=x.device)
     if out.numel() == 0:
         return out
+    w, s, layout = _b_operands(weight)
     grid = (triton.cdiv(width, BLOCK_N), experts)
     _expert_matmul_kernel[grid](
-        x, rows, offsets, weight, out, width, depth, x.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        x, rows, offsets, w, s, out, width, depth, x.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, **layout,
     )
     return out
 
 
 def moe_experts(
-    x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, limit: float
+    x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor | QuantizedWeight,
+    w2: torch.Tensor | QuantizedWeight, limit: float,
 ) -> torch.Tensor:
     """`kernels.fast.routed_experts` with the invariant matmul and SwiGLU, as two grouped launches
     over the slots sorted by expert on the device: the same bits, no host sync."""
@@ -160,13 +244,13 @@ def moe_experts(
     return fast.combine_ranks(slots.view(indices.shape[0], top_k, -1))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
     """`x @ weight.T` in the weight's dtype: x [..., K], weight [N, K] -> [..., N]."""
     rows = x.reshape(-1, 1, x.shape[-1])
     return _grouped_matmul(rows, weight, 1).view(*x.shape[:-1], weight.shape[0])
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, groups: int) -> torch.Tensor:
     """Block-diagonal projection: x [T, G, Din], weight [G * Dout, Din] -> [T, G, Dout]."""
     return _grouped_matmul(x, weight, groups)
 
