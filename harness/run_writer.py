@@ -41,11 +41,12 @@ def run_manifest(llm: LLM, model: str | Path | None, *, suite: dict, run_seed: i
     """The manifest of a run served by `llm` (loaded from `model`; None: the embedded checkpoint).
     `engine` is the engine's `EngineConfig` as resolved (max_model_len filled in; its seed is the run
     seed, recorded under `seeds`), plus what it derived from it: the blocks each cache pool got and the
-    step budget."""
+    step budget. `checkpoint` names the model family and how the checkpoint stores its weights."""
     return build_manifest(
         engine={**{k: v for k, v in asdict(llm.engine_config).items() if k != "seed"},  # seeds has it
                 "cache_blocks": llm.cache.num_blocks, "step_budget": llm.max_num_batched_tokens},
-        checkpoint={"path": str(model) if model is not None else None, "content_hash": llm.model_id},
+        checkpoint={"path": str(model) if model is not None else None, "content_hash": llm.model_id,
+                    "family": llm.config.model_type, "formats": llm.stored_formats},
         suite=suite, seeds={"run_seed": run_seed}, variant=variant,
         environment=environment_fingerprint(), git=git_state(), engine_version=engine_version(),
     )

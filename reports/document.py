@@ -144,8 +144,20 @@ def _certificate_facts(data: AuditData) -> Paragraph:
     signer = signer_fingerprint(cert)
     signed = f"signed by key {signer} (not pinned: audit verify --public-key pins it)" if signer else "unsigned"
     return Paragraph(
-        f"Certificate created {cert.get('created', '–')}, content hash {cert.get('content_hash', '–')}, {signed}."
+        f"Certificate created {cert.get('created', '–')}, content hash {cert.get('content_hash', '–')}, {signed}. "
+        f"{_checkpoint_facts(cert.get('checkpoint') or {})}"
     )
+
+
+def _checkpoint_facts(checkpoint: dict) -> str:
+    """The certified checkpoint: content hash, and the model family and stored formats where the run
+    recorded them (runs made before they were recorded have only the hash)."""
+    facts = f"Checkpoint {checkpoint.get('content_hash', '–')}"
+    if "family" in checkpoint:
+        facts += f", model family {checkpoint['family']}"
+    if "formats" in checkpoint:
+        facts += ", stored as " + "; ".join(f"{part} {fmt}" for part, fmt in checkpoint["formats"].items())
+    return facts + "."
 
 
 def _environment_differences(data: AuditData) -> list[Block]:

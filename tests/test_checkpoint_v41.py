@@ -16,6 +16,7 @@ from deepinfer.checkpoint import CheckpointError, load_checkpoint
 from deepinfer.checkpoint.layout_v41 import footprint
 from deepinfer.checkpoint.presets_v41 import v41_preset_config
 from deepinfer.cli import main
+from kernels.quant import QuantizedWeight
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
 PROMPT = list(range(20, 70))
@@ -104,6 +105,26 @@ def test_a_quantized_checkpoint_loads_exactly_its_decoded_values(v41_checkpoint,
     assert got[0].token_ids == got[1].token_ids and got[0].logprobs == got[1].logprobs
     original = LLM(v41_checkpoint, max_model_len=256).generate([PROMPT], PARAMS)[0]
     assert got[0].logprobs != original.logprobs  # quantizing did change the weights
+
+
+def test_weights_kept_quantized_serve_the_bits_of_decoded_weights(tmp_path):
+    """`weight_storage="quantized"` keeps the FP8 / MXFP4 weights as stored (the ops decode them where
+    they are used, the Engram tables row by row): tokens, logprobs and prompt logprobs are those of the
+    weights decoded at load, bit for bit, batched and in prefill chunks."""
+    folder = tmp_path / "quantized"
+    assert main(["checkpoint", "create", "--preset", "v41-tiny", "--out", str(folder), "--seed", "2",
+                 "--quantized"]) == 0
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=True)
+    prompts = [PROMPT, list(range(300, 341)), list(range(7, 19))]
+    runs = {}
+    for storage in ("decoded", "quantized"):
+        llm = LLM(folder, max_model_len=256, max_num_batched_tokens=32, weight_storage=storage)
+        assert llm.engine_config.weight_storage == storage
+        kept = [llm.model.layers[1].ffn.experts.w13, llm.model.layers[3].attn.wkv.weight,
+                llm.model.layers[0].engram.embed.weight]
+        assert all(isinstance(w, QuantizedWeight) for w in kept) == (storage == "quantized")
+        runs[storage] = [(o.token_ids, o.logprobs, o.prompt_logprobs) for o in llm.generate(prompts, params)]
+    assert runs["quantized"] == runs["decoded"]
 
 
 def test_a_quantized_checkpoint_missing_a_scale_fails_in_one_line(tmp_path):

@@ -118,7 +118,8 @@ def test_one_set_of_engine_defaults():
              parse("audit", "replay", "record", "--traces", "t", "--out", "o")]
     configs = [config_from_flags(args, seed=0) for args in flags] + [Variant.of("v").engine]
     assert all(config == defaults for config in configs)
-    assert LLM("preset:tiny", max_model_len=64).engine_config == dataclasses.replace(defaults, max_model_len=64)
+    resolved = dataclasses.replace(defaults, max_model_len=64, weight_storage="decoded")  # auto, on a CPU
+    assert LLM("preset:tiny", max_model_len=64).engine_config == resolved
     sources = "".join(path.read_text() for folder in ("deepinfer", "harness")
                       for path in (Path(__file__).parent.parent / folder).rglob("*.py"))
     assert len(re.findall(r"max_num_seqs\b[^=\n]*= *_setting\(", sources)) == 1

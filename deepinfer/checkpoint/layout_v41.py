@@ -17,7 +17,7 @@ import torch
 
 from deepinfer.checkpoint.layout import FP4, FP8, FP32, SCALE, WEIGHT, TensorSpec
 from deepinfer.config_v41 import FULL, REINDEX, LayerRole, V41Config
-from kernels.quant import fp8_block_decode, fp8_block_encode, mxfp4_decode, mxfp4_encode
+from kernels.quant import QuantizedWeight, fp8_block_encode, mxfp4_encode
 
 OPTIONAL_PREFIXES = ("mtp.", "vision.", "aligner.", "image_")
 OPTIONAL_SUFFIXES = (".ffn.gate.bias_vl",)
@@ -55,13 +55,25 @@ def scale_name(name: str) -> str:
 def dequantize(config: V41Config, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A quantized checkpoint's tensors with every quantized weight decoded (exactly) to fp32 and its
     scale dropped; a checkpoint without `quantization_config` is returned as it is."""
+    return {name: value.decode() if isinstance(value, QuantizedWeight) else value
+            for name, value in quantized_weights(config, tensors, torch.float32).items()}
+
+
+def quantized_weights(config: V41Config, tensors: dict[str, torch.Tensor],
+                      dtype: torch.dtype) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """A quantized checkpoint's tensors with every quantized weight and its scale held together as a
+    `QuantizedWeight` that decodes to `dtype` (what the engine keeps in memory instead of the decoded
+    weight); a checkpoint without `quantization_config` is returned as it is."""
     if config.quantization_config is None:
         return tensors
     tile = _tile(config)
     for name in [n for n in tensors if _format(n) is not None]:
-        weight, scale = tensors[name], tensors.pop(scale_name(name))
-        tensors[name] = mxfp4_decode(weight, scale) if _format(name) == FP4 else fp8_block_decode(
-            weight, scale, (1, ROW_GROUP) if ".engram.embed." in name else tile)
+        data, scale = tensors[name], tensors.pop(scale_name(name))
+        if _format(name) == FP4:
+            tensors[name] = QuantizedWeight(data, scale, "mxfp4", (1, ROW_GROUP), dtype)
+        else:
+            tensors[name] = QuantizedWeight(data, scale, "fp8", (1, ROW_GROUP) if ".engram.embed." in name else tile,
+                                            dtype)
     return tensors
 
 

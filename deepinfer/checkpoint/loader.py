@@ -13,10 +13,11 @@ from deepinfer.checkpoint.hashing import cached_hash, content_hash, hash_tensors
 from deepinfer.checkpoint.layout import (
     FP4, FP8, FP32, INDEX, MTP_PREFIX, SCALE, expected_tensors, unused_tensor, weight_dtype_name,
 )
-from deepinfer.checkpoint.layout_v41 import dequantize as dequantize_v41
+from deepinfer.checkpoint.layout_v41 import dequantize as dequantize_v41, quantized_weights
 from deepinfer.checkpoint.quantized_v4 import dequantize as dequantize_v4
 from deepinfer.config import ModelConfig, load_config
 from deepinfer.config_v41 import V41Config
+from kernels.quant import QuantizedWeight
 
 
 @dataclass
@@ -27,6 +28,7 @@ class Checkpoint:
     has_mtp: bool
     content_hash: str
     tokenizer_path: Path | None
+    formats: dict[str, str]  # `stored_formats`
 
 
 @dataclass
@@ -42,12 +44,16 @@ class CheckpointInfo:
     tokenizer_path: Path | None
 
 
-def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu") -> Checkpoint:
+def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu", *,
+                    quantized_as: torch.dtype | None = None) -> Checkpoint:
+    """The checkpoint's config and tensors on `device`, validated and hashed as stored. Quantized weights
+    are decoded exactly to fp32, or, given `quantized_as` (V4.1 only; V4's may carry float32 scales),
+    kept as stored in `QuantizedWeight`s that decode to that dtype."""
     folder = _existing(folder)
     config = load_config(folder)
     files = weight_files(folder)
     with WeightReader(files, device) as reader:
-        has_mtp, _ = check_tensors(config, reader.headers)
+        has_mtp, weight_dtype = check_tensors(config, reader.headers)
         tensors = {name: reader.get(name) for name in sorted(reader.headers)}
     _check_routing_tables(config, tensors)
     digest = cached_hash(files)
@@ -55,9 +61,34 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu") -> C
         digest = hash_tensors(tensors)  # every tensor as stored, the ones left unused included
         store_hash(files, digest)
     tensors = {name: tensor for name, tensor in tensors.items() if not unused_tensor(config, name)}
-    dequantize = dequantize_v41 if isinstance(config, V41Config) else dequantize_v4
-    tensors = dequantize(config, tensors)  # FP8 / FP4 values times their scales, in fp32
-    return Checkpoint(folder, config, tensors, has_mtp, digest, _tokenizer(folder))
+    tensors = weights_in_memory(config, tensors, quantized_as)
+    formats = stored_formats(config, weight_dtype)
+    return Checkpoint(folder, config, tensors, has_mtp, digest, _tokenizer(folder), formats)
+
+
+def weights_in_memory(config: ModelConfig | V41Config, tensors: dict[str, torch.Tensor],
+                      quantized_as: torch.dtype | None) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """A checkpoint's stored tensors as the engine takes them (see `load_checkpoint`)."""
+    if not isinstance(config, V41Config):
+        return dequantize_v4(config, tensors)
+    if quantized_as is None:
+        return dequantize_v41(config, tensors)  # FP8 / FP4 values times powers of two: exact
+    return quantized_weights(config, tensors, quantized_as)
+
+
+def stored_formats(config: ModelConfig | V41Config, weight_dtype: str) -> dict[str, str]:
+    """How the checkpoint stores its weights, by part (runs record it): `weight_dtype` throughout, or
+    the quantized parts' formats (number format, scale tile, scale format) beside it."""
+    if config.quantization_config is None:
+        return {"weights": weight_dtype}
+    if isinstance(config, V41Config):
+        rows, cols = config.quantization_config.get("weight_block_size", [32, 32])
+        return {"dense": f"fp8_e4m3 {rows}x{cols} ue8m0", "routed_experts": "mxfp4 1x32 ue8m0",
+                "engram_tables": "fp8_e4m3 1x32 ue8m0", "other": weight_dtype}
+    rows, cols = config.quantization("weight_block_size")
+    dense = f"fp8_e4m3 {rows}x{cols} {config.quantization('scale_fmt')}"
+    experts = "mxfp4 1x32 ue8m0" if config.quantization("expert_dtype") == "fp4" else dense
+    return {"dense": dense, "routed_experts": experts, "other": weight_dtype}
 
 
 def inspect_checkpoint(folder: str | Path, *, verify: bool = False) -> CheckpointInfo:

@@ -17,6 +17,7 @@ from deepinfer.errors import DeepInferError
 from deepinfer.sampling_params import UNSEEDED_SEEDS
 from kernels import NUMERICS
 
+WEIGHT_STORAGE = ("auto", "quantized", "decoded")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -42,6 +43,10 @@ class EngineConfig:
     cache_qdq: bool = _setting(True, "V4.1: keep the caches in the release's formats (FP8 window KV, NVFP4 "
                                      "compressed KV, MXFP4 indexer queries and keys), as its reference does; "
                                      "V4 has none")
+    weight_storage: str = _setting("auto", "quantized checkpoints: keep FP8/MXFP4 weights as stored and decode them "
+                                   "inside the matmuls (quantized), decode them once at load (decoded), or auto "
+                                   "(quantized on CUDA, decoded on CPU); the outputs are the same bits either way",
+                                   choices=WEIGHT_STORAGE)
     seed: int = _setting(0, "seed from which unseeded requests derive theirs")
     unseeded_seeds: str = _setting("request_order", "how unseeded requests get a seed: request_order (the engine's "
                                    "request counter) or content (a hash of the request)", choices=UNSEEDED_SEEDS)
@@ -59,6 +64,7 @@ class EngineConfig:
                 raise DeepInferError(f"{name} must be true or false, got {getattr(self, name)!r}")
         _check_choice("numerics", self.numerics, NUMERICS)
         _check_choice("unseeded_seeds", self.unseeded_seeds, UNSEEDED_SEEDS)
+        _check_choice("weight_storage", self.weight_storage, WEIGHT_STORAGE)
         if isinstance(self.dtype, torch.dtype):  # accepted from Python callers, recorded by name
             names = [name for name, dtype in DTYPES.items() if dtype == self.dtype]
             if not names:
@@ -74,6 +80,13 @@ class EngineConfig:
     @property
     def torch_device(self) -> torch.device:
         return resolve_device(self.device)
+
+    @property
+    def keeps_weights_quantized(self) -> bool:
+        """Whether quantized weights stay in their stored formats (`weight_storage`, auto resolved)."""
+        if self.weight_storage == "auto":
+            return parse_device(self.device).type == "cuda"
+        return self.weight_storage == "quantized"
 
     def to_dict(self) -> dict:
         return asdict(self)

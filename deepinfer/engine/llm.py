@@ -15,11 +15,14 @@ import torch
 
 import kernels
 from kernels.cpu_isa import CpuIsaError, check_cpu_isa
-from deepinfer.checkpoint import default_checkpoint, load_checkpoint, preset_config, random_tensors
+from deepinfer.checkpoint import default_checkpoint, load_checkpoint, preset_config
+from deepinfer.checkpoint.layout import weight_dtype_name
+from deepinfer.checkpoint.loader import stored_formats, weights_in_memory
+from deepinfer.checkpoint.random_init import stored_random_tensors
 from deepinfer.config import ModelConfig
 from deepinfer.config_v41 import V41Config
 from deepinfer.engine.cache import CacheManager, cache_memory, default_max_model_len, step_budget
-from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.config import DTYPES, EngineConfig
 from deepinfer.engine.output import OutputProcessor
 from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.scheduler import Scheduler
@@ -53,7 +56,7 @@ class LLM:
     """An offline engine over one checkpoint, run as an `EngineConfig` says (`config=`, or its fields
     as keyword arguments).
 
-    `model` is a checkpoint folder, None for the embedded `tiny` default, or `"preset:NAME"` for
+    `model` is a checkpoint folder, None for the embedded default (`DEFAULT_PRESET`), or `"preset:NAME"` for
     seeded random weights of a preset built directly on `device` (nothing written to disk).
     `numerics="batch_invariant"` (default) makes each request's tokens and logprob bits independent
     of batching and scheduling; `"fast"` uses plain library kernels and does not promise that.
@@ -87,7 +90,8 @@ class LLM:
                 check_cpu_isa()  # oneDNN's AMX kernels would make bf16 rows depend on the batch
             except CpuIsaError as err:
                 raise DeepInferError(str(err)) from None
-        model_config, tensors, self.tokenizer, self.model_id = self._load(model)
+        quantized_as = self.dtype if config.keeps_weights_quantized else None
+        model_config, tensors, self.tokenizer, self.model_id, self.stored_formats = self._load(model, quantized_as)
         self.config: ModelConfig | V41Config = model_config
         if config.max_model_len is not None and config.max_model_len > model_config.max_position_embeddings:
             raise DeepInferError(
@@ -102,6 +106,7 @@ class LLM:
                 raise DeepInferError("this V4.1 checkpoint has Engram layers, whose hashes need its tokenizer.json")
             self.model.use_tokenizer(self.tokenizer.backend)
         del tensors
+        config = replace(config, weight_storage="quantized" if quantized_as is not None else "decoded")
         if config.max_model_len is None:
             config = replace(config, max_model_len=self._default_max_model_len(config))
         self.engine_config = config
@@ -132,15 +137,21 @@ class LLM:
             block_size=config.block_size, itemsize=self.dtype.itemsize,
         )
 
-    def _load(self, model: str | Path | None):
+    def _load(self, model: str | Path | None, quantized_as: torch.dtype | None):
+        """(model config, tensors as `weights_in_memory` gives them, tokenizer, model id, stored formats)."""
         if isinstance(model, str) and model.startswith(PRESET_PREFIX):
             config = preset_config(model[len(PRESET_PREFIX):])
-            tensors = random_tensors(config, self.seed, self.dtype, device=self.device, include_mtp=False)
-            return config, tensors, TextTokenizer(build_tokenizer(config.vocab_size)), f"{model}:seed={self.seed}"
+            # a quantized preset is generated as its checkpoint is written, in the checkpoint's dtype
+            dtype = self.dtype if config.quantization_config is None else DTYPES[weight_dtype_name(config) or "float32"]
+            tensors = dict(stored_random_tensors(config, self.seed, dtype, device=self.device, include_mtp=False))
+            formats = stored_formats(config, str(dtype).removeprefix("torch."))
+            tokenizer = TextTokenizer(build_tokenizer(config.vocab_size))
+            tensors = weights_in_memory(config, tensors, quantized_as)
+            return config, tensors, tokenizer, f"{model}:seed={self.seed}", formats
         folder = Path(model) if model is not None else default_checkpoint()
-        checkpoint = load_checkpoint(folder, device=self.device)
+        checkpoint = load_checkpoint(folder, device=self.device, quantized_as=quantized_as)
         tokenizer = TextTokenizer.from_folder(folder) if checkpoint.tokenizer_path else None
-        return checkpoint.config, checkpoint.tensors, tokenizer, checkpoint.content_hash
+        return checkpoint.config, checkpoint.tensors, tokenizer, checkpoint.content_hash, checkpoint.formats
 
     # requests in -------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ Four pieces, in the order the engine uses them:
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ from deepinfer.config import ConfigError
 from deepinfer.config_v41 import V41Config
 from deepinfer.model.layers import Linear, empty
 from kernels import Ops
+from kernels.quant import QuantizedWeight
 
 REPLACEMENT_CHAR = "\ufffd"
 SPACE_SENTINEL = "\ue000"  # private use: stands in for a lone space so that stripping keeps it
@@ -270,7 +271,8 @@ def engram_rows(
 
 
 class EngramTable(nn.Module):
-    """The layer's memory table, [rows, head_dim], read by row id (float here; FP8 decoding is the loader's)."""
+    """The layer's memory table, [rows, head_dim], read by row id. Kept as stored (a `QuantizedWeight`,
+    FP8 with a scale per row and 32 columns), only the rows read are decoded."""
 
     def __init__(self, rows: int, head_dim: int, dtype: torch.dtype, device) -> None:
         super().__init__()
@@ -278,6 +280,10 @@ class EngramTable(nn.Module):
 
     def forward(self, row_ids: torch.Tensor) -> torch.Tensor:
         """[T, K] row ids -> [T, K * head_dim], the K rows side by side."""
+        if isinstance(self.weight, QuantizedWeight):
+            ids = row_ids.flatten()
+            rows = replace(self.weight, data=self.weight.data[ids], scale=self.weight.scale[ids]).decode()
+            return rows.view(row_ids.shape[0], -1)
         return F.embedding(row_ids, self.weight).flatten(1)
 
 

@@ -17,6 +17,7 @@ from deepinfer.model.layers import Linear, RMSNorm, empty
 from deepinfer.model.moe import MoE
 from deepinfer.model.rope import RotaryTable
 from kernels import Ops
+from kernels.quant import QuantizedWeight
 
 
 class Block(nn.Module):
@@ -74,6 +75,8 @@ class Decoder(nn.Module):
         """Take checkpoint tensors by name (stacking `ffn.experts.{e}.w{1,2,3}` per layer) as the
         model's parameters on `device`. The weights that modules list in `MATMUL_WEIGHTS` pass
         through `ops.matmul_layout` (the numerics mode's preferred storage order; values unchanged).
+        A `QuantizedWeight` replaces its parameter as a plain attribute: it is not a tensor, and the
+        ops decode it where it is used.
 
         The model may be built on the meta device: parameters are replaced, not copied into.
         Tensors are popped from `tensors` as they are consumed, so a caller that hands over its
@@ -87,22 +90,32 @@ class Decoder(nn.Module):
         for name, current, is_param in entries:
             prefix, attr = name.rsplit(".", 1) if "." in name else ("", name)
             if attr == "w13":
-                value = torch.stack([
-                    torch.cat([tensors.pop(f"{prefix}.{e}.w1.weight"), tensors.pop(f"{prefix}.{e}.w3.weight")])
-                    for e in range(n_experts)
-                ])
+                value = _stack([_cat([tensors.pop(f"{prefix}.{e}.w1.weight"), tensors.pop(f"{prefix}.{e}.w3.weight")])
+                                for e in range(n_experts)])
             elif attr == "w2" and prefix.endswith("experts"):
-                value = torch.stack([tensors.pop(f"{prefix}.{e}.w2.weight") for e in range(n_experts)])
+                value = _stack([tensors.pop(f"{prefix}.{e}.w2.weight") for e in range(n_experts)])
             else:
                 value = tensors.pop(name)
-            value = value.to(device=device, dtype=current.dtype)
             module = self.get_submodule(prefix) if prefix else self
+            if isinstance(value, QuantizedWeight):  # kept as stored: no parameter, the kernels decode it
+                del module._parameters[attr]
+                object.__setattr__(module, attr, value.to(device))
+                continue
+            value = value.to(device=device, dtype=current.dtype)
             if attr in getattr(module, "MATMUL_WEIGHTS", ()):
                 value = self.ops.matmul_layout(value)
             if is_param:
                 module._parameters[attr] = nn.Parameter(value, requires_grad=False)
             else:
                 module._buffers[attr] = value
+
+
+def _cat(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | QuantizedWeight:
+    return QuantizedWeight.cat(parts) if isinstance(parts[0], QuantizedWeight) else torch.cat(parts)
+
+
+def _stack(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | QuantizedWeight:
+    return QuantizedWeight.stack(parts) if isinstance(parts[0], QuantizedWeight) else torch.stack(parts)
 
 
 class DeepseekV4(Decoder):
