@@ -17,16 +17,17 @@ from pathlib import Path
 
 import torch
 
-from deepinfer import NUMERICS
+from deepinfer import LLM, NUMERICS
 from deepinfer.checkpoint import preset_config
-from harness.invariance import STANDARD_VARIANTS, run_matrix, run_variant, standard_requests
+from harness.invariance import STANDARD_VARIANTS, matrix_variant, run_matrix, run_variant, standard_requests
 
 
-def timed_reference(model: str, requests, dtype: str, numerics: str) -> float:
-    run_variant(model, requests[:2], STANDARD_VARIANTS[0], dtype=dtype, numerics=numerics, device="cuda")
+def timed_reference(llm: LLM, requests, dtype: str, numerics: str) -> float:
+    reference = matrix_variant(STANDARD_VARIANTS[0], dtype=dtype, numerics=numerics, device="cuda")
+    run_variant(llm, requests[:2], reference)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    run_variant(model, requests, STANDARD_VARIANTS[0], dtype=dtype, numerics=numerics, device="cuda")
+    run_variant(llm, requests, reference)
     torch.cuda.synchronize()
     return time.perf_counter() - start
 
@@ -44,10 +45,17 @@ def main() -> None:
     report = {"command": f"python {command}", "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "preset": args.preset, "dtype": args.dtype, "modes": {}}
     for numerics in args.modes:
-        result = run_matrix(model, requests, STANDARD_VARIANTS, dtype=args.dtype, numerics=numerics, device="cuda")
-        seconds = timed_reference(model, requests, args.dtype, numerics)
+        start = time.perf_counter()
+        reference = matrix_variant(STANDARD_VARIANTS[0], dtype=args.dtype, numerics=numerics, device="cuda")
+        llm = LLM(model, reference.engine)  # loaded once: every variant is an engine over it (LLM.with_engine)
+        load_seconds = time.perf_counter() - start
+        result = run_matrix(llm, requests, STANDARD_VARIANTS, dtype=args.dtype, numerics=numerics, device="cuda")
+        seconds = timed_reference(llm, requests, args.dtype, numerics)
+        storage = llm.engine_config.weight_storage
+        del llm
         report["modes"][numerics] = {"diverged": result.diverged, "invariant": result.invariant,
-                                     "all_at_once_seconds": round(seconds, 3)}
+                                     "all_at_once_seconds": round(seconds, 3), "load_seconds": round(load_seconds, 1),
+                                     "weight_storage": storage}
         print(numerics, "invariant" if result.invariant else f"DIVERGED {result.diverged}",
               f"all-at-once {seconds:.2f}s", flush=True)
     modes = report["modes"]

@@ -63,16 +63,17 @@ def signature(output: RequestOutput) -> tuple:
     return tuple(output.token_ids), bits, top
 
 
-def run_variant(
-    model: str | Path | None, requests: list[Request], variant: Variant, *, dtype: str, numerics: str,
-    device: str = "cpu",
-) -> list[RequestOutput]:
-    """Serve `requests` under `variant` (with this dtype, numerics and device); outputs come back in
-    request order."""
-    variant = variant.derive(variant.name, dtype=dtype, numerics=numerics, device=device, max_model_len=512)
-    llm = LLM(model, variant.engine)
-    outputs = {done.index: done.output for done in serve(llm, [(r.prompt, r.params) for r in requests], variant)}
-    if variant.engine.num_cache_blocks is not None and llm.scheduler.num_preemptions == 0:
+def matrix_variant(variant: Variant, *, dtype: str, numerics: str, device: str) -> Variant:
+    """`variant` with the matrix's dtype, numerics and device (and a 512-token context)."""
+    return variant.derive(variant.name, dtype=dtype, numerics=numerics, device=device, max_model_len=512)
+
+
+def run_variant(llm: LLM, requests: list[Request], variant: Variant) -> list[RequestOutput]:
+    """Serve `requests` under `variant` with an engine over `llm`'s model (`LLM.with_engine`, so the
+    weights are not loaded again); outputs come back in request order."""
+    engine = llm.with_engine(variant.engine)
+    outputs = {done.index: done.output for done in serve(engine, [(r.prompt, r.params) for r in requests], variant)}
+    if variant.engine.num_cache_blocks is not None and engine.scheduler.num_preemptions == 0:
         raise AssertionError(f"variant {variant.name} was meant to force preemption but none happened")
     return [outputs[i] for i in range(len(requests))]
 
@@ -90,18 +91,18 @@ class MatrixResult:
 
 
 def run_matrix(
-    model: str | Path | None, requests: list[Request], variants: tuple[Variant, ...] = STANDARD_VARIANTS, *,
+    model: str | Path | LLM | None, requests: list[Request], variants: tuple[Variant, ...] = STANDARD_VARIANTS, *,
     dtype: str = "float32", numerics: str = "batch_invariant", device: str = "cpu", stop_at_first: bool = False,
 ) -> MatrixResult:
-    """Run every variant and compare each request's signature with the first variant's."""
-    reference = [signature(o) for o in run_variant(model, requests, variants[0], dtype=dtype,
-                                                    numerics=numerics, device=device)]
+    """Run every variant and compare each request's signature with the first variant's. The model is
+    loaded once (or `model` is an `LLM` already loaded with this dtype, numerics and device)."""
+    variants = tuple(matrix_variant(v, dtype=dtype, numerics=numerics, device=device) for v in variants)
+    llm = model if isinstance(model, LLM) else LLM(model, variants[0].engine)
+    reference = [signature(o) for o in run_variant(llm, requests, variants[0])]
     result = MatrixResult(variants[0].name)
     for variant in variants[1:]:
-        got = [signature(o) for o in run_variant(model, requests, variant, dtype=dtype, numerics=numerics,
-                                                  device=device)]
+        got = [signature(o) for o in run_variant(llm, requests, variant)]
         result.diverged[variant.name] = [i for i, (a, b) in enumerate(zip(reference, got)) if a != b]
         if stop_at_first and result.diverged[variant.name]:
             break
     return result
-

@@ -22,3 +22,12 @@ def _isolated_deepinfer_home(tmp_path_factory):
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """The tiny preset, seed 0, with MTP weights and tokenizer.json."""
     return create_checkpoint("tiny", tmp_path_factory.mktemp("checkpoints") / "tiny-seed0", seed=0)
+
+
+@pytest.fixture(scope="session")
+def v41_checkpoint(tmp_path_factory) -> Path:
+    """The v41-tiny preset, seed 0, stored in the release's formats (FP8 dense weights, MXFP4 experts), as
+    `deepinfer checkpoint create --preset v41-tiny --quantized --seed 0` writes it. Built once per session:
+    read-only, as `tiny_checkpoint`."""
+    return create_checkpoint("v41-tiny", tmp_path_factory.mktemp("checkpoints") / "v41-tiny-q-seed0", seed=0,
+                             quantized=True)

@@ -23,33 +23,33 @@ PROMPT = list(range(20, 70))
 
 
 @pytest.fixture(scope="module")
-def v41_checkpoint(tmp_path_factory):
+def plain_v41_checkpoint(tmp_path_factory):
     folder = tmp_path_factory.mktemp("v41") / "v41-tiny"
     assert main(["checkpoint", "create", "--preset", "v41-tiny", "--out", str(folder), "--seed", "4"]) == 0
     return folder
 
 
-def test_info_describes_the_v41_schedule(v41_checkpoint, capsys):
-    assert main(["checkpoint", "info", str(v41_checkpoint)]) == 0
+def test_info_describes_the_v41_schedule(plain_v41_checkpoint, capsys):
+    assert main(["checkpoint", "info", str(plain_v41_checkpoint)]) == 0
     out = capsys.readouterr().out
     assert "model       DeepSeek-V4.1 (deepseek_v41)" in out
     assert "layers      6: swa x1, full r2 x1, reuse r2 x1, full r1 x1, reuse r1 x1, reindex r1 x1" in out
     assert "candidate pool from layer 3 (4 blocks of 4)" in out and "engram      layers [0, 4]" in out
 
 
-def test_a_written_checkpoint_runs_as_its_preset_does(v41_checkpoint):
-    from_folder = LLM(v41_checkpoint, max_model_len=256).generate([PROMPT], PARAMS)
+def test_a_written_checkpoint_runs_as_its_preset_does(plain_v41_checkpoint):
+    from_folder = LLM(plain_v41_checkpoint, max_model_len=256).generate([PROMPT], PARAMS)
     from_preset = LLM("preset:v41-tiny", seed=4, max_model_len=256).generate([PROMPT], PARAMS)
     assert from_folder[0].token_ids == from_preset[0].token_ids
     assert from_folder[0].logprobs == from_preset[0].logprobs
 
 
-def test_released_extras_are_accepted_and_unused(v41_checkpoint, tmp_path):
+def test_released_extras_are_accepted_and_unused(plain_v41_checkpoint, tmp_path):
     folder = tmp_path / "released"
     folder.mkdir()
     for name in ("config.json", "tokenizer.json"):
-        (folder / name).write_bytes((v41_checkpoint / name).read_bytes())
-    tensors = load_file(v41_checkpoint / "model.safetensors")
+        (folder / name).write_bytes((plain_v41_checkpoint / name).read_bytes())
+    tensors = load_file(plain_v41_checkpoint / "model.safetensors")
     tensors.update({"mtp.0.main_proj.weight": torch.zeros(4, 4), "vision.patch.weight": torch.zeros(2),
                     "aligner.w1.weight": torch.zeros(2), "image_start": torch.zeros(2),
                     "layers.0.ffn.gate.bias_vl": torch.zeros(16)})
@@ -57,7 +57,7 @@ def test_released_extras_are_accepted_and_unused(v41_checkpoint, tmp_path):
     loaded = load_checkpoint(folder)
     assert loaded.has_mtp and not any(n.startswith(("mtp.", "vision.", "aligner.", "image_")) for n in loaded.tensors)
     assert LLM(folder, max_model_len=256).generate([PROMPT], PARAMS)[0].token_ids == \
-        LLM(v41_checkpoint, max_model_len=256).generate([PROMPT], PARAMS)[0].token_ids
+        LLM(plain_v41_checkpoint, max_model_len=256).generate([PROMPT], PARAMS)[0].token_ids
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -67,12 +67,12 @@ def test_released_extras_are_accepted_and_unused(v41_checkpoint, tmp_path):
     (lambda t: t.__setitem__("layers.4.engram.embed.weight", torch.zeros(10, 16)),
      "layers.4.engram.embed.weight: shape (10, 16) does not match config (4152, 16)"),
 ])
-def test_bad_tensors_fail_in_one_line(v41_checkpoint, tmp_path, change, message):
+def test_bad_tensors_fail_in_one_line(plain_v41_checkpoint, tmp_path, change, message):
     folder = tmp_path / "bad"
     folder.mkdir()
     for name in ("config.json", "tokenizer.json"):
-        (folder / name).write_bytes((v41_checkpoint / name).read_bytes())
-    tensors = load_file(v41_checkpoint / "model.safetensors")
+        (folder / name).write_bytes((plain_v41_checkpoint / name).read_bytes())
+    tensors = load_file(plain_v41_checkpoint / "model.safetensors")
     change(tensors)
     save_file(tensors, folder / "model.safetensors")
     with pytest.raises(CheckpointError) as err:
@@ -80,7 +80,7 @@ def test_bad_tensors_fail_in_one_line(v41_checkpoint, tmp_path, change, message)
     assert str(err.value) == message
 
 
-def test_a_quantized_checkpoint_loads_exactly_its_decoded_values(v41_checkpoint, tmp_path):
+def test_a_quantized_checkpoint_loads_exactly_its_decoded_values(plain_v41_checkpoint, tmp_path):
     """`--quantized` stores FP8 dense weights (32x32 tiles), MXFP4 experts and FP8 Engram tables with
     E8M0 scales; loading decodes them exactly, so it serves bit for bit like a plain checkpoint that
     holds the decoded values."""
@@ -103,7 +103,7 @@ def test_a_quantized_checkpoint_loads_exactly_its_decoded_values(v41_checkpoint,
     save_file({name: t.contiguous() for name, t in decoded.tensors.items()}, plain / "model.safetensors")
     got = [LLM(folder, max_model_len=256).generate([PROMPT], PARAMS)[0] for folder in (quantized, plain)]
     assert got[0].token_ids == got[1].token_ids and got[0].logprobs == got[1].logprobs
-    original = LLM(v41_checkpoint, max_model_len=256).generate([PROMPT], PARAMS)[0]
+    original = LLM(plain_v41_checkpoint, max_model_len=256).generate([PROMPT], PARAMS)[0]
     assert got[0].logprobs != original.logprobs  # quantizing did change the weights
 
 

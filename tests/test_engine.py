@@ -84,6 +84,24 @@ def test_bad_engine_arguments(tiny_checkpoint):
         LLM(tiny_checkpoint, max_model_len=5000)
 
 
+def test_an_engine_over_a_loaded_model_serves_like_a_fresh_one(tiny_checkpoint):
+    """`LLM.with_engine` shares the weights and changes only how they are served; settings that decide
+    how the model was built are refused in one line."""
+    loaded = LLM(tiny_checkpoint, max_num_seqs=4)
+    params = SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True, logprobs=1)
+    prompts = [list(range(2, 30)), list(range(40, 47))]
+    config = dataclasses.replace(loaded.engine_config, max_num_seqs=1, max_num_batched_tokens=8, seed=3,
+                                 max_model_len=None, dtype="fp32")  # resolved settings and aliases are the same
+    shared = loaded.with_engine(config)
+    assert shared.model is loaded.model and shared.engine_config.max_num_seqs == 1
+    fresh = LLM(tiny_checkpoint, config=config)
+    assert [(o.token_ids, o.logprobs) for o in shared.generate(prompts, params)] == \
+        [(o.token_ids, o.logprobs) for o in fresh.generate(prompts, params)]
+    with raises(DeepInferError, "with_engine: dtype decides how the model was built ('float32'); "
+                                "load the model again to change it"):
+        loaded.with_engine(dataclasses.replace(config, dtype="bfloat16"))
+
+
 def test_num_cache_blocks_is_raised_to_one_sequence_in_each_pool(tiny_checkpoint):
     # one sequence of max_model_len=4096 needs, per pool: window ceil((32 - 1 + 512 step tokens) / 16) + 1
     # = 35, CSA state ceil((2 * 4 + 512) / 16) + 1 = 34, HCA state ceil((16 + 512) / 16) + 1 = 34,

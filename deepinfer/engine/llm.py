@@ -22,7 +22,7 @@ from deepinfer.checkpoint.random_init import stored_random_tensors
 from deepinfer.config import ModelConfig
 from deepinfer.config_v41 import V41Config
 from deepinfer.engine.cache import CacheManager, cache_memory, default_max_model_len, step_budget
-from deepinfer.engine.config import DTYPES, EngineConfig
+from deepinfer.engine.config import DTYPES, EngineConfig, parse_device
 from deepinfer.engine.output import OutputProcessor
 from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.scheduler import Scheduler
@@ -40,6 +40,8 @@ from deepinfer.sampling_params import (
 )
 
 PRESET_PREFIX = "preset:"
+# the engine settings that decide how the model is built and loaded (`LLM.with_engine` keeps them)
+MODEL_SETTINGS = ("device", "dtype", "numerics", "cache_qdq", "weight_storage")
 
 
 class RequestError(DeepInferError, ValueError):
@@ -50,6 +52,12 @@ class PromptTooLongError(RequestError):
     """A prompt longer than the engine's limits allow."""
 
     kind = "prompt_too_long"
+
+
+def _model_settings(config: EngineConfig) -> dict:
+    """`MODEL_SETTINGS` as they take effect (aliases and `auto` resolved), so equal means the same model."""
+    return {"device": parse_device(config.device), "dtype": config.torch_dtype, "numerics": config.numerics,
+            "cache_qdq": config.cache_qdq, "weight_storage": config.keeps_weights_quantized}
 
 
 class LLM:
@@ -84,20 +92,17 @@ class LLM:
         if config is None:
             config = EngineConfig.from_dict(settings, where="LLM")
         self.device, self.dtype = config.torch_device, config.torch_dtype
-        self.numerics, self.seed, self.unseeded_seeds = config.numerics, config.seed, config.unseeded_seeds
+        self.numerics = config.numerics
         if config.numerics == "batch_invariant" and self.device.type == "cpu" and self.dtype != torch.float32:
             try:
                 check_cpu_isa()  # oneDNN's AMX kernels would make bf16 rows depend on the batch
             except CpuIsaError as err:
                 raise DeepInferError(str(err)) from None
         quantized_as = self.dtype if config.keeps_weights_quantized else None
-        model_config, tensors, self.tokenizer, self.model_id, self.stored_formats = self._load(model, quantized_as)
+        self.weight_storage = "quantized" if quantized_as is not None else "decoded"
+        model_config, tensors, self.tokenizer, self.model_id, self.stored_formats = self._load(model, quantized_as, config.seed)
         self.config: ModelConfig | V41Config = model_config
-        if config.max_model_len is not None and config.max_model_len > model_config.max_position_embeddings:
-            raise DeepInferError(
-                f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
-                f"{model_config.max_position_embeddings}"
-            )
+        self._check_max_model_len(config)  # before the weights load, so a bad setting fails fast
         self.model = build_model(model_config, kernels.bind(config.numerics, self.device), self.dtype,
                                  cache_qdq=config.cache_qdq)
         self.model.load_tensors(tensors, self.device)
@@ -106,7 +111,31 @@ class LLM:
                 raise DeepInferError("this V4.1 checkpoint has Engram layers, whose hashes need its tokenizer.json")
             self.model.use_tokenizer(self.tokenizer.backend)
         del tensors
-        config = replace(config, weight_storage="quantized" if quantized_as is not None else "decoded")
+        self._start_engine(config)
+
+    def with_engine(self, config: EngineConfig) -> LLM:
+        """Another engine over this one's loaded model (the weights are shared, nothing is reloaded),
+        run as `config` says: its scheduling, cache and seed settings may differ, the settings that
+        decide how the model was built (`MODEL_SETTINGS`) may not. Serve with one of them at a time."""
+        built, wanted = _model_settings(self._requested), _model_settings(config)
+        changed = [name for name in MODEL_SETTINGS if wanted[name] != built[name]]
+        if changed:
+            raise DeepInferError(f"with_engine: {changed[0]} decides how the model was built "
+                                 f"({getattr(self._requested, changed[0])!r}); load the model again to change it")
+        other = object.__new__(LLM)
+        for name in ("device", "dtype", "numerics", "weight_storage", "tokenizer", "model_id", "stored_formats",
+                     "config", "model"):
+            setattr(other, name, getattr(self, name))
+        other._start_engine(config)
+        return other
+
+    def _start_engine(self, config: EngineConfig) -> None:
+        """Everything of an engine but its model: cache, scheduler, runner and output, as `config` says
+        (resolved: `max_model_len` and `weight_storage` filled in)."""
+        self._requested = config
+        self.seed, self.unseeded_seeds = config.seed, config.unseeded_seeds
+        config = replace(config, weight_storage=self.weight_storage)
+        self._check_max_model_len(config)
         if config.max_model_len is None:
             config = replace(config, max_model_len=self._default_max_model_len(config))
         self.engine_config = config
@@ -118,13 +147,18 @@ class LLM:
             max_model_len=self.max_model_len, max_step_tokens=self.max_num_batched_tokens,
             num_blocks=config.num_cache_blocks, block_size=config.block_size, dtype=self.dtype, device=self.device,
         )
-        self.output = OutputProcessor(self.tokenizer, model_config.eos_token_ids, self.max_model_len, config.numerics)
+        self.output = OutputProcessor(self.tokenizer, self.config.eos_token_ids, self.max_model_len, config.numerics)
         self.scheduler = Scheduler(
             self.cache, self.output.stop, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, chunked_prefill=config.enable_chunked_prefill,
         )
         self.runner = ModelRunner(self.model, self.cache, self.device)
         self._next_id = 0
+
+    def _check_max_model_len(self, config: EngineConfig) -> None:
+        if config.max_model_len is not None and config.max_model_len > self.config.max_position_embeddings:
+            raise DeepInferError(f"max_model_len={config.max_model_len} exceeds the model's "
+                                 f"max_position_embeddings={self.config.max_position_embeddings}")
 
     def _default_max_model_len(self, config: EngineConfig) -> int:
         """See the class docstring; called once the weights are loaded (they count against memory)."""
@@ -137,17 +171,18 @@ class LLM:
             block_size=config.block_size, itemsize=self.dtype.itemsize,
         )
 
-    def _load(self, model: str | Path | None, quantized_as: torch.dtype | None):
-        """(model config, tensors as `weights_in_memory` gives them, tokenizer, model id, stored formats)."""
+    def _load(self, model: str | Path | None, quantized_as: torch.dtype | None, seed: int):
+        """(model config, tensors as `weights_in_memory` gives them, tokenizer, model id, stored formats);
+        a preset's weights are seeded with the engine's `seed`."""
         if isinstance(model, str) and model.startswith(PRESET_PREFIX):
             config = preset_config(model[len(PRESET_PREFIX):])
             # a quantized preset is generated as its checkpoint is written, in the checkpoint's dtype
             dtype = self.dtype if config.quantization_config is None else DTYPES[weight_dtype_name(config) or "float32"]
-            tensors = dict(stored_random_tensors(config, self.seed, dtype, device=self.device, include_mtp=False))
+            tensors = dict(stored_random_tensors(config, seed, dtype, device=self.device, include_mtp=False))
             formats = stored_formats(config, str(dtype).removeprefix("torch."))
             tokenizer = TextTokenizer(build_tokenizer(config.vocab_size))
             tensors = weights_in_memory(config, tensors, quantized_as)
-            return config, tensors, tokenizer, f"{model}:seed={self.seed}", formats
+            return config, tensors, tokenizer, f"{model}:seed={seed}", formats
         folder = Path(model) if model is not None else default_checkpoint()
         checkpoint = load_checkpoint(folder, device=self.device, quantized_as=quantized_as)
         tokenizer = TextTokenizer.from_folder(folder) if checkpoint.tokenizer_path else None
