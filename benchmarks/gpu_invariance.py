@@ -37,10 +37,11 @@ def main() -> None:
     parser.add_argument("--preset", default="small")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--modes", nargs="+", default=list(NUMERICS), choices=NUMERICS)
+    parser.add_argument("--requests", type=int, default=24, help="size of the standard request set")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     model = f"preset:{args.preset}"
-    requests = standard_requests(preset_config(args.preset).vocab_size, count=24)
+    requests = standard_requests(preset_config(args.preset).vocab_size, count=args.requests)
     command = " ".join(arg if arg != args.out else Path(args.out).name for arg in sys.argv)  # no machine paths
     report = {"command": f"python {command}", "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "preset": args.preset, "dtype": args.dtype, "modes": {}}
@@ -49,6 +50,7 @@ def main() -> None:
         reference = matrix_variant(STANDARD_VARIANTS[0], dtype=args.dtype, numerics=numerics, device="cuda")
         llm = LLM(model, reference.engine)  # loaded once: every variant is an engine over it (LLM.with_engine)
         load_seconds = time.perf_counter() - start
+        print(numerics, f"loaded in {load_seconds:.1f}s, {torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
         result = run_matrix(llm, requests, STANDARD_VARIANTS, dtype=args.dtype, numerics=numerics, device="cuda")
         seconds = timed_reference(llm, requests, args.dtype, numerics)
         storage = llm.engine_config.weight_storage

@@ -107,10 +107,15 @@ def test_a_quantized_checkpoint_loads_exactly_its_decoded_values(plain_v41_check
     assert got[0].logprobs != original.logprobs  # quantizing did change the weights
 
 
-def test_weights_kept_quantized_serve_the_bits_of_decoded_weights(tmp_path):
+@pytest.mark.parametrize("device,dtype", [
+    ("cpu", "float32"),
+    pytest.param("cuda", "bfloat16", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+])
+def test_weights_kept_quantized_serve_the_bits_of_decoded_weights(tmp_path, device, dtype):
     """`weight_storage="quantized"` keeps the FP8 / MXFP4 weights as stored (the ops decode them where
-    they are used, the Engram tables row by row): tokens, logprobs and prompt logprobs are those of the
-    weights decoded at load, bit for bit, batched and in prefill chunks."""
+    they are used, the Engram tables row by row; on CUDA the Triton matmuls decode B tiles in the
+    kernel): tokens, logprobs and prompt logprobs are those of the weights decoded at load, bit for
+    bit, batched and in prefill chunks."""
     folder = tmp_path / "quantized"
     assert main(["checkpoint", "create", "--preset", "v41-tiny", "--out", str(folder), "--seed", "2",
                  "--quantized"]) == 0
@@ -118,7 +123,8 @@ def test_weights_kept_quantized_serve_the_bits_of_decoded_weights(tmp_path):
     prompts = [PROMPT, list(range(300, 341)), list(range(7, 19))]
     runs = {}
     for storage in ("decoded", "quantized"):
-        llm = LLM(folder, max_model_len=256, max_num_batched_tokens=32, weight_storage=storage)
+        llm = LLM(folder, max_model_len=256, max_num_batched_tokens=32, weight_storage=storage, device=device,
+                  dtype=dtype)
         assert llm.engine_config.weight_storage == storage
         kept = [llm.model.layers[1].ffn.experts.w13, llm.model.layers[3].attn.wkv.weight,
                 llm.model.layers[0].engram.embed.weight]
