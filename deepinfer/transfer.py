@@ -1,27 +1,28 @@
 """Host <-> device copies of a step's small tensors, packed so each direction is one transfer.
 
 The step metadata goes up as one pinned, non-blocking copy (no host sync); the runner's results
-come down as one copy, the step's only synchronisation. Packing goes through int64: fp32 values
-travel as their bit patterns, so nothing is rounded on the way.
+come down as one copy, the step's only synchronisation. Packing goes through int64: fp32 and bf16
+values travel as their bit patterns, so nothing is rounded on the way.
 """
 
 from __future__ import annotations
 
 import torch
 
-_PACKABLE = (torch.int64, torch.int32, torch.bool, torch.float32)
+_PACKABLE = (torch.int64, torch.int32, torch.bool, torch.float32, torch.bfloat16)
+_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}  # floats travel as these bit patterns
 
 
 def _as_int64(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.dtype not in _PACKABLE:
         raise TypeError(f"cannot pack a {tensor.dtype} tensor")
     flat = tensor.reshape(-1)
-    return flat.view(torch.int32).long() if tensor.dtype == torch.float32 else flat.long()
+    return flat.view(_BITS[tensor.dtype]).long() if tensor.dtype in _BITS else flat.long()
 
 
 def _restore(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    if like.dtype == torch.float32:
-        flat = flat.int().view(torch.float32)
+    if like.dtype in _BITS:
+        flat = flat.to(_BITS[like.dtype]).view(like.dtype)
     else:
         flat = flat.to(like.dtype)
     return flat.view(like.shape)

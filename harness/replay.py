@@ -34,7 +34,7 @@ from audit.streams import STREAM_SCHEMA, stream_hashes
 from deepinfer import LLM, RequestOutput, SamplingParams
 from deepinfer.errors import DeepInferError
 from deepinfer.progress import Progress
-from deepinfer.recipe.chat import encode_chat, encode_messages, parse_completion
+from deepinfer.recipe.chat import content_text, encode_chat, encode_messages, parse_completion
 from harness.suite_base import generated_fields
 from harness.traces import Episode, RecordedTurn, Recording, ToolResult, canonical_arguments, turn_request_id
 
@@ -232,10 +232,11 @@ def _feed_forward(llm: LLM, state: _Running, turn: int, token_ids: list[int], me
             if content is None:
                 state.run.ending = EpisodeResult(episode.episode_id, "unrecorded_call", turn, detail=why)
                 return
-            replies.append({"role": "tool", "tool_call_id": call["id"], "content": content})
+            replies.append((f"recorded result of tool call {call['id']}",
+                            {"role": "tool", "tool_call_id": call["id"], "content": content}))
         state.answered += len(calls)
     elif state.users:
-        replies = state.users.popleft()
+        replies = [(f"trace message {position}", message) for position, message in state.users.popleft()]
     else:
         state.run.ending = EpisodeResult(
             episode.episode_id, "completed",
@@ -243,9 +244,11 @@ def _feed_forward(llm: LLM, state: _Running, turn: int, token_ids: list[int], me
         return
     eos = llm.tokenizer.eos_id
     closed = list(token_ids) if token_ids and token_ids[-1] == eos else [*token_ids, eos]
-    prompt = state.prompt + closed + llm.tokenizer.encode(_continuation(calls, replies))
     try:
-        state.prompt = llm.encode(prompt)
+        for where, reply in replies:  # unreadable content (an image) is refused naming where it is
+            content_text(reply["content"], f"{where}: content")
+        continuation = _continuation(calls, [reply for _, reply in replies])
+        state.prompt = llm.encode(state.prompt + closed + llm.tokenizer.encode(continuation))
     except DeepInferError as err:
         state.run.ending = _refused(episode, turn + 1, err)
 
@@ -263,15 +266,17 @@ def _continuation(calls: list[dict], replies: list[dict]) -> str:
     return encode_messages(head + replies)[len(encode_messages(head, add_generation_prompt=False)):]
 
 
-def _user_blocks(episode: Episode) -> list[list[dict]]:
-    """The runs of consecutive user messages after the first assistant turn: what the user says next."""
-    blocks: list[list[dict]] = []
+def _user_blocks(episode: Episode) -> list[list[tuple[int, dict]]]:
+    """The runs of consecutive user messages after the first assistant turn (what the user says next),
+    each message with its position in the trace."""
+    blocks: list[list[tuple[int, dict]]] = []
     previous = None
-    for message in episode.messages[episode.turn_positions[0]:]:
+    for position in range(episode.turn_positions[0], len(episode.messages)):
+        message = episode.messages[position]
         if message["role"] == "user":
             if previous != "user":
                 blocks.append([])
-            blocks[-1].append(message)
+            blocks[-1].append((position, message))
         previous = message["role"]
     return blocks
 

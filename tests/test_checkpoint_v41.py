@@ -114,23 +114,26 @@ def test_a_quantized_checkpoint_loads_exactly_its_decoded_values(plain_v41_check
 def test_weights_kept_quantized_serve_the_bits_of_decoded_weights(tmp_path, device, dtype):
     """`weight_storage="quantized"` keeps the FP8 / MXFP4 weights as stored (the ops decode them where
     they are used, the Engram tables row by row; on CUDA the Triton matmuls decode B tiles in the
-    kernel): tokens, logprobs and prompt logprobs are those of the weights decoded at load, bit for
-    bit, batched and in prefill chunks."""
+    kernel), and `engram_tables="host"` keeps the Engram tables in host memory (the runner reads each
+    step's rows and uploads them with the step): tokens, logprobs and prompt logprobs are those of
+    the weights decoded at load on the device, bit for bit, batched and in prefill chunks."""
     folder = tmp_path / "quantized"
     assert main(["checkpoint", "create", "--preset", "v41-tiny", "--out", str(folder), "--seed", "2",
                  "--quantized"]) == 0
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=True)
     prompts = [PROMPT, list(range(300, 341)), list(range(7, 19))]
     runs = {}
-    for storage in ("decoded", "quantized"):
-        llm = LLM(folder, max_model_len=256, max_num_batched_tokens=32, weight_storage=storage, device=device,
-                  dtype=dtype)
+    for storage, tables in (("decoded", "device"), ("quantized", "device"), ("quantized", "host"), ("decoded", "host")):
+        llm = LLM(folder, max_model_len=256, max_num_batched_tokens=32, weight_storage=storage, engram_tables=tables,
+                  device=device, dtype=dtype)
         assert llm.engine_config.weight_storage == storage
         kept = [llm.model.layers[1].ffn.experts.w13, llm.model.layers[3].attn.wkv.weight,
                 llm.model.layers[0].engram.embed.weight]
         assert all(isinstance(w, QuantizedWeight) for w in kept) == (storage == "quantized")
-        runs[storage] = [(o.token_ids, o.logprobs, o.prompt_logprobs) for o in llm.generate(prompts, params)]
-    assert runs["quantized"] == runs["decoded"]
+        table = llm.model.layers[4].engram.embed.weight
+        assert (table.data if storage == "quantized" else table).device.type == ("cpu" if tables == "host" else device)
+        runs[storage, tables] = [(o.token_ids, o.logprobs, o.prompt_logprobs) for o in llm.generate(prompts, params)]
+    assert all(run == runs["decoded", "device"] for run in runs.values())
 
 
 def test_a_quantized_checkpoint_missing_a_scale_fails_in_one_line(tmp_path):

@@ -96,11 +96,12 @@ def test_out_file_gets_the_lines(capsys, tiny_checkpoint, tmp_path):
     assert all(1 <= len(row["token_ids"]) <= 3 for row in rows)
 
 
-def test_default_model_is_the_embedded_tiny_checkpoint(capsys, tiny_checkpoint):
+def test_default_model_is_the_embedded_v41_checkpoint(capsys, v41_checkpoint):
+    """The default is v41-tiny, seed 0, in the release's formats: what the v41_checkpoint fixture holds."""
     args = ("--prompt", "hello", "--max-tokens", "3")
     code, default, err = run(capsys, *args)
     assert code == 0 and err == ""
-    _, explicit, _ = run(capsys, "--model", str(tiny_checkpoint), *args)
+    _, explicit, _ = run(capsys, "--model", str(v41_checkpoint), *args)
     assert default[0]["token_ids"] == explicit[0]["token_ids"]
 
 

@@ -187,6 +187,8 @@ class ScriptedEngine:
     contains, picked by how many assistant turns the prompt holds; every token has logprob -0.5."""
 
     model_id = "scripted"
+    config = SimpleNamespace(model_type="scripted")  # the model family a manifest records
+    stored_formats: dict[str, str] = {}
     engine_config = VARIANT.engine  # what a cassette's header records of the engine
     max_model_len = VARIANT.engine.max_model_len
     max_num_batched_tokens = VARIANT.engine.max_num_batched_tokens

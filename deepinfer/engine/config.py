@@ -18,6 +18,7 @@ from deepinfer.sampling_params import UNSEEDED_SEEDS
 from kernels import NUMERICS
 
 WEIGHT_STORAGE = ("auto", "quantized", "decoded")
+ENGRAM_TABLES = ("device", "host")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -47,6 +48,9 @@ class EngineConfig:
                                    "inside the matmuls (quantized), decode them once at load (decoded), or auto "
                                    "(quantized on CUDA, decoded on CPU); the outputs are the same bits either way",
                                    choices=WEIGHT_STORAGE)
+    engram_tables: str = _setting("device", "V4.1: where the Engram tables live: on the device, or in host memory, "
+                                  "where the runner reads each step's rows (Flash's are 183 GiB); the same rows "
+                                  "either way", choices=ENGRAM_TABLES)
     seed: int = _setting(0, "seed from which unseeded requests derive theirs")
     unseeded_seeds: str = _setting("request_order", "how unseeded requests get a seed: request_order (the engine's "
                                    "request counter) or content (a hash of the request)", choices=UNSEEDED_SEEDS)
@@ -65,6 +69,7 @@ class EngineConfig:
         _check_choice("numerics", self.numerics, NUMERICS)
         _check_choice("unseeded_seeds", self.unseeded_seeds, UNSEEDED_SEEDS)
         _check_choice("weight_storage", self.weight_storage, WEIGHT_STORAGE)
+        _check_choice("engram_tables", self.engram_tables, ENGRAM_TABLES)
         if isinstance(self.dtype, torch.dtype):  # accepted from Python callers, recorded by name
             names = [name for name, dtype in DTYPES.items() if dtype == self.dtype]
             if not names:

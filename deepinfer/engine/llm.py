@@ -41,7 +41,7 @@ from deepinfer.sampling_params import (
 
 PRESET_PREFIX = "preset:"
 # the engine settings that decide how the model is built and loaded (`LLM.with_engine` keeps them)
-MODEL_SETTINGS = ("device", "dtype", "numerics", "cache_qdq", "weight_storage")
+MODEL_SETTINGS = ("device", "dtype", "numerics", "cache_qdq", "weight_storage", "engram_tables")
 
 
 class RequestError(DeepInferError, ValueError):
@@ -57,7 +57,8 @@ class PromptTooLongError(RequestError):
 def _model_settings(config: EngineConfig) -> dict:
     """`MODEL_SETTINGS` as they take effect (aliases and `auto` resolved), so equal means the same model."""
     return {"device": parse_device(config.device), "dtype": config.torch_dtype, "numerics": config.numerics,
-            "cache_qdq": config.cache_qdq, "weight_storage": config.keeps_weights_quantized}
+            "cache_qdq": config.cache_qdq, "weight_storage": config.keeps_weights_quantized,
+            "engram_tables": config.engram_tables}
 
 
 class LLM:
@@ -104,7 +105,7 @@ class LLM:
         self.config: ModelConfig | V41Config = model_config
         self._check_max_model_len(config)  # before the weights load, so a bad setting fails fast
         self.model = build_model(model_config, kernels.bind(config.numerics, self.device), self.dtype,
-                                 cache_qdq=config.cache_qdq)
+                                 cache_qdq=config.cache_qdq, engram_on_host=config.engram_tables == "host")
         self.model.load_tensors(tensors, self.device)
         if isinstance(self.model, DeepseekV41) and model_config.engram_layer_ids:
             if self.tokenizer is None:

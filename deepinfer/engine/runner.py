@@ -142,6 +142,8 @@ class ModelRunner:
         if engram is not None:
             histories = [chunk.seq.token_ids[:chunk.start] for chunk in chunks]
             batch.engram_ids, batch.engram_lookback = engram.step_inputs(ids, histories, len(query_start) - 1)
+            if self.model.engram_on_host:
+                batch.engram_memory = self.model.engram_memory(batch)
         rows = {name: torch.tensor(values, dtype=torch.long) for name, values in
                 (("sample_rows", sample_rows), ("score_rows", score_rows), ("score_targets", score_targets))}
         return batch, rows

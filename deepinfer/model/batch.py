@@ -85,7 +85,9 @@ class StepBatch:
     bucket of the step's longest table); sample_index [R]: the tokens whose final hidden states the
     forward returns (a bucket; None returns all T). Models with Engram (V4.1) also get
     engram_ids [T], the compressed token ids, and engram_lookback [B, n-gram order - 1], each row's
-    compressed ids just before its first token (`deepinfer.model.engram`).
+    compressed ids just before its first token (`deepinfer.model.engram`); with the Engram tables in
+    host memory, engram_memory holds per Engram layer the table rows its tokens read, [T, K * head_dim],
+    gathered on the host.
     """
 
     input_ids: torch.Tensor
@@ -96,24 +98,30 @@ class StepBatch:
     sample_index: torch.Tensor | None = None
     engram_ids: torch.Tensor | None = None
     engram_lookback: torch.Tensor | None = None
+    engram_memory: dict[int, torch.Tensor] | None = None
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor's shape, by name: two batches with equal shapes share a captured graph."""
         return {name: tuple(t.shape) for name, t in self.tensors().items()}
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor of the batch by name (block tables as `table/{pool}`)."""
+        """Every tensor of the batch by name (block tables as `table/{pool}`, Engram memory as
+        `engram/{layer}`)."""
         flat = {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
-        return {**flat, **{f"table/{pool}": table for pool, table in self.block_tables.items()}}
+        memory = {f"engram/{layer}": rows for layer, rows in (self.engram_memory or {}).items()}
+        return {**flat, **{f"table/{pool}": table for pool, table in self.block_tables.items()}, **memory}
 
     def to(self, device: torch.device, extra: dict[str, torch.Tensor] | None = None
            ) -> tuple["StepBatch", dict[str, torch.Tensor]]:
         """This batch, and the `extra` host tensors, on `device` in one copy (`deepinfer.transfer`)."""
         extra = extra or {}
         moved = upload({**self.tensors(), **{f"extra/{name}": tensor for name, tensor in extra.items()}}, device)
-        own = {f.name: moved.get(f.name) for f in fields(self) if f.name not in ("block_tables", "block_size")}
+        own = {f.name: moved.get(f.name) for f in fields(self)
+               if f.name not in ("block_tables", "block_size", "engram_memory")}
+        memory = None if self.engram_memory is None else {
+            layer: moved[f"engram/{layer}"] for layer in self.engram_memory}
         batch = StepBatch(**own, block_tables={pool: moved[f"table/{pool}"] for pool in self.block_tables},
-                          block_size=self.block_size)
+                          block_size=self.block_size, engram_memory=memory)
         return batch, {name: moved[f"extra/{name}"] for name in extra}
 
 

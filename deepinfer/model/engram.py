@@ -314,7 +314,12 @@ class Engram(nn.Module):
 
     def forward(self, streams: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
         """streams [T, hc_mult, hidden], row_ids [T, K] -> the streams with the memory added."""
-        key, value = self.wkv(self.embed(row_ids)).float().split(
+        return self.mix(streams, self.embed(row_ids))
+
+    def mix(self, streams: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        """`forward` from the table rows already read, memory [T, K * head_dim] (tables in host memory
+        are read by the runner)."""
+        key, value = self.wkv(memory).float().split(
             (self.hc_mult * self.hidden, self.hidden), dim=-1)
         key = key.unflatten(-1, (self.hc_mult, self.hidden))
         hidden = streams.float()

@@ -65,6 +65,11 @@ class Decoder(nn.Module):
     `engram_tokens` (`deepinfer.model.engram.EngramTokens`), which the runner turns into step inputs."""
 
     engram_tokens = None
+    engram_on_host = False  # V4.1 with its Engram tables in host memory: the runner reads them
+
+    def placement(self, name: str, device: torch.device | str) -> torch.device | str:
+        """Where the parameter `name` lives: `device`, unless the model keeps it elsewhere."""
+        return device
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -97,11 +102,12 @@ class Decoder(nn.Module):
             else:
                 value = tensors.pop(name)
             module = self.get_submodule(prefix) if prefix else self
+            target = self.placement(name, device)
             if isinstance(value, QuantizedWeight):  # kept as stored: no parameter, the kernels decode it
                 del module._parameters[attr]
-                object.__setattr__(module, attr, value.to(device))
+                object.__setattr__(module, attr, value.to(target))
                 continue
-            value = value.to(device=device, dtype=current.dtype)
+            value = value.to(device=target, dtype=current.dtype)
             if attr in getattr(module, "MATMUL_WEIGHTS", ()):
                 value = self.ops.matmul_layout(value)
             if is_param:

@@ -48,13 +48,13 @@ class Block41(nn.Module):
     def forward(
         self, streams: torch.Tensor, pre: torch.Tensor, input_ids: torch.Tensor, addresses: CacheAddresses,
         cache: dict[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor], compress_rope: RotaryTable,
-        positions: torch.Tensor, selection: Selection | None, engram_rows: torch.Tensor | None,
+        positions: torch.Tensor, selection: Selection | None, engram_memory: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, Selection | None]:
         """Streams in and out [T, n, hidden]; `pre` [T, n] carried in from the previous site and out
-        from this block's FFN site; the selection carried to the next layers; `engram_rows` this
-        layer's memory rows per token (Engram layers: the memory joins every stream first)."""
+        from this block's FFN site; the selection carried to the next layers; `engram_memory` the
+        table rows this layer's tokens read (Engram layers: the memory joins every stream first)."""
         if self.role.engram:
-            streams = self.engram(streams, engram_rows)
+            streams = self.engram.mix(streams, engram_memory)
         attn_pre, post, comb = self.mix.coefficients(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
         out, selection = self.attn(self.attn_norm(collapse(self.ops, pre, streams)), addresses, cache, rope,
                                    compress_rope, positions, selection)
@@ -69,8 +69,9 @@ class DeepseekV41(Decoder):
     `cache_qdq` applies the release's cache formats (`CacheFormats`; on by default, as the reference)."""
 
     def __init__(self, config: V41Config, ops: Ops, dtype: torch.dtype = torch.float32, device="cpu",
-                 cache_qdq: bool = True) -> None:
+                 cache_qdq: bool = True, engram_on_host: bool = False) -> None:
         super().__init__()
+        self.engram_on_host = engram_on_host
         self.ops = ops
         self.config = config
         self.roles = config.roles
@@ -94,10 +95,24 @@ class DeepseekV41(Decoder):
             compressed, pad = engram_token_map(self.config, tokenizer)
             self.engram_tokens = EngramTokens(compressed, pad, self.config.engram_max_ngram_size - 1)
 
+    def placement(self, name: str, device: torch.device | str) -> torch.device | str:
+        return "cpu" if self.engram_on_host and name.endswith(".engram.embed.weight") else device
+
     def load_tensors(self, tensors: dict[str, torch.Tensor], device: torch.device | str) -> None:
         super().load_tensors(tensors, device)
+        self.host_engram_layouts = self.engram_layouts
         self.engram_layouts = {layer: tuple(t.to(device) for t in layout)
                                for layer, layout in self.engram_layouts.items()}
+
+    def engram_memory(self, batch: StepBatch) -> dict[int, torch.Tensor]:
+        """Per Engram layer, the table rows each token of the (host) `batch` reads, [T, K * head_dim],
+        read from tables in host memory; the forward takes them as `batch.engram_memory`. The rows
+        and their values are the ones the forward would read itself from tables on the device."""
+        memory = {}
+        for layer, layout in self.host_engram_layouts.items():
+            rows = engram_rows(batch.engram_ids, batch.query_start, batch.engram_lookback, *layout)
+            memory[layer] = self.layers[layer].engram.embed(rows)
+        return memory
 
     def pool_specs(self) -> list[PoolSpec]:
         """Every layer's window; per KV source an entries pool ([KV | index key] per group) and, when
@@ -129,16 +144,18 @@ class DeepseekV41(Decoder):
         if self.engram_layouts and batch.engram_ids is None:
             raise ValueError("this model has Engram layers: call use_tokenizer() before running it")
         for layer, block in enumerate(self.layers):
-            rows = None
-            if block.role.engram:
-                rows = engram_rows(batch.engram_ids, batch.query_start, batch.engram_lookback,
-                                   *self.engram_layouts[layer])
+            memory = None
+            if block.role.engram and batch.engram_memory is not None:
+                memory = batch.engram_memory[layer]
+            elif block.role.engram:
+                memory = block.engram.embed(engram_rows(batch.engram_ids, batch.query_start, batch.engram_lookback,
+                                                        *self.engram_layouts[layer]))
             role = block.role
             # a compressed layer reads its KV source's entries (and, being the source, writes them)
             cache = caches[layer] if role.kind == SWA else {**caches[role.kv_source], "window": caches[layer]["window"]}
             rope = ropes["main" if role.kind == SWA else "compress"]
             streams, pre, selection = block(streams, pre, batch.input_ids, addresses, cache, rope,
-                                            self.compress_rope, batch.positions, selection, rows)
+                                            self.compress_rope, batch.positions, selection, memory)
         if batch.sample_index is not None:
             streams, pre = streams[batch.sample_index], pre[batch.sample_index]
         return self.norm(collapse(self.ops, pre, streams))
