@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 
 import torch
@@ -77,21 +78,40 @@ def quantized_weights(config: V41Config, tensors: dict[str, torch.Tensor],
     return tensors
 
 
-def quantize(config: V41Config, tensors: dict[str, torch.Tensor]) -> tuple[V41Config, dict[str, torch.Tensor]]:
+def quantize(config: V41Config, tensors: Mapping[str, torch.Tensor]) -> tuple[V41Config, Mapping[str, torch.Tensor]]:
     """The release's quantized form of a plain checkpoint: its config with `QUANTIZATION` and the tensors
-    with each quantized weight encoded beside its scale (`dequantize` undoes it up to rounding)."""
+    with each quantized weight encoded beside its scale (`dequantize` undoes it up to rounding).
+
+    The tensors are a lazy mapping (`Quantized`): a weight is read from `tensors` and encoded when it or
+    its scale is looked up, so a writer streaming a lazy `tensors` never holds the whole model."""
     config = released_format(config)
-    tile = _tile(config)
-    out = {}
-    for name, tensor in tensors.items():
-        fmt = _format(name)
-        if fmt is None:
-            out[name] = tensor
-            continue
-        encoded = mxfp4_encode(tensor) if fmt == FP4 else fp8_block_encode(
-            tensor, (1, ROW_GROUP) if ".engram.embed." in name else tile)
-        out[name], out[scale_name(name)] = encoded
-    return config, out
+    return config, Quantized(tensors, _tile(config))
+
+
+class Quantized(Mapping[str, torch.Tensor]):
+    """`quantize`'s tensors: plain ones as they are, each quantized weight and its scale encoded on demand
+    (the last pair is kept, so a weight and its scale looked up one after the other encode once)."""
+
+    def __init__(self, plain: Mapping[str, torch.Tensor], tile: tuple[int, int]) -> None:
+        self._plain, self._tile = plain, tile
+        self._names = [out for name in plain for out in ((scale_name(name), name) if _format(name) else (name,))]
+        self._last: tuple[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        weight = name.removesuffix(".scale") + ".weight" if name.endswith(".scale") else name
+        if _format(weight) is None or weight not in self._plain:
+            return self._plain[name]
+        if self._last is None or self._last[0] != weight:
+            tensor = self._plain[weight]
+            self._last = weight, (mxfp4_encode(tensor) if _format(weight) == FP4 else fp8_block_encode(
+                tensor, (1, ROW_GROUP) if ".engram.embed." in weight else self._tile))
+        return self._last[1][1 if name.endswith(".scale") else 0]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def released_format(config: V41Config) -> V41Config:
