@@ -7,29 +7,19 @@ default (small shapes: it is slow), and compiled on the GPU with TRITON_INTERPRE
 
 from __future__ import annotations
 
-import os
+import pytest
+from triton_target import DEVICE, DTYPES, INTERPRETED, triton  # first: it picks the interpreter or the GPU
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_triton_kernels import _interpreter_patches  # noqa: F401  (bf16 dot, runtime-bound loops)
 
-import pytest  # noqa: E402
+import kernels
+from kernels import fast, invariant, triton_ops
+from kernels.quant import QuantizedWeight
 
-triton = pytest.importorskip("triton")
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from test_triton_kernels import _interpreter_patches  # noqa: E402, F401  (bf16 dot, runtime-bound loops)
-
-import kernels  # noqa: E402
-from kernels import fast, invariant, triton_ops  # noqa: E402
-from kernels.quant import QuantizedWeight  # noqa: E402
-
-INTERPRETED = os.environ["TRITON_INTERPRET"] == "1"
-if not INTERPRETED and not torch.cuda.is_available():
-    pytest.skip("compiled Triton kernels need CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
-DEVICE = "cpu" if INTERPRETED else "cuda"
-DTYPES = (torch.float32, torch.bfloat16)
 LAYOUTS = {"fp8 32x32": ("fp8", (32, 32)), "fp8 128x128": ("fp8", (128, 128)), "fp8 1x32": ("fp8", (1, 32)),
            "mxfp4": ("mxfp4", (1, 32))}
 E8M0 = torch.float8_e8m0fnu

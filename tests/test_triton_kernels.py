@@ -8,25 +8,16 @@ TRITON_INTERPRET=0 on a CUDA machine the same tests run the compiled kernels on 
 from __future__ import annotations
 
 import inspect
-import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+from triton_target import DEVICE, DTYPES, INTERPRETED, triton  # first: it picks the interpreter or the GPU
 
-import pytest  # noqa: E402
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-triton = pytest.importorskip("triton")
+from kernels import invariant, triton_ops
 
-import torch  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from kernels import invariant, triton_ops  # noqa: E402
-
-INTERPRETED = os.environ["TRITON_INTERPRET"] == "1"
-if not INTERPRETED and not torch.cuda.is_available():
-    pytest.skip("compiled Triton kernels need CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
-DEVICE = "cpu" if INTERPRETED else "cuda"
-DTYPES = (torch.float32, torch.bfloat16)
 ROWS = (1, 3, 17, 40)
 FEW = settings(max_examples=10, deadline=None)
 
