@@ -29,7 +29,7 @@ from audit.certificate import (CERTIFICATE, build_certificate, load_certificate,
                                write_certificate)
 from audit.files import atomic_write, json_bytes
 from audit.store import read_run
-from deepinfer.checkpoint import content_hash, default_checkpoint
+from deepinfer.checkpoint import DEFAULT_PRESET, content_hash, default_checkpoint
 from deepinfer.engine.llm import PRESET_PREFIX
 from deepinfer.errors import DeepInferError
 from harness.record import record_run
@@ -135,6 +135,9 @@ def rerun_reference(certificate_path: Path, model: str | Path | None = None, sui
     # the max_model_len the reference ran with, not a default this machine might resolve differently
     recorded = reference_run(file).manifest["engine"]["max_model_len"]
     reference = reference.derive(reference.name, max_model_len=recorded)
+    mismatch = _checkpoint_mismatch(checkpoint_path, certificate["checkpoint"]["content_hash"])
+    if mismatch is not None:
+        return [mismatch]
     with tempfile.TemporaryDirectory(prefix="deepinfer-rerun-") as scratch:
         run_dir = Path(scratch) / "run"
         root = record_run(checkpoint_path, loaded, reference, run_dir, run_seed=rerun["run_seed"], progress=progress)
@@ -147,6 +150,22 @@ def rerun_reference(certificate_path: Path, model: str | Path | None = None, sui
         if root[key] != certified[key]:
             problems.append(f"re-run {key} {root[key][:12]}… differs from the certified {certified[key][:12]}…")
     return problems
+
+
+def _checkpoint_mismatch(model: str | Path | None, certified: str) -> str | None:
+    """Why the checkpoint a re-run would load is not the certified one (None when it is, or when only
+    running can tell: a preset's weights are generated). Checked before running, so a wrong checkpoint
+    costs a hash, not a run; a certificate made with an earlier version's embedded default needs --model."""
+    if model is not None and str(model).startswith(PRESET_PREFIX):
+        return None
+    found = content_hash(default_checkpoint() if model is None else model)
+    if found == certified:
+        return None
+    problem = f"the checkpoint's content hash {found[:12]}… differs from the certified {certified[:12]}…"
+    if model is None:
+        problem += (f": the certificate was made with the embedded default checkpoint, which is now "
+                    f"{DEFAULT_PRESET}; pass --model DIR with the checkpoint it was made with")
+    return problem
 
 
 def _candidates(recorded: str, relative: str | None, base: Path) -> list[Path]:

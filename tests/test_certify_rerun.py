@@ -145,6 +145,33 @@ def test_an_older_certificate_reruns_with_paths_as_typed(capsys, moved, tmp_path
                       "pass --model DIR to point at it")
 
 
+def test_another_checkpoint_fails_before_running_and_an_old_default_names_the_way_out(
+        capsys, moved, tmp_path, monkeypatch, v41_checkpoint):
+    """The checkpoint is hashed before the re-run: a wrong one costs no run. A certificate of the embedded
+    default made by an earlier version (whose default was another checkpoint) says to pass --model."""
+    import harness.certify
+    from deepinfer.checkpoint import DEFAULT_PRESET, content_hash, default_checkpoint
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("re-ran with the wrong checkpoint")
+
+    monkeypatch.setattr(harness.certify, "record_run", no_run)
+    certified = json.loads(moved.cert.read_text())["checkpoint"]["content_hash"]
+    wrong = f"FAIL: the checkpoint's content hash {content_hash(v41_checkpoint)[:12]}… differs from the certified {certified[:12]}…"
+    code, out, err = audit(capsys, "verify", moved.cert, "--rerun", "--no-progress", "--model", v41_checkpoint)
+    assert (code, out, err) == (1, "", wrong + "\n")
+    shutil.copytree(moved.cert.parent, tmp_path / "c")
+    cert = tmp_path / "c" / "certificate.json"
+    body = json.loads(cert.read_text())
+    rerun = {**body["rerun"], "model": None, "from_certificate": {**body["rerun"]["from_certificate"], "model": None}}
+    write_certificate(cert, seal({**body, "rerun": {**rerun, "suite": f"native:{moved.suite}"}}))
+    code, out, err = audit(capsys, "verify", cert, "--rerun", "--no-progress")
+    assert (code, out) == (1, "")
+    assert err == (f"FAIL: the checkpoint's content hash {content_hash(default_checkpoint())[:12]}… differs from the "
+                   f"certified {certified[:12]}…: the certificate was made with the embedded default checkpoint, "
+                   f"which is now {DEFAULT_PRESET}; pass --model DIR with the checkpoint it was made with\n")
+
+
 # --- certify() and the report ----------------------------------------------------------------------------
 
 
