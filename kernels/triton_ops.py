@@ -3,17 +3,24 @@ batch-invariant implementations of `kernels/invariant.py`, whose signatures thes
 
 Why a row's bits cannot depend on the batch, kernel by kernel:
 
-- every reduction runs inside one program, over blocks of a fixed compile-time size, in a fixed
-  order; nothing is split across programs (no split-K, no atomics), so which programs exist,
-  and how many, never enters a row's arithmetic;
-- the compiled code never depends on the batch size: tile and block sizes are module constants
-  or derived from a row's own length (the head dimension); the row-wise kernels never see the row
-  count (it only sizes the grid), and the matmul's M is marked `do_not_specialize`, so Triton
-  compiles one kernel for M = 1 and M = 10_000 alike;
+- every reduction but the split matmul's runs inside one program, over blocks of a fixed
+  compile-time size, in a fixed order; no atomics, and which programs exist, and how many, never
+  enters a row's arithmetic;
+- the row-wise kernels never see the row count (it only sizes the grid), and the matmul's M is
+  marked `do_not_specialize`, so Triton compiles one kernel for M = 1 and M = 10_000 alike;
 - `_matmul_kernel` computes output tile (m, n) from row tile m of x and column tile n of the
-  weight with `tl.dot` over BLOCK_K slices in increasing k. An output element depends only on its
-  own row and column (the other rows of the tile are separate dot products in the same MMA), and
-  the order of the k reduction is fixed by BLOCK_K and the dtype, never by M;
+  weight with `tl.dot` over BLOCK_K slices in increasing k, each dot adding its slice into the
+  accumulator in k order (16-wide steps of the matrix instructions in bf16, one k at a time in
+  fp32 FMA). So an output element is a fold over k in increasing order that depends on its own
+  row and column only: the tile shape (`matmul_tiles`, chosen from the row count for speed), the
+  warps, the pipeline depth and the instruction family (wgmma or mma) leave its bits unchanged
+  (on the H200 BLOCK_K does not matter either, but the interpreter's dot does depend on it, so it
+  is one constant). That is a property of the compiled code, not a promise of Triton's, so the
+  CUDA tests check every tile shape `matmul_tiles` can pick bit for bit against one another;
+- a weight with few columns and a long K (the hyper-connection projections: N = 24, K = 16384)
+  would leave the chip idle in one program per column tile, so its K is split into chunks of
+  K_CHUNK (`k_splits`, from N and K only, never from M): each chunk's partial product is a
+  separate fp32 fold, and `_sum_splits_kernel` adds the partials in chunk order;
 - the norms and softmaxes run one program per row, accumulating BLOCK-wide vectors elementwise
   across the row and reducing the vector once at the end, so the summation tree depends only on
   the row length;
@@ -40,6 +47,8 @@ approximate, versions: deterministic per element, so invariance is unaffected.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -47,9 +56,8 @@ import triton.language as tl
 from kernels import fast, invariant
 from kernels.quant import QuantizedWeight
 
-BLOCK_M = 64
-BLOCK_N = 64
-BLOCK_K = 32
+BLOCK_K = 64  # K slice of the matmuls' dots: one for every tile shape (the interpreter's bits depend on it)
+K_CHUNK = 512  # K slice of a split matmul's programs (a multiple of BLOCK_K and of every TILE_K)
 ROW_BLOCK = 1024  # vector width of the row-wise kernels (norms, softmax)
 KV_BLOCK = 64
 
@@ -132,22 +140,72 @@ def _tile_dot(x_rows, w_rows, s_rows, row_ok, col_ok, K, BLOCK_M: tl.constexpr, 
 def _matmul_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FORMAT: tl.constexpr, TILE_N: tl.constexpr, TILE_K: tl.constexpr,
+    FORMAT: tl.constexpr, TILE_N: tl.constexpr, TILE_K: tl.constexpr, SPLITS: tl.constexpr, K_CHUNK: tl.constexpr,
 ):
-    """out[m, g, :] = x[m, g, :] @ w[g].T for row tile program_id(0), column tile 1, group 2.
+    """out[m, g, :] = x[m, g, :] @ w[g].T for row tile program_id(0), column tile 1, and group (and,
+    with SPLITS > 1, K chunk) 2.
 
     x: [M, G, K] with row stride stride_xm; w: [G * N, K] contiguous (its bytes and scales s for a
-    quantized FORMAT, see `_b_operands`); out: [M, G, N] with row stride stride_om.
+    quantized FORMAT, see `_b_operands`); out: [M, G, N] with row stride stride_om, or with SPLITS > 1
+    the fp32 partials [SPLITS, M, G, N] of K chunks of K_CHUNK, chunk program_id(2) % SPLITS.
     """
-    group = tl.program_id(2)
+    group = tl.program_id(2) // SPLITS
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + group * K
     w_rows, s_rows = _weight_rows(w_ptr, s_ptr, 0, (group * N + cols).to(tl.int64), N, K, FORMAT, TILE_N, TILE_K)
-    acc = _tile_dot(x_rows, w_rows, s_rows, row_ok, col_ok, K, BLOCK_M, BLOCK_N, BLOCK_K, FORMAT, TILE_K)
     out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + group * N + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    if SPLITS == 1:
+        acc = _tile_dot(x_rows, w_rows, s_rows, row_ok, col_ok, K, BLOCK_M, BLOCK_N, BLOCK_K, FORMAT, TILE_K)
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    else:
+        split = tl.program_id(2) % SPLITS
+        first = split * K_CHUNK
+        w_first = first // 2 if FORMAT == "mxfp4" else first
+        acc = _tile_dot(x_rows + first, w_rows + w_first, s_rows + first // TILE_K, row_ok, col_ok,
+                        tl.minimum(K - first, K_CHUNK), BLOCK_M, BLOCK_N, BLOCK_K, FORMAT, TILE_K)
+        out += split.to(tl.int64) * M * stride_om
+        tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, total, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[i] = part[0, i] + part[1, i] + ... + part[SPLITS - 1, i], added in that order, cast to out."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offsets < total
+    acc = tl.load(part_ptr + offsets, mask=ok, other=0.0)
+    for split in range(1, SPLITS):
+        acc += tl.load(part_ptr + split * total + offsets, mask=ok, other=0.0)
+    tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """How the matmul kernels are launched: output tile shape, warps and pipeline depth. Speed only:
+    the bits of every output element are the same under every `Tiles` (module docstring)."""
+
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+
+
+def matmul_tiles(rows: int, width: int, dtype: torch.dtype) -> Tiles:
+    """The launch shape for `rows` x [width, K] products (measured on the H200,
+    benchmarks/results/gemm_tiles_h200.json): up to 64 rows the weight is streamed by as many programs
+    as keep the chip busy (narrow column tiles, long K slices); larger products get larger tiles."""
+    if rows <= 64:
+        return Tiles(64, 64 if width >= 16384 else 32 if width >= 8192 else 16, 4, 4)
+    if rows <= 512 or dtype == torch.float32:
+        return Tiles(64, 64, 4, 3)
+    return Tiles(128, 256 if width >= 65536 else 128, 8, 3)
+
+
+def k_splits(width: int, depth: int) -> int:
+    """How many K chunks of K_CHUNK a product with `width` output columns and K = `depth` is split into:
+    from the weight's shape alone, so a row's bits never depend on the batch."""
+    return triton.cdiv(depth, K_CHUNK) if width <= 256 and depth >= 4 * K_CHUNK else 1
 
 
 def _b_operands(weight: torch.Tensor | QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -169,11 +227,17 @@ def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, gro
     if out.numel() == 0:
         return out
     w, s, layout = _b_operands(weight)
-    grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(width, BLOCK_N), groups)
+    tiles, splits = matmul_tiles(rows, width, weight.dtype), k_splits(width, depth)
+    target = out if splits == 1 else torch.empty(splits, rows, groups, width, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(rows, tiles.block_m), triton.cdiv(width, tiles.block_n), groups * splits)
     _matmul_kernel[grid](
-        x, w, s, out, rows, width, depth, groups * depth, groups * width,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, **layout,
+        x, w, s, target, rows, width, depth, groups * depth, groups * width,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=BLOCK_K, SPLITS=splits, K_CHUNK=K_CHUNK,
+        **layout, num_warps=tiles.warps, num_stages=tiles.stages,
     )
+    if splits > 1:
+        _sum_splits_kernel[(triton.cdiv(out.numel(), ROW_BLOCK),)](target, out, out.numel(), SPLITS=splits,
+                                                                   BLOCK=ROW_BLOCK)
     return out
 
 
@@ -219,10 +283,11 @@ def expert_matmul(
     if out.numel() == 0:
         return out
     w, s, layout = _b_operands(weight)
-    grid = (triton.cdiv(width, BLOCK_N), experts)
-    _expert_matmul_kernel[grid](
+    tiles = matmul_tiles(rows.shape[0], width, weight.dtype)
+    _expert_matmul_kernel[(triton.cdiv(width, tiles.block_n), experts)](
         x, rows, offsets, w, s, out, width, depth, x.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, **layout,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=BLOCK_K, **layout,
+        num_warps=tiles.warps, num_stages=tiles.stages,
     )
     return out
 

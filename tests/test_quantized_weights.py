@@ -131,6 +131,18 @@ def test_triton_grouped_linear_takes_a_quantized_weight() -> None:
     _assert_same_bits(triton_ops.grouped_linear(x, weight, 2), triton_ops.grouped_linear(x, weight.decode(), 2))
 
 
+@pytest.mark.parametrize("layout", ["fp8 1x32", "fp8 128x128", "mxfp4"])
+def test_triton_split_linear_decodes_each_chunk_where_it_starts(layout: str) -> None:
+    """A few columns over a long K run as K chunks (`triton_ops.k_splits`): each chunk reads its bytes,
+    nibbles and scales from its own first column on, so the product keeps the decoded weight's bits."""
+    fmt, tile = LAYOUTS[layout]
+    depth = triton_ops.K_CHUNK * 4 + 64
+    assert triton_ops.k_splits(24, depth) > 1
+    weight = _quantized(fmt, tile, (24, depth), torch.float32, seed=12, extreme=False)
+    x = _randn(3, depth, seed=13)
+    _assert_same_bits(triton_ops.linear(x, weight), triton_ops.linear(x, weight.decode()))
+
+
 # Triton experts -----------------------------------------------------------------------------------------
 
 EXPERTS, TOP_K, HIDDEN, INTER = 4, 2, 64, 48

@@ -128,6 +128,55 @@ def test_grouped_linear_row_does_not_depend_on_batch(batch: tuple[int, int], dty
     _assert_same_bits(triton_ops.grouped_linear(x, weight, 2)[at:at + 1], alone)
 
 
+SKINNY_K = triton_ops.K_CHUNK * 4 + 37  # long enough to be split, with a ragged last chunk
+
+
+def test_a_skinny_long_weight_is_split_by_its_shape_alone() -> None:
+    assert triton_ops.k_splits(24, SKINNY_K) == 5 and triton_ops.k_splits(24, 2047) == 1
+    assert triton_ops.k_splits(257, SKINNY_K) == 1
+
+
+@FEW
+@given(batch=batch_rows, dtype=dtypes, seed=seeds)
+def test_split_linear_matches_reference_and_rows_do_not_depend_on_batch(
+        batch: tuple[int, int], dtype: torch.dtype, seed: int) -> None:
+    """The hyper-connection projections' shape (few columns, long K): the K chunks' partial sums are added
+    in chunk order, so a row's bits are the same alone and in any batch (across tile shapes too)."""
+    rows, at = batch
+    x, weight = _randn(rows, SKINNY_K, seed=seed), _randn(24, SKINNY_K, seed=seed + 1, dtype=dtype)
+    out = triton_ops.linear(x, weight)
+    _assert_close(out, invariant.linear(x, weight), scale=SKINNY_K**0.5)
+    _assert_same_bits(out[at:at + 1], triton_ops.linear(x[at:at + 1], weight))
+
+
+def _all_tiles() -> list[triton_ops.Tiles]:
+    """Every launch shape `matmul_tiles` can pick."""
+    picks = {triton_ops.matmul_tiles(rows, width, dtype) for rows in (1, 64, 65, 512, 513)
+             for width in (100, 8192, 16384, 65536) for dtype in DTYPES}
+    return sorted(picks, key=lambda tiles: tuple(vars(tiles).values()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_launch_shape_gives_the_same_bits(monkeypatch, dtype: torch.dtype) -> None:
+    """The launch shape is chosen from the row count for speed; the bits of a product must not depend on it
+    (plain, grouped, split and per-expert products)."""
+    x, weight = _randn(70, 96, seed=7, dtype=dtype), _randn(80, 96, seed=8, dtype=dtype)
+    skinny_x, skinny = _randn(5, SKINNY_K, seed=9), _randn(24, SKINNY_K, seed=10, dtype=dtype)
+    experts = _randn(3, 40, 96, seed=11, dtype=dtype)
+    order = torch.tensor([5, 0, 69, 3, 4, 1, 2], device=DEVICE)
+    offsets = torch.tensor([0, 3, 3, 7], device=DEVICE)
+
+    def products() -> list[torch.Tensor]:
+        return [triton_ops.linear(x, weight), triton_ops.grouped_linear(x.view(70, 2, 48), weight.view(160, 48), 2),
+                triton_ops.linear(skinny_x, skinny), triton_ops.expert_matmul(x, order, offsets, experts)]
+
+    reference = products()
+    for tiles in _all_tiles():
+        monkeypatch.setattr(triton_ops, "matmul_tiles", lambda *args, tiles=tiles: tiles)
+        for out, expected in zip(products(), reference):
+            _assert_same_bits(out, expected)
+
+
 # rms_norm / unweighted_rms_norm -----------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
