@@ -27,17 +27,23 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from deepinfer import LLM, SamplingParams
+from deepinfer import LLM, NUMERICS, EngineConfig, SamplingParams
 from deepinfer.engine.graph import StepGraph
 
 PROMPT_TOKENS = 64
+TOP_KERNELS = 15  # the kernels of one profiled step reported by total GPU time
 # What each synchronising call warns (the mode's one-time "prototype feature" notice is not one).
 SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
-def decoding_engine(preset: str, dtype: str, batch: int, new_tokens: int) -> LLM:
-    llm = LLM(f"preset:{preset}", device="cuda", dtype=dtype, max_num_seqs=max(batch, 1), max_model_len=1024,
-              max_num_batched_tokens=max(512, batch * PROMPT_TOKENS))
+def engine_config(dtype: str, numerics: str, batch: int) -> EngineConfig:
+    return EngineConfig(device="cuda", dtype=dtype, numerics=numerics, max_num_seqs=max(batch, 1), max_model_len=1024,
+                        max_num_batched_tokens=max(512, batch * PROMPT_TOKENS))
+
+
+def decoding_engine(model: LLM, batch: int, new_tokens: int) -> LLM:
+    """An engine over `model`'s weights with `batch` requests, stepped until every one is decoding."""
+    llm = model.with_engine(engine_config(model.engine_config.dtype, model.numerics, batch))
     gen = torch.Generator().manual_seed(batch)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     for _ in range(batch):
@@ -63,6 +69,7 @@ def profiled_step(llm: LLM) -> dict:
         llm.step()
         torch.cuda.synchronize()
     kernels = memcpy = memset = launches = 0
+    kernel_us: dict[str, list[float]] = {}
     for event in prof.events():
         name = event.name
         if event.device_type == torch.autograd.DeviceType.CUDA:
@@ -72,9 +79,13 @@ def profiled_step(llm: LLM) -> dict:
                 memset += 1
             else:
                 kernels += 1
+                kernel_us.setdefault(name, []).append(event.time_range.elapsed_us())
         elif name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx"):
             launches += 1
-    return {"gpu_kernels": kernels, "gpu_memcpy": memcpy, "gpu_memset": memset, "host_launch_calls": launches}
+    by_time = sorted(kernel_us.items(), key=lambda item: -sum(item[1]))
+    top = [{"kernel": name[:120], "calls": len(us), "total_us": round(sum(us), 1)} for name, us in by_time[:TOP_KERNELS]]
+    return {"gpu_kernels": kernels, "gpu_memcpy": memcpy, "gpu_memset": memset, "host_launch_calls": launches,
+            "gpu_kernel_ms": round(sum(map(sum, kernel_us.values())) / 1e3, 3), "top_kernels": top}
 
 
 def synced_step(llm: LLM) -> list[str]:
@@ -118,25 +129,33 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--label", default="")
+    parser.add_argument("--numerics", nargs="+", default=["batch_invariant"], choices=NUMERICS)
     args = parser.parse_args()
     command = [arg if arg != args.out else Path(args.out).name for arg in sys.argv]
     report = {"command": " ".join(["python"] + command), "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "preset": args.preset, "dtype": args.dtype, "label": args.label,
               "prompt_tokens": PROMPT_TOKENS, "runs": []}
-    for batch in args.batches:
-        llm = decoding_engine(args.preset, args.dtype, batch, new_tokens=args.steps + 8)
-        timed_steps(llm, 2)  # warm-up (autotuning, allocator)
-        times = timed_steps(llm, args.steps)
-        run = {"batch": batch, "step_ms_median": round(1e3 * statistics.median(times), 3),
-               "step_ms_min": round(1e3 * min(times), 3), **profiled_step(llm)}
-        sites = synced_step(llm)
-        run.update(host_syncs=len(sites), host_sync_sites=sites, **forward_times(llm, args.steps))
-        report["runs"].append(run)
-        print(json.dumps(run), flush=True)
-        del llm
+    for numerics in args.numerics:
+        model = LLM(f"preset:{args.preset}", engine_config(args.dtype, numerics, 1))  # built once per mode
+        for batch in args.batches:
+            llm = decoding_engine(model, batch, new_tokens=args.steps + 8)
+            timed_steps(llm, 2)  # warm-up (autotuning, allocator)
+            times = timed_steps(llm, args.steps)
+            run = {"numerics": numerics, "batch": batch, "step_ms_median": round(1e3 * statistics.median(times), 3),
+                   "step_ms_min": round(1e3 * min(times), 3), **profiled_step(llm)}
+            sites = synced_step(llm)
+            run.update(host_syncs=len(sites), host_sync_sites=sites)
+            if numerics == "batch_invariant":  # fast mode's MoE reads expert counts on the host: not capturable
+                run.update(forward_times(llm, args.steps))
+            report["runs"].append(run)
+            Path(args.out).write_text(json.dumps(report, indent=2))  # after every run: a later failure keeps it
+            print(json.dumps({key: value for key, value in run.items() if key != "top_kernels"}), flush=True)
+            for kernel in run["top_kernels"][:8]:
+                print("   ", kernel, flush=True)
+            del llm
+            torch.cuda.empty_cache()
+        del model
         torch.cuda.empty_cache()
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 
     python benchmarks/gpu_invariance.py --preset small --dtype bfloat16 --out results.json
 
-Runs the standard request set under every standard variant in `batch_invariant` and `fast`
-modes, reports which requests diverge from the all-at-once reference, and the wall time of the
-all-at-once variant in each mode.
+Runs the standard request set under every standard variant, and one with CUDA graphs off (the
+others replay decode steps from graphs, in whichever step-shape bucket their batches land), in
+`batch_invariant` and `fast` modes; reports which requests diverge from the all-at-once reference,
+and the wall time of the all-at-once variant in each mode.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import torch
 from deepinfer import LLM, NUMERICS
 from deepinfer.checkpoint import preset_config
 from harness.invariance import STANDARD_VARIANTS, matrix_variant, run_matrix, run_variant, standard_requests
+from harness.sweep import Variant
+
+VARIANTS = STANDARD_VARIANTS + (Variant.of("graphs-off", cuda_graphs=False),)
 
 
 def timed_reference(llm: LLM, requests, dtype: str, numerics: str) -> float:
@@ -51,7 +55,7 @@ def main() -> None:
         llm = LLM(model, reference.engine)  # loaded once: every variant is an engine over it (LLM.with_engine)
         load_seconds = time.perf_counter() - start
         print(numerics, f"loaded in {load_seconds:.1f}s, {torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
-        result = run_matrix(llm, requests, STANDARD_VARIANTS, dtype=args.dtype, numerics=numerics, device="cuda")
+        result = run_matrix(llm, requests, VARIANTS, dtype=args.dtype, numerics=numerics, device="cuda")
         seconds = timed_reference(llm, requests, args.dtype, numerics)
         storage = llm.engine_config.weight_storage
         del llm

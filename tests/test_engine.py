@@ -82,6 +82,9 @@ def test_bad_engine_arguments(tiny_checkpoint):
         LLM(tiny_checkpoint, max_model_len=0)
     with raises(DeepInferError, "max_model_len=5000 exceeds the model's max_position_embeddings=4096"):
         LLM(tiny_checkpoint, max_model_len=5000)
+    with raises(DeepInferError, "cuda_graphs must be true or false, got 'yes'"):
+        LLM(tiny_checkpoint, cuda_graphs="yes")
+    assert LLM(tiny_checkpoint, max_num_seqs=2).runner.graphs is None  # CPU steps run eagerly
 
 
 def test_an_engine_over_a_loaded_model_serves_like_a_fresh_one(tiny_checkpoint):

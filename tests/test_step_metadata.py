@@ -180,6 +180,38 @@ def test_a_captured_decode_step_replays_other_steps_of_its_bucket():
         assert all(torch.equal(replayed[name], wrote[name]) for name in storage), f"step {step}"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("preset", ["tiny", "v41-tiny"])
+def test_engine_graphs_serve_the_bits_of_eager_steps(preset):
+    """`EngineConfig.cuda_graphs`: decode steps replayed from graphs captured per step shape give the tokens
+    and logprobs of eager steps, while requests arrive and finish (batch buckets 1 to 4, growing tables)."""
+    from dataclasses import replace
+
+    from deepinfer import EngineConfig
+
+    config = EngineConfig(device="cuda", dtype="bfloat16", max_model_len=256, max_num_batched_tokens=24)
+    eager = LLM(f"preset:{preset}", replace(config, cuda_graphs=False))
+    graphed = eager.with_engine(config)
+    assert eager.runner.graphs is None and graphed.runner.graphs == {}
+    prompts = [[2 + i for i in range(n)] for n in (10, 37, 5, 21)]
+    lengths = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (40, 12, 60, 25)]
+
+    def run(llm: LLM) -> list:
+        for prompt, params in zip(prompts[:2], lengths[:2]):
+            llm.add_request(prompt, params)
+        for _ in range(8):
+            llm.step()
+        for prompt, params in zip(prompts[2:], lengths[2:]):
+            llm.add_request(prompt, params)
+        outputs = []
+        while llm.has_unfinished():
+            outputs += llm.step()
+        return sorted((o.request_id, o.token_ids, o.logprobs, o.top_logprobs) for o in outputs)
+
+    assert run(graphed) == run(eager)
+    assert len(graphed.runner.graphs) >= 4  # several shapes were captured and replayed
+
+
 @given(seed=st.integers(0, 2**31), sizes=st.lists(st.integers(0, 40), min_size=1, max_size=5))
 def test_packed_step_tensors_travel_bit_for_bit(seed, sizes):
     """The one-copy transfer packs every dtype a step sends (Engram memory in bf16 included) through

@@ -51,6 +51,9 @@ class EngineConfig:
     engram_tables: str = _setting("device", "V4.1: where the Engram tables live: on the device, or in host memory, "
                                   "where the runner reads each step's rows (Flash's are 183 GiB); the same rows "
                                   "either way", choices=ENGRAM_TABLES)
+    cuda_graphs: bool = _setting(True, "CUDA with batch_invariant numerics: replay decode steps from CUDA graphs "
+                                       "captured once per step shape (the same bits as running them eagerly); "
+                                       "CPU and fast numerics run every step eagerly")
     seed: int = _setting(0, "seed from which unseeded requests derive theirs")
     unseeded_seeds: str = _setting("request_order", "how unseeded requests get a seed: request_order (the engine's "
                                    "request counter) or content (a hash of the request)", choices=UNSEEDED_SEEDS)
@@ -63,7 +66,7 @@ class EngineConfig:
                 _check_positive(name, getattr(self, name))
         if self.seed is None or isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise DeepInferError(f"seed must be an integer, got {self.seed!r}")
-        for name in ("enable_chunked_prefill", "cache_qdq"):
+        for name in ("enable_chunked_prefill", "cache_qdq", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise DeepInferError(f"{name} must be true or false, got {getattr(self, name)!r}")
         _check_choice("numerics", self.numerics, NUMERICS)
@@ -140,8 +143,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     """One flag per `EngineConfig` field not in `skip`: `--max-num-seqs` and so on, `--run-seed` for
-    `seed`, `--no-chunked-prefill` for `enable_chunked_prefill`, `--no-cache-qdq` for `cache_qdq`;
-    defaults are the fields' defaults."""
+    `seed`, `--no-chunked-prefill` for `enable_chunked_prefill`, `--no-cache-qdq` for `cache_qdq`,
+    `--no-cuda-graphs` for `cuda_graphs`; defaults are the fields' defaults."""
     for f in fields(EngineConfig):
         if f.name in skip:
             continue
@@ -152,6 +155,9 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
         elif f.name == "cache_qdq":
             parser.add_argument("--no-cache-qdq", dest=f.name, action="store_false", default=f.default,
                                 help="V4.1: keep the caches in full precision instead of the release's formats")
+        elif f.name == "cuda_graphs":
+            parser.add_argument("--no-cuda-graphs", dest=f.name, action="store_false", default=f.default,
+                                help="CUDA: run every step eagerly instead of replaying decode steps from graphs")
         elif f.name == "seed":
             parser.add_argument("--run-seed", dest="run_seed", type=int, default=f.default, help=help_text)
         else:

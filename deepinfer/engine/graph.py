@@ -17,10 +17,13 @@ class StepGraph:
     """`model`'s forward over `caches` for steps shaped like `batch` (a device batch), as a CUDA graph.
 
     Capturing runs the forward once eagerly first (kernels compile and autotune outside the
-    capture); that run writes `batch`'s cache rows, as the step itself would.
+    capture); that run writes `batch`'s cache rows, as the step itself would. Graphs given the same
+    memory `pool` share their intermediate buffers: replay one at a time, and read each replay's
+    hidden states before the next.
     """
 
-    def __init__(self, model: DeepseekV4, caches: list[dict[str, torch.Tensor]], batch: StepBatch) -> None:
+    def __init__(self, model: DeepseekV4, caches: list[dict[str, torch.Tensor]], batch: StepBatch,
+                 pool: tuple | None = None) -> None:
         self.batch = batch
         self.shapes = batch.shapes()
         side = torch.cuda.Stream()
@@ -29,7 +32,7 @@ class StepGraph:
             model(batch, caches)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, pool=pool):
             self.hidden = model(batch, caches)
 
     def fits(self, batch: StepBatch) -> bool:

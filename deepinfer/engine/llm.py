@@ -153,7 +153,7 @@ class LLM:
             self.cache, self.output.stop, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, chunked_prefill=config.enable_chunked_prefill,
         )
-        self.runner = ModelRunner(self.model, self.cache, self.device)
+        self.runner = ModelRunner(self.model, self.cache, self.device, cuda_graphs=config.cuda_graphs)
         self._next_id = 0
 
     def _check_max_model_len(self, config: EngineConfig) -> None:

@@ -13,6 +13,7 @@ import torch
 
 from deepinfer.config import ModelConfig
 from deepinfer.engine.cache import CacheManager
+from deepinfer.engine.graph import StepGraph
 from deepinfer.engine.sampler import SamplingBatch, sample, top_logprobs
 from deepinfer.engine.scheduler import ScheduledChunk, SchedulerOutput, StepResult
 from deepinfer.model import NULL_BLOCK, DeepseekV4, StepBatch, bucket
@@ -69,12 +70,18 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV4, cache: CacheManager, device: torch.device | str) -> None:
+    def __init__(self, model: DeepseekV4, cache: CacheManager, device: torch.device | str,
+                 cuda_graphs: bool = False) -> None:
         self.model = model
         self.ops = model.ops
         self.config: ModelConfig = model.config
         self.cache = cache
         self.device = torch.device(device)
+        # decode steps replay graphs captured per step shape, sharing one memory pool (one replay at a
+        # time); fast numerics cannot be captured: its expert routing reads counts on the host
+        self.graphs: dict[tuple, StepGraph] | None = None
+        if cuda_graphs and self.device.type == "cuda" and self.ops.numerics == "batch_invariant":
+            self.graphs, self.graph_pool = {}, torch.cuda.graph_pool_handle()
 
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
         """Forward the scheduled chunks, sample each sampling chunk's next token and score the
@@ -84,7 +91,8 @@ class ModelRunner:
         rows.update(SamplingBatch.host_tensors([(c.seq.params, c.seq.seed, len(c.seq.token_ids)) for c in sampling]))
         batch, rows = host_batch.to(self.device, rows)  # the step's one upload
         params = SamplingBatch.from_tensors(rows)
-        hidden = self.model(batch, self.cache.layer_views)
+        decode = all(c.num_tokens == 1 and not c.scored for c in chunks)
+        hidden = self._forward(batch) if decode else self.model(batch, self.cache.layer_views)
         sampled_hidden = hidden[rows["sample_rows"]]
         logits = self.model.logits(sampled_hidden)
         logprobs = self.ops.log_softmax(logits)
@@ -107,6 +115,16 @@ class ModelRunner:
             kp = max(max(c.seq.params.logprobs or 0, 1) for c in scoring)
             out.prompt_top_ids, out.prompt_top_logprobs = top_logprobs(prompt, kp)
         return out
+
+    def _forward(self, batch: StepBatch) -> torch.Tensor:
+        """A decode step's forward: replayed from the graph of its shape (captured on first sight) when
+        graphs are on, else run eagerly. The hidden states are valid until the next forward."""
+        if self.graphs is None:
+            return self.model(batch, self.cache.layer_views)
+        key = tuple(sorted(batch.shapes().items()))
+        if key not in self.graphs:
+            self.graphs[key] = StepGraph(self.model, self.cache.layer_views, batch, self.graph_pool)
+        return self.graphs[key].replay(batch)
 
     def build_batch(self, chunks: list[ScheduledChunk]) -> tuple[StepBatch, dict[str, torch.Tensor]]:
         """The step's model input on the host, padded to its buckets (`deepinfer.model.batch`), and
