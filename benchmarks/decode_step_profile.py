@@ -36,18 +36,22 @@ TOP_KERNELS = 15  # the kernels of one profiled step reported by total GPU time
 SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
-def engine_config(dtype: str, numerics: str, batch: int) -> EngineConfig:
-    return EngineConfig(device="cuda", dtype=dtype, numerics=numerics, max_num_seqs=max(batch, 1), max_model_len=1024,
-                        max_num_batched_tokens=max(512, batch * PROMPT_TOKENS))
+def engine_config(dtype: str, numerics: str, batch: int, prompt_tokens: int = PROMPT_TOKENS, **settings) -> EngineConfig:
+    """An engine for `batch` prompts of `prompt_tokens` (prefilled in steps of at most 16384 tokens)."""
+    values = {"max_num_seqs": max(batch, 1), "max_model_len": max(1024, 2 * prompt_tokens),
+              "max_num_batched_tokens": min(16384, max(512, batch * prompt_tokens)), **settings}
+    return EngineConfig(device="cuda", dtype=dtype, numerics=numerics, **values)
 
 
-def decoding_engine(model: LLM, batch: int, new_tokens: int) -> LLM:
+def decoding_engine(model: LLM, batch: int, new_tokens: int, prompt_tokens: int = PROMPT_TOKENS,
+                    cuda_graphs: bool = True) -> LLM:
     """An engine over `model`'s weights with `batch` requests, stepped until every one is decoding."""
-    llm = model.with_engine(engine_config(model.engine_config.dtype, model.numerics, batch))
+    llm = model.with_engine(engine_config(model.engine_config.dtype, model.numerics, batch, prompt_tokens,
+                                          cuda_graphs=cuda_graphs))
     gen = torch.Generator().manual_seed(batch)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     for _ in range(batch):
-        llm.add_request(torch.randint(16, 4000, (PROMPT_TOKENS,), generator=gen).tolist(), params)
+        llm.add_request(torch.randint(16, 4000, (prompt_tokens,), generator=gen).tolist(), params)
     while any(len(seq.output_token_ids) == 0 for seq in llm.scheduler.running) or llm.scheduler.waiting:
         llm.step()
     return llm

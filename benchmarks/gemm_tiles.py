@@ -20,6 +20,7 @@ import torch
 import triton
 from torch.nn import functional as F
 
+from gpu_bench import timed_ms
 from kernels.triton_ops import _matmul_kernel, _sum_splits_kernel
 
 BASE = (64, 64, 32, 4, 3)  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages: the shipped kernel's
@@ -59,17 +60,6 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, float]:
         float((a32 - b32).abs().max())
 
 
-def bench(fn, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Median ms per call, rotating over the input copies (so no copy's weight stays in L2)."""
-    state = {"i": 0}
-
-    def call():
-        x, w = copies[state["i"] % len(copies)]
-        state["i"] += 1
-        fn(x, w)
-    return triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -105,12 +95,12 @@ def main() -> None:
                       for _ in range(n_copies)]
             flops, moved = 2 * m * n * k, weight_bytes + (m * k + m * n) * copies[0][0].element_size()
             row = {"shape": name, "M": m, "N": n, "K": k, "dtype": str(dtype).split(".")[-1]}
-            row["cublas_ms"] = bench(lambda x, w: F.linear(x, w), copies)
+            row["cublas_ms"] = timed_ms(lambda x, w: F.linear(x, w), copies)
             for config in CONFIGS:
-                row[f"triton{config}_ms"] = bench(lambda x, w, c=config: run_config(x, w, c), copies)
+                row[f"triton{config}_ms"] = timed_ms(lambda x, w, c=config: run_config(x, w, c), copies)
             if n < 256:
                 for split in (4, 16, 32):
-                    row[f"split{split}_ms"] = bench(lambda x, w, s=split: run_config(x, w, (64, 32, 64, 4, 4), s), copies)
+                    row[f"split{split}_ms"] = timed_ms(lambda x, w, s=split: run_config(x, w, (64, 32, 64, 4, 4), s), copies)
             best = min((v, key) for key, v in row.items() if key.endswith("_ms") and key != "cublas_ms")
             row.update(best=best[1], best_vs_cublas=round(row["cublas_ms"] / best[0], 3),
                        base_vs_cublas=round(row["cublas_ms"] / row[f"triton{BASE}_ms"], 3),
