@@ -132,34 +132,34 @@ class ModelRunner:
         scored position scores (`score_rows`, with the prompt token it scores in `score_targets`).
         The model returns, per chunk, its scored positions' rows, then its sampled row."""
         num_tokens = sum(chunk.num_tokens for chunk in chunks)
-        ids = torch.zeros(bucket(num_tokens), dtype=torch.long)
-        positions = torch.zeros(bucket(num_tokens), dtype=torch.long)
-        query_start = torch.full((bucket(len(chunks)) + 1,), num_tokens, dtype=torch.long)
+        ids, positions, query_start = [], [], []
         sample_index, sample_rows, score_rows, score_targets = [], [], [], []
-        offset = 0
-        for row, chunk in enumerate(chunks):
+        for chunk in chunks:  # Python lists, one tensor each at the end: a step has hundreds of chunks
             seq = chunk.seq
-            query_start[row] = offset
-            ids[offset:offset + chunk.num_tokens] = torch.tensor(seq.token_ids[chunk.start:chunk.end])
-            positions[offset:offset + chunk.num_tokens] = torch.arange(chunk.start, chunk.end)
+            query_start.append(len(ids))
             score_rows.extend(range(len(sample_index), len(sample_index) + len(chunk.scored)))
             score_targets.extend(seq.prompt_token_ids[chunk.scored.start + 1:chunk.scored.stop + 1])
-            sample_index.extend(offset + p - chunk.start for p in chunk.scored)
-            offset += chunk.num_tokens
+            sample_index.extend(len(ids) + p - chunk.start for p in chunk.scored)
+            ids.extend(seq.token_ids[chunk.start:chunk.end])
+            positions.extend(range(chunk.start, chunk.end))
             if chunk.samples:
                 sample_rows.append(len(sample_index))
-                sample_index.append(offset - 1)
-        padded_index = torch.zeros(bucket(len(sample_index)), dtype=torch.long)
-        padded_index[:len(sample_index)] = torch.tensor(sample_index, dtype=torch.long)
+                sample_index.append(len(ids) - 1)
+        seq_rows = bucket(len(chunks))
+        padding = [0] * (bucket(num_tokens) - num_tokens)
+        query_start += [num_tokens] * (seq_rows + 1 - len(chunks))
+        padded_index = sample_index + [0] * (bucket(len(sample_index)) - len(sample_index))
         batch = StepBatch(
-            input_ids=ids, positions=positions, query_start=query_start,
-            block_tables={pool: self._block_table(chunks, pool, len(query_start) - 1) for pool in self.cache.specs},
-            block_size=self.cache.block_size, sample_index=padded_index,
+            input_ids=torch.tensor(ids + padding, dtype=torch.long),
+            positions=torch.tensor(positions + padding, dtype=torch.long),
+            query_start=torch.tensor(query_start, dtype=torch.long),
+            block_tables={pool: self._block_table(chunks, pool, seq_rows) for pool in self.cache.specs},
+            block_size=self.cache.block_size, sample_index=torch.tensor(padded_index, dtype=torch.long),
         )
         engram = self.model.engram_tokens
         if engram is not None:
             histories = [chunk.seq.token_ids[:chunk.start] for chunk in chunks]
-            batch.engram_ids, batch.engram_lookback = engram.step_inputs(ids, histories, len(query_start) - 1)
+            batch.engram_ids, batch.engram_lookback = engram.step_inputs(batch.input_ids, histories, seq_rows)
             if self.model.engram_on_host:
                 batch.engram_memory = self.model.engram_memory(batch)
         rows = {name: torch.tensor(values, dtype=torch.long) for name, values in
@@ -171,7 +171,6 @@ class ModelRunner:
         """[rows, M] physical blocks of each chunk's sequence in `pool` (M: a bucket of the longest
         table), the null block where a sequence has none."""
         tables = [chunk.seq.blocks.table(pool) for chunk in chunks]
-        out = torch.full((rows, bucket(max(map(len, tables), default=1))), NULL_BLOCK, dtype=torch.long)
-        for row, table in enumerate(tables):
-            out[row, :len(table)] = torch.tensor(table, dtype=torch.long)
-        return out
+        width = bucket(max(map(len, tables), default=1))
+        padded = [table + [NULL_BLOCK] * (width - len(table)) for table in tables]
+        return torch.tensor(padded + [[NULL_BLOCK] * width] * (rows - len(tables)), dtype=torch.long)
