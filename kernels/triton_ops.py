@@ -243,11 +243,11 @@ def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, gro
 
 @triton.jit
 def _expert_matmul_kernel(
-    x_ptr, rows_ptr, offsets_ptr, w_ptr, s_ptr, out_ptr, N, K, stride_xm,
+    x_ptr, rows_ptr, offsets_ptr, experts_ptr, w_ptr, s_ptr, out_ptr, N, K, stride_xm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FORMAT: tl.constexpr, TILE_N: tl.constexpr, TILE_K: tl.constexpr,
 ):
-    """out[s, :] = x[rows[s], :] @ w[e].T for every slot s of expert e = program_id(1), column
+    """out[s, :] = x[rows[s], :] @ w[e].T for every slot s of expert e = experts[program_id(1)], column
     tile program_id(0). Expert e's slots are offsets[e] .. offsets[e + 1] (read on the device);
     the program walks them in row tiles, each computed by `_tile_dot` as `_matmul_kernel` computes its
     tiles, so a slot's bits are those of its row through `linear` with w[e].
@@ -255,7 +255,7 @@ def _expert_matmul_kernel(
     x: [*, K] with row stride stride_xm; rows: int64 [S]; offsets: int64 [E + 1]; w: [E, N, K]
     contiguous (bytes and scales s for a quantized FORMAT); out: [S, N] contiguous.
     """
-    expert = tl.program_id(1)
+    expert = tl.load(experts_ptr + tl.program_id(1))
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     w_rows, s_rows = _weight_rows(w_ptr, s_ptr, expert.to(tl.int64), cols.to(tl.int64), N, K, FORMAT, TILE_N, TILE_K)
@@ -271,21 +271,32 @@ def _expert_matmul_kernel(
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=slot_ok[:, None] & col_ok[None, :])
 
 
+def active_experts(offsets: torch.Tensor, slots: int) -> torch.Tensor:
+    """The experts with at least one of the `slots` slots first (ascending), then empty ones: the first
+    min(E, slots) of them cover every slot. A fixed-shape compaction on the device (no host read), so
+    the expert kernels launch one program column per expert that can have work, not per expert."""
+    empty = (offsets[1:] == offsets[:-1]).to(torch.int8)
+    return torch.sort(empty, stable=True).indices[:min(empty.shape[0], slots)]
+
+
 def expert_matmul(
-    x: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor | QuantizedWeight
+    x: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
+    experts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per expert e, x[rows[s]] @ weight[e].T for its slots s in offsets[e] .. offsets[e + 1]:
     x [*, K], rows int64 [S], offsets int64 [E + 1], weight [E, N, K] -> [S, N] in weight's dtype.
-    Experts with no slot cost one empty program per column tile; nothing is read back to the host."""
+    `experts` (default: `active_experts`) lists the experts to run, each slot's expert among them;
+    nothing is read back to the host."""
     x = x.to(weight.dtype).contiguous()
-    experts, width, depth = weight.shape
+    width, depth = weight.shape[1:]
     out = torch.empty(rows.shape[0], width, dtype=weight.dtype, device=x.device)
     if out.numel() == 0:
         return out
+    experts = active_experts(offsets, rows.shape[0]) if experts is None else experts
     w, s, layout = _b_operands(weight)
     tiles = matmul_tiles(rows.shape[0], width, weight.dtype)
-    _expert_matmul_kernel[(triton.cdiv(width, tiles.block_n), experts)](
-        x, rows, offsets, w, s, out, width, depth, x.stride(0),
+    _expert_matmul_kernel[(triton.cdiv(width, tiles.block_n), experts.shape[0])](
+        x, rows, offsets, experts, w, s, out, width, depth, x.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=BLOCK_K, **layout,
         num_warps=tiles.warps, num_stages=tiles.stages,
     )
@@ -300,10 +311,11 @@ def moe_experts(
     over the slots sorted by expert on the device: the same bits, no host sync."""
     top_k = indices.shape[1]
     order, offsets = fast.sort_by_expert(indices, w13.shape[0])
-    hidden = expert_matmul(x, order // top_k, offsets, w13)
+    experts = active_experts(offsets, order.shape[0])
+    hidden = expert_matmul(x, order // top_k, offsets, w13, experts)
     gate, up = hidden.chunk(2, dim=-1)
     act = invariant.clamped_swiglu(gate, up, limit)
-    out = expert_matmul(act, torch.arange(order.shape[0], device=x.device), offsets, w2)
+    out = expert_matmul(act, torch.arange(order.shape[0], device=x.device), offsets, w2, experts)
     out = out * weights.reshape(-1)[order, None].to(out.dtype)
     slots = torch.empty_like(out).index_copy_(0, order, out)
     return fast.combine_ranks(slots.view(indices.shape[0], top_k, -1))

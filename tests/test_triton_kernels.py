@@ -149,6 +149,15 @@ def test_split_linear_matches_reference_and_rows_do_not_depend_on_batch(
     _assert_same_bits(out[at:at + 1], triton_ops.linear(x[at:at + 1], weight))
 
 
+@given(counts=st.lists(st.integers(0, 3), min_size=1, max_size=40))
+def test_active_experts_come_first_and_cover_every_slot(counts: list[int]) -> None:
+    offsets = torch.tensor([0] + counts, device=DEVICE).cumsum(0)
+    slots = sum(counts)
+    listed = triton_ops.active_experts(offsets, slots).tolist()
+    busy = [e for e, n in enumerate(counts) if n]
+    assert len(listed) == min(len(counts), slots) and listed[:len(busy)] == busy
+
+
 def _all_tiles() -> list[triton_ops.Tiles]:
     """Every launch shape `matmul_tiles` can pick."""
     picks = {triton_ops.matmul_tiles(rows, width, dtype) for rows in (1, 64, 65, 512, 513)
