@@ -6,7 +6,7 @@ one JSON (with the command and the device).
 - ceilings: a device-to-device copy (bytes read plus written) and a bf16 cuBLAS matmul, measured here;
 - kernels: the invariant Triton matmul (`kernels.triton_ops.linear`) against cuBLAS at the preset's
   decode (M = 1, 16) and prefill (M = 2048) shapes, rotating over enough weight copies that L2 holds
-  none of them;
+  none of them, each replayed from a CUDA graph (GPU time, as inside the engine's graphs);
 - decode: ms per decode step at each batch size after `--context`-token prompts, batch-invariant with
   CUDA graphs, batch-invariant eager and fast (ratios to the first), with kernel launches and host
   syncs per step; at batch 1 the HBM roofline: the bytes a step must read (every weight but the
@@ -38,19 +38,22 @@ PREFILL = (8, 2048)
 
 
 def timed_ms(fn, inputs: list[tuple]) -> float:
-    """Median ms of fn(*inputs[i]), rotating over the inputs (CUDA events, via triton's do_bench)."""
-    state = {"i": 0}
-
-    def call():
-        fn(*inputs[state["i"] % len(inputs)])
-        state["i"] += 1
-    return triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
+    """Median ms per call of fn(*inputs[i]), the inputs in turn: the calls are captured in one CUDA graph
+    and its replays timed with CUDA events (triton's do_bench), so launch gaps do not count."""
+    for args in inputs:  # compile and autotune outside the capture
+        fn(*args)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for args in inputs:
+            fn(*args)
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median") / len(inputs)
 
 
 def ceilings() -> dict:
     src = torch.randn(2**29 // 2, device="cuda")  # 1 GiB of fp32 (random: never time on zeros)
     dst = torch.empty_like(src)
-    copy_ms = timed_ms(lambda: dst.copy_(src), [()])
+    copy_ms = timed_ms(dst.copy_, [(src,)])
     a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     matmul_ms = timed_ms(lambda: a @ b, [()])
     return {"copy_tb_s": round(2 * src.numel() * 4 / copy_ms / 1e9, 3),
