@@ -57,7 +57,7 @@ from kernels import fast, invariant
 from kernels.quant import QuantizedWeight
 
 BLOCK_K = 64  # K slice of the matmuls' dots: one for every tile shape (the interpreter's bits depend on it)
-K_CHUNK = 512  # K slice of a split matmul's programs (a multiple of BLOCK_K and of every TILE_K)
+K_CHUNK = 512  # K slice of a split matmul's programs (a multiple of BLOCK_K)
 ROW_BLOCK = 1024  # vector width of the row-wise kernels (norms, softmax)
 KV_BLOCK = 64
 
@@ -104,34 +104,55 @@ def _e8m0(byte):
 
 
 @triton.jit
-def _b_tile(w_rows, s_rows, ks, mask, FORMAT: tl.constexpr, TILE_K: tl.constexpr):
-    """The weight's [BLOCK_K, BLOCK_N] slice at columns ks; a quantized one decoded to fp32 as
-    `QuantizedWeight.decode` does (code value times scale), masked elements +0.0."""
+def _b_tile(w_rows, s_rows, start, K, col_ok, FORMAT: tl.constexpr, TILE_K: tl.constexpr, BLOCK_K: tl.constexpr,
+            BLOCK_N: tl.constexpr):
+    """The weight's [BLOCK_K, BLOCK_N] slice at columns start .. start + BLOCK_K (start a multiple of
+    BLOCK_K; columns from K on masked); a quantized one decoded to fp32 as `QuantizedWeight.decode` does
+    (code value times scale), masked elements +0.0.
+
+    A quantized slice is read as its bytes (MXFP4: BLOCK_K / 2 of them per column, both nibbles used)
+    and, when scale tiles and slices nest (TILE_K divides BLOCK_K or BLOCK_K divides TILE_K), one scale
+    per tile broadcast over it, so the decode costs a few integer operations per element and no
+    gathers. Each element is still one code value times its tile's scale, exactly."""
+    ks = start + tl.arange(0, BLOCK_K)
+    mask = (ks < K)[:, None] & col_ok[None, :]
     if FORMAT == "plain":
-        b = tl.load(w_rows + ks[:, None], mask=mask, other=0.0)
-    else:
-        if FORMAT == "fp8":
-            values = _e4m3(tl.load(w_rows + ks[:, None], mask=mask, other=0))
-        else:  # mxfp4: column k is nibble k % 2 (the low one for even k) of byte k // 2
-            packed = tl.load(w_rows + (ks // 2)[:, None], mask=mask, other=0).to(tl.int32)
-            values = _e2m1((packed >> ((ks % 2) * 4)[:, None]) & 15)
+        return tl.load(w_rows + ks[:, None], mask=mask, other=0.0)
+    if FORMAT == "fp8":
+        values = _e4m3(tl.load(w_rows + ks[:, None], mask=mask, other=0))
+    else:  # mxfp4: column k is nibble k % 2 (the low one for even k) of byte k // 2
+        half = start // 2 + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(w_rows + half[:, None], mask=(2 * half < K)[:, None] & col_ok[None, :], other=0)
+        packed = packed.to(tl.int32)
+        pairs = tl.join(_e2m1(packed & 15), _e2m1(packed >> 4))  # [BLOCK_K / 2, BLOCK_N, 2]
+        values = tl.reshape(tl.permute(pairs, (0, 2, 1)), (BLOCK_K, BLOCK_N))
+    if BLOCK_K % TILE_K == 0:
+        groups = start // TILE_K + tl.arange(0, BLOCK_K // TILE_K)
+        scale_ok = (groups * TILE_K < K)[:, None] & col_ok[None, :]
+        scale = _e8m0(tl.load(s_rows + groups[:, None], mask=scale_ok, other=0))
+        tiles = tl.reshape(values, (BLOCK_K // TILE_K, TILE_K, BLOCK_N)) * scale[:, None, :]
+        b = tl.reshape(tiles, (BLOCK_K, BLOCK_N))
+    elif TILE_K % BLOCK_K == 0:  # the slice lies inside one scale tile
+        b = values * _e8m0(tl.load(s_rows + start // TILE_K, mask=col_ok[None, :], other=0))
+    else:  # tiles that do not nest with slices: each element's scale read for it
         b = values * _e8m0(tl.load(s_rows + (ks // TILE_K)[:, None], mask=mask, other=0))
-    return b
+    return tl.where(mask, b, 0.0)
 
 
 @triton.jit
-def _tile_dot(x_rows, w_rows, s_rows, row_ok, col_ok, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _tile_dot(x_rows, w_rows, s_rows, row_ok, col_ok, k_first, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, FORMAT: tl.constexpr, TILE_K: tl.constexpr):
-    """One output tile in fp32: rows x_rows[:, k] times weight rows w_rows[k, :] (pointers to each row's
-    element 0, see `_weight_rows`), with `tl.dot` over BLOCK_K slices of K in increasing k. Both matmul
-    kernels use it, so a row's bits are the same whichever computes it; a quantized weight's slice is
-    cast to x's dtype, so the dot sees the values a decoded weight would hold."""
+    """One output tile in fp32: rows x_rows[:, k] times weight rows w_rows[k, :] for k in k_first .. K
+    (k_first a multiple of BLOCK_K; pointers to each row's element 0, see `_weight_rows`), with `tl.dot`
+    over BLOCK_K slices in increasing k. Both matmul kernels use it, so a row's bits are the same
+    whichever computes it; a quantized weight's slice is cast to x's dtype, so the dot sees the values
+    a decoded weight would hold."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
+    for start in range(k_first, K, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = _b_tile(w_rows, s_rows, ks, k_ok[:, None] & col_ok[None, :], FORMAT, TILE_K)
+        b = _b_tile(w_rows, s_rows, start, K, col_ok, FORMAT, TILE_K, BLOCK_K, BLOCK_N)
         acc = tl.dot(a, b.to(a.dtype), acc, input_precision="ieee")
     return acc
 
@@ -157,14 +178,13 @@ def _matmul_kernel(
     w_rows, s_rows = _weight_rows(w_ptr, s_ptr, 0, (group * N + cols).to(tl.int64), N, K, FORMAT, TILE_N, TILE_K)
     out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + group * N + cols[None, :]
     if SPLITS == 1:
-        acc = _tile_dot(x_rows, w_rows, s_rows, row_ok, col_ok, K, BLOCK_M, BLOCK_N, BLOCK_K, FORMAT, TILE_K)
+        acc = _tile_dot(x_rows, w_rows, s_rows, row_ok, col_ok, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, FORMAT, TILE_K)
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
     else:
         split = tl.program_id(2) % SPLITS
         first = split * K_CHUNK
-        w_first = first // 2 if FORMAT == "mxfp4" else first
-        acc = _tile_dot(x_rows + first, w_rows + w_first, s_rows + first // TILE_K, row_ok, col_ok,
-                        tl.minimum(K - first, K_CHUNK), BLOCK_M, BLOCK_N, BLOCK_K, FORMAT, TILE_K)
+        acc = _tile_dot(x_rows, w_rows, s_rows, row_ok, col_ok, first, tl.minimum(K, first + K_CHUNK),
+                        BLOCK_M, BLOCK_N, BLOCK_K, FORMAT, TILE_K)
         out += split.to(tl.int64) * M * stride_om
         tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
 
@@ -266,7 +286,7 @@ def _expert_matmul_kernel(
         slot_ok = slots < end
         src = tl.load(rows_ptr + slots, mask=slot_ok, other=0)
         x_rows = x_ptr + src.to(tl.int64)[:, None] * stride_xm
-        acc = _tile_dot(x_rows, w_rows, s_rows, slot_ok, col_ok, K, BLOCK_M, BLOCK_N, BLOCK_K, FORMAT, TILE_K)
+        acc = _tile_dot(x_rows, w_rows, s_rows, slot_ok, col_ok, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, FORMAT, TILE_K)
         out = out_ptr + slots.to(tl.int64)[:, None] * N + cols[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=slot_ok[:, None] & col_ok[None, :])
 

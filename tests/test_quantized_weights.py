@@ -21,7 +21,7 @@ from kernels import fast, invariant, triton_ops
 from kernels.quant import QuantizedWeight
 
 LAYOUTS = {"fp8 32x32": ("fp8", (32, 32)), "fp8 128x128": ("fp8", (128, 128)), "fp8 1x32": ("fp8", (1, 32)),
-           "mxfp4": ("mxfp4", (1, 32))}
+           "fp8 16x48": ("fp8", (16, 48)), "mxfp4": ("mxfp4", (1, 32))}  # 48: tiles that do not nest with K slices
 E8M0 = torch.float8_e8m0fnu
 LIMIT = 7.0
 
@@ -131,7 +131,7 @@ def test_triton_grouped_linear_takes_a_quantized_weight() -> None:
     _assert_same_bits(triton_ops.grouped_linear(x, weight, 2), triton_ops.grouped_linear(x, weight.decode(), 2))
 
 
-@pytest.mark.parametrize("layout", ["fp8 1x32", "fp8 128x128", "mxfp4"])
+@pytest.mark.parametrize("layout", ["fp8 1x32", "fp8 128x128", "fp8 16x48", "mxfp4"])
 def test_triton_split_linear_decodes_each_chunk_where_it_starts(layout: str) -> None:
     """A few columns over a long K run as K chunks (`triton_ops.k_splits`): each chunk reads its bytes,
     nibbles and scales from its own first column on, so the product keeps the decoded weight's bits."""
