@@ -117,26 +117,28 @@ def _b_tile(w_rows, s_rows, start, K, col_ok, FORMAT: tl.constexpr, TILE_K: tl.c
     ks = start + tl.arange(0, BLOCK_K)
     mask = (ks < K)[:, None] & col_ok[None, :]
     if FORMAT == "plain":
-        return tl.load(w_rows + ks[:, None], mask=mask, other=0.0)
-    if FORMAT == "fp8":
-        values = _e4m3(tl.load(w_rows + ks[:, None], mask=mask, other=0))
-    else:  # mxfp4: column k is nibble k % 2 (the low one for even k) of byte k // 2
-        half = start // 2 + tl.arange(0, BLOCK_K // 2)
-        packed = tl.load(w_rows + half[:, None], mask=(2 * half < K)[:, None] & col_ok[None, :], other=0)
-        packed = packed.to(tl.int32)
-        pairs = tl.join(_e2m1(packed & 15), _e2m1(packed >> 4))  # [BLOCK_K / 2, BLOCK_N, 2]
-        values = tl.reshape(tl.permute(pairs, (0, 2, 1)), (BLOCK_K, BLOCK_N))
-    if BLOCK_K % TILE_K == 0:
-        groups = start // TILE_K + tl.arange(0, BLOCK_K // TILE_K)
-        scale_ok = (groups * TILE_K < K)[:, None] & col_ok[None, :]
-        scale = _e8m0(tl.load(s_rows + groups[:, None], mask=scale_ok, other=0))
-        tiles = tl.reshape(values, (BLOCK_K // TILE_K, TILE_K, BLOCK_N)) * scale[:, None, :]
-        b = tl.reshape(tiles, (BLOCK_K, BLOCK_N))
-    elif TILE_K % BLOCK_K == 0:  # the slice lies inside one scale tile
-        b = values * _e8m0(tl.load(s_rows + start // TILE_K, mask=col_ok[None, :], other=0))
-    else:  # tiles that do not nest with slices: each element's scale read for it
-        b = values * _e8m0(tl.load(s_rows + (ks // TILE_K)[:, None], mask=mask, other=0))
-    return tl.where(mask, b, 0.0)
+        b = tl.load(w_rows + ks[:, None], mask=mask, other=0.0)
+    else:
+        if FORMAT == "fp8":
+            values = _e4m3(tl.load(w_rows + ks[:, None], mask=mask, other=0))
+        else:  # mxfp4: column k is nibble k % 2 (the low one for even k) of byte k // 2
+            half = start // 2 + tl.arange(0, BLOCK_K // 2)
+            packed = tl.load(w_rows + half[:, None], mask=(2 * half < K)[:, None] & col_ok[None, :], other=0)
+            packed = packed.to(tl.int32)
+            pairs = tl.join(_e2m1(packed & 15), _e2m1(packed >> 4))  # [BLOCK_K / 2, BLOCK_N, 2]
+            values = tl.reshape(tl.permute(pairs, (0, 2, 1)), (BLOCK_K, BLOCK_N))
+        if BLOCK_K % TILE_K == 0:
+            groups = start // TILE_K + tl.arange(0, BLOCK_K // TILE_K)
+            scale_ok = (groups * TILE_K < K)[:, None] & col_ok[None, :]
+            scale = _e8m0(tl.load(s_rows + groups[:, None], mask=scale_ok, other=0))
+            tiles = tl.reshape(values, (BLOCK_K // TILE_K, TILE_K, BLOCK_N)) * scale[:, None, :]
+            scaled = tl.reshape(tiles, (BLOCK_K, BLOCK_N))
+        elif TILE_K % BLOCK_K == 0:  # the slice lies inside one scale tile
+            scaled = values * _e8m0(tl.load(s_rows + start // TILE_K, mask=col_ok[None, :], other=0))
+        else:  # tiles that do not nest with slices: each element's scale read for it
+            scaled = values * _e8m0(tl.load(s_rows + (ks // TILE_K)[:, None], mask=mask, other=0))
+        b = tl.where(mask, scaled, 0.0)
+    return b
 
 
 @triton.jit
