@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import kernels
 from deepinfer import LLM, SamplingParams, transfer
 from deepinfer.model import NULL_BLOCK, DeepseekV4, StepBatch, bucket
-from deepinfer.model.batch import close_capacity
+from deepinfer.model.batch import close_capacity, graph_bucket
 
 PARAMS = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 PROMPTS = [list(range(2, 12)), list(range(40, 77)), list(range(100, 105))]
@@ -30,6 +30,8 @@ def test_buckets_cover_and_are_fixed_points(n):
     size = bucket(n)
     assert size >= max(n, 1) and bucket(size) == size
     assert size - n < 8 if n > 8 else size < 2 * max(n, 1)
+    wide = graph_bucket(n)  # graphed steps' table widths: powers of two, so few shapes as tables grow
+    assert wide >= size and wide & (wide - 1) == 0 and wide < 2 * max(n, 1)
 
 
 @given(st.lists(st.tuples(st.integers(0, 300), st.integers(1, 64)), min_size=1, max_size=12),

@@ -7,6 +7,7 @@ the sampler, logprobs and top-k run there, and the `RunnerOutput` holds device t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -17,6 +18,7 @@ from deepinfer.engine.graph import StepGraph
 from deepinfer.engine.sampler import SamplingBatch, sample, top_logprobs
 from deepinfer.engine.scheduler import ScheduledChunk, SchedulerOutput, StepResult
 from deepinfer.model import NULL_BLOCK, DeepseekV4, StepBatch, bucket
+from deepinfer.model.batch import graph_bucket
 from deepinfer.transfer import download
 
 
@@ -87,12 +89,12 @@ class ModelRunner:
         """Forward the scheduled chunks, sample each sampling chunk's next token and score the
         prompt positions asked for; nothing is read back to the host."""
         chunks, sampling = scheduled.chunks, scheduled.sampling
-        host_batch, rows = self.build_batch(chunks)
+        graphed = self.graphs is not None and all(c.num_tokens == 1 and not c.scored for c in chunks)
+        host_batch, rows = self.build_batch(chunks, graph_bucket if graphed else bucket)
         rows.update(SamplingBatch.host_tensors([(c.seq.params, c.seq.seed, len(c.seq.token_ids)) for c in sampling]))
         batch, rows = host_batch.to(self.device, rows)  # the step's one upload
         params = SamplingBatch.from_tensors(rows)
-        decode = all(c.num_tokens == 1 and not c.scored for c in chunks)
-        hidden = self._forward(batch) if decode else self.model(batch, self.cache.layer_views)
+        hidden = self._replay(batch) if graphed else self.model(batch, self.cache.layer_views)
         sampled_hidden = hidden[rows["sample_rows"]]
         logits = self.model.logits(sampled_hidden)
         logprobs = self.ops.log_softmax(logits)
@@ -116,18 +118,18 @@ class ModelRunner:
             out.prompt_top_ids, out.prompt_top_logprobs = top_logprobs(prompt, kp)
         return out
 
-    def _forward(self, batch: StepBatch) -> torch.Tensor:
-        """A decode step's forward: replayed from the graph of its shape (captured on first sight) when
-        graphs are on, else run eagerly. The hidden states are valid until the next forward."""
-        if self.graphs is None:
-            return self.model(batch, self.cache.layer_views)
+    def _replay(self, batch: StepBatch) -> torch.Tensor:
+        """A decode step's forward replayed from the graph of its shape (captured on first sight); the
+        hidden states are valid until the next replay."""
         key = tuple(sorted(batch.shapes().items()))
         if key not in self.graphs:
             self.graphs[key] = StepGraph(self.model, self.cache.layer_views, batch, self.graph_pool)
         return self.graphs[key].replay(batch)
 
-    def build_batch(self, chunks: list[ScheduledChunk]) -> tuple[StepBatch, dict[str, torch.Tensor]]:
-        """The step's model input on the host, padded to its buckets (`deepinfer.model.batch`), and
+    def build_batch(self, chunks: list[ScheduledChunk], table_bucket: Callable[[int], int] = bucket
+                    ) -> tuple[StepBatch, dict[str, torch.Tensor]]:
+        """The step's model input on the host, padded to its buckets (`deepinfer.model.batch`; block
+        tables to `table_bucket` of the longest, `graph_bucket` for graphed steps), and
         the rows of the model's output that each sampling chunk samples from (`sample_rows`) and each
         scored position scores (`score_rows`, with the prompt token it scores in `score_targets`).
         The model returns, per chunk, its scored positions' rows, then its sampled row."""
@@ -153,7 +155,7 @@ class ModelRunner:
             input_ids=torch.tensor(ids + padding, dtype=torch.long),
             positions=torch.tensor(positions + padding, dtype=torch.long),
             query_start=torch.tensor(query_start, dtype=torch.long),
-            block_tables={pool: self._block_table(chunks, pool, seq_rows) for pool in self.cache.specs},
+            block_tables={pool: self._block_table(chunks, pool, seq_rows, table_bucket) for pool in self.cache.specs},
             block_size=self.cache.block_size, sample_index=torch.tensor(padded_index, dtype=torch.long),
         )
         engram = self.model.engram_tokens
@@ -167,10 +169,11 @@ class ModelRunner:
         return batch, rows
 
     @staticmethod
-    def _block_table(chunks: list[ScheduledChunk], pool: str, rows: int) -> torch.Tensor:
-        """[rows, M] physical blocks of each chunk's sequence in `pool` (M: a bucket of the longest
+    def _block_table(chunks: list[ScheduledChunk], pool: str, rows: int, table_bucket: Callable[[int], int]
+                     ) -> torch.Tensor:
+        """[rows, M] physical blocks of each chunk's sequence in `pool` (M: `table_bucket` of the longest
         table), the null block where a sequence has none."""
         tables = [chunk.seq.blocks.table(pool) for chunk in chunks]
-        width = bucket(max(map(len, tables), default=1))
+        width = table_bucket(max(map(len, tables), default=1))
         padded = [table + [NULL_BLOCK] * (width - len(table)) for table in tables]
         return torch.tensor(padded + [[NULL_BLOCK] * width] * (rows - len(tables)), dtype=torch.long)

@@ -32,6 +32,13 @@ def bucket(n: int) -> int:
     return 1 << (n - 1).bit_length() if n <= 8 else -(-n // 8) * 8
 
 
+def graph_bucket(n: int) -> int:
+    """The padded width of a block table in a step replayed from a CUDA graph: the next power of two,
+    so a sequence growing to L blocks meets log2(L) table widths (log2(L) graphs per batch size)
+    rather than one per 8 blocks. Padding costs reads of at most as many null entries as real ones."""
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
 def close_capacity(tokens: int, seqs: int, ratio: int) -> int:
     """How many compression windows a step of `tokens` tokens over `seqs` sequences can close: a
     sequence's n consecutive tokens close at most n // ratio + 1 windows."""
