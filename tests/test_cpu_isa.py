@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -51,29 +52,47 @@ def _python(code: str, **env: str) -> list[str]:
     return result.stdout.splitlines()
 
 
-@needs_amx
-@pytest.mark.parametrize("first", [BF16_MATMUL_FIRST, FP32_MATMUL_FIRST], ids=["bf16", "fp32"])
-def test_a_matmul_before_import_leaves_amx_on_and_the_check_refuses(first):
-    assert _python(first + CHECK) == [TOO_LATE]
+WAIVER_RECORD = ("from harness.environment import environment_fingerprint\n"
+                 "print(json.dumps(environment_fingerprint()['torch_cpu']))\n")
+# each fresh-interpreter case of the tests below: (code, environment); `fresh` runs them
+CASES = {
+    "bf16-first": (BF16_MATMUL_FIRST + CHECK, {}),
+    "fp32-first": (FP32_MATMUL_FIRST + CHECK, {}),
+    "allows-amx": (CHECK, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}),
+    "import-first": (CHECK + "print(1 + 1)\n", {}),  # prints after the probe still reach stdout
+    "waiver": ("import json\n" + CHECK + WAIVER_RECORD,
+               {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX", "DEEPINFER_ALLOW_VARIANT_BF16": "1"}),
+}
+
+
+@pytest.fixture(scope="module")
+def fresh() -> dict[str, list[str]]:
+    """stdout lines of each of CASES, run two at a time (each spends ~2 s starting Python and torch)."""
+    with ThreadPoolExecutor(2) as pool:
+        return dict(zip(CASES, pool.map(lambda case: _python(case[0], **case[1]), CASES.values())))
 
 
 @needs_amx
-def test_an_environment_that_allows_amx_is_refused():
-    assert _python(CHECK, ONEDNN_MAX_CPU_ISA="AVX512_CORE_AMX") == [ALLOWS_AMX]
+@pytest.mark.parametrize("first", ["bf16-first", "fp32-first"], ids=["bf16", "fp32"])
+def test_a_matmul_before_import_leaves_amx_on_and_the_check_refuses(fresh, first):
+    assert fresh[first] == [TOO_LATE]
 
 
 @needs_amx
-def test_importing_first_caps_onednn_below_amx():
-    lines = _python(CHECK + "print(1 + 1)\n")  # prints after the probe still reach stdout
+def test_an_environment_that_allows_amx_is_refused(fresh):
+    assert fresh["allows-amx"] == [ALLOWS_AMX]
+
+
+@needs_amx
+def test_importing_first_caps_onednn_below_amx(fresh):
+    lines = fresh["import-first"]
     assert lines[0].startswith("ok: oneDNN capped at AVX512_CORE_BF16 (AMX available, not used; bf16 matmuls: ")
     assert "amx" not in lines[0].lower().replace("amx available", "") and lines[1:] == ["2"]
 
 
 @needs_amx
-def test_the_waiver_runs_anyway_and_manifests_record_it():
-    code = CHECK + ("from harness.environment import environment_fingerprint\n"
-                    "print(json.dumps(environment_fingerprint()['torch_cpu']))\n")
-    lines = _python("import json\n" + code, ONEDNN_MAX_CPU_ISA="AVX512_CORE_AMX", DEEPINFER_ALLOW_VARIANT_BF16="1")
+def test_the_waiver_runs_anyway_and_manifests_record_it(fresh):
+    lines = fresh["waiver"]
     assert lines[0].startswith("ok: oneDNN uses AMX (ONEDNN_MAX_CPU_ISA=AVX512_CORE_AMX; bf16 matmuls: ")
     assert lines[0].endswith(" on the batch (accepted by DEEPINFER_ALLOW_VARIANT_BF16=1)")
     recorded = json.loads(lines[1])

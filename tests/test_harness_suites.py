@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -186,11 +187,25 @@ def test_suite_kinds_never_import_the_registry() -> None:
         assert "suites" not in _harness_imports(HARNESS / f"{kind}.py", top_level_only=False), kind
 
 
-@pytest.mark.parametrize("order", [("harness.traces", "harness.suites"), ("harness.suites", "harness.traces"),
-                                   ("harness.suite_base", "harness.replay", "harness.cassette")])
-def test_harness_modules_import_in_any_order(order) -> None:
-    code = f"import {', '.join(order)}, harness.suites; print(list(harness.suites.KINDS))"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+IMPORT_ORDERS = [("harness.traces", "harness.suites"), ("harness.suites", "harness.traces"),
+                 ("harness.suite_base", "harness.replay", "harness.cassette")]
+
+
+@pytest.fixture(scope="module")
+def imported() -> dict[tuple[str, ...], subprocess.CompletedProcess]:
+    """Each of IMPORT_ORDERS imported in a fresh interpreter, then harness.suites, which prints its kinds
+    (two interpreters at a time: each spends ~1 s importing torch)."""
+    def run(order: tuple[str, ...]) -> subprocess.CompletedProcess:
+        code = f"import {', '.join(order)}, harness.suites; print(list(harness.suites.KINDS))"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+    with ThreadPoolExecutor(2) as pool:
+        return dict(zip(IMPORT_ORDERS, pool.map(run, IMPORT_ORDERS)))
+
+
+@pytest.mark.parametrize("order", IMPORT_ORDERS)
+def test_harness_modules_import_in_any_order(imported, order) -> None:
+    result = imported[order]
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "['native', 'traces', 'lm-eval']"
 

@@ -4,9 +4,9 @@ and one generate_until task), run from an unrelated working directory. The metri
 batch sizes 1 and 8; lm-eval's batch_size/device settings and model_args are reconciled, and what
 cannot be served is one `error:` line with exit 2.
 
-Each CLI run spends 5-10 s indexing lm-eval's ~15k default tasks (its CLI always does), so only three
-runs go through it; the other error cases call the constructor lm-eval calls, with the settings its CLI
-passes.
+Each CLI run spends 5-10 s indexing lm-eval's ~15k default tasks (its CLI always does, in one thread), so
+only four runs go through it, all at once in the module's `runs` fixture; the other error cases call the
+constructor lm-eval calls, with the settings its CLI passes.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -55,19 +56,25 @@ def responses(out: Path, task: str) -> list:
 
 @pytest.fixture(scope="module")
 def runs(tiny_checkpoint, tmp_path_factory):
-    """The user's tasks at --batch_size 1, at 8 (also given in model_args), and at auto."""
+    """The user's tasks at --batch_size 1, at 8 (also given in model_args), and at auto; and "shipped":
+    the shipped tasks (no --include_path) with an unknown one. The four runs go at once (each spends most
+    of its time indexing lm-eval's tasks in one thread)."""
     base = tmp_path_factory.mktemp("lm-eval-cli")
     tasks = shutil.copytree(TASKS, base / "my tasks")
     (base / "elsewhere").mkdir()
     common = ["--model", "deepinfer", "--tasks", "my_tasks", "--include_path", str(tasks), "--device", "cpu"]
     argv = {
-        1: ["--model_args", f"model={tiny_checkpoint}", "--batch_size", "1", "--output_path", str(base / "out1"),
-            "--log_samples"],
-        8: ["--model_args", f"model={tiny_checkpoint},batch_size=8", "--batch_size", "8",
+        1: [*common, "--model_args", f"model={tiny_checkpoint}", "--batch_size", "1",
+            "--output_path", str(base / "out1"), "--log_samples"],
+        8: [*common, "--model_args", f"model={tiny_checkpoint},batch_size=8", "--batch_size", "8",
             "--output_path", str(base / "out8"), "--log_samples"],
-        "auto": ["--model_args", f"model={tiny_checkpoint}", "--batch_size", "auto"],
+        "auto": [*common, "--model_args", f"model={tiny_checkpoint}", "--batch_size", "auto"],
+        "shipped": ["--model", "deepinfer", "--model_args", f"model={tiny_checkpoint}", "--tasks",
+                    "deepinfer_mc,nosuch", "--limit", "2", "--device", "cpu"],
     }
-    return base, {size: lm_eval_cli(base / "elsewhere", *common, *args) for size, args in argv.items()}
+    with ThreadPoolExecutor(len(argv)) as pool:
+        done = pool.map(lambda args: lm_eval_cli(base / "elsewhere", *args), argv.values())
+        return base, dict(zip(argv, done))
 
 
 def test_user_tasks_have_identical_metrics_at_batch_sizes_1_and_8(runs):
@@ -143,9 +150,9 @@ def test_missing_lm_eval_is_a_one_line_error(monkeypatch, capsys):
     assert capsys.readouterr().err == "error: deepinfer lm-eval needs lm-eval: pip install 'deepinfer[eval]'\n"
 
 
-def test_the_shipped_tasks_are_found_and_an_unknown_task_is_one_line(tiny_checkpoint, tmp_path):
+def test_the_shipped_tasks_are_found_and_an_unknown_task_is_one_line(runs):
     """Without an --include_path of the user's, `deepinfer lm-eval` includes the shipped offline tasks."""
-    code, out, err = lm_eval_cli(tmp_path, "--model", "deepinfer", "--model_args", f"model={tiny_checkpoint}",
-                                 "--tasks", "deepinfer_mc,nosuch", "--limit", "2", "--device", "cpu")
+    _, done = runs
+    code, out, err = done["shipped"]
     assert (code, out) == (2, "")
     assert err.splitlines()[-1] == "error: lm-eval: Tasks not found: nosuch"

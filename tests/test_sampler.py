@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deepinfer.sampling_params import SamplingParams
-from sampling import filter_one, sample_one
+from sampling import filter_one, sample_one, sample_positions
 
 
 def chi_square_critical(df: int, z: float = 3.09) -> float:
@@ -32,9 +32,9 @@ def test_sampled_frequencies_match_the_filtered_softmax(params):
     kept = filter_one(logits, params)
     expected = torch.softmax(kept, dim=0)
     draws = 12_000
-    counts = torch.zeros(16)
-    for position in range(draws):
-        counts[sample_one(logits, params, seed=2024, position=position)] += 1
+    tokens = sample_positions(logits, params, seed=2024, positions=range(draws))
+    assert tokens[:50] == [sample_one(logits, params, seed=2024, position=p) for p in range(50)]
+    counts = torch.bincount(torch.tensor(tokens), minlength=16).float()
     support = expected > 0
     assert counts[~support].sum() == 0, "a filtered-out token was sampled"
     observed, wanted = counts[support], expected[support] * draws
