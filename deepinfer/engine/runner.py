@@ -3,6 +3,7 @@
 `execute` keeps everything on the device: the step's metadata goes up in one copy, the model,
 the sampler, logprobs and top-k run there, and the `RunnerOutput` holds device tensors.
 `RunnerOutput.result` brings what the host needs down in one copy (the step's only sync).
+With CUDA graphs on, a decode step's forward is replayed from the graph of its shape.
 """
 
 from __future__ import annotations
