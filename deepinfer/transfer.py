@@ -46,10 +46,25 @@ def upload(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, 
     return dict(zip(tensors, moved))
 
 
-def download(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Device tensors brought to the host in one copy (one synchronisation)."""
-    if all(t.device.type == "cpu" for t in tensors.values()):
-        return dict(tensors)
-    likes = list(tensors.values())
-    host = _unpack(_pack(likes).cpu(), likes)
-    return dict(zip(tensors, host))
+class Download:
+    """Device tensors on their way to the host: packed and copied when made (into pinned memory,
+    non-blocking, on CUDA), so the device can go on with work queued after them; `wait()` is the
+    one synchronisation, on that copy alone."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.names, self.likes = list(tensors), list(tensors.values())
+        self.host: torch.Tensor | dict[str, torch.Tensor]
+        if all(t.device.type == "cpu" for t in self.likes):
+            self.host = dict(tensors)
+            return
+        packed = _pack(self.likes)
+        self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        self.host.copy_(packed, non_blocking=True)
+        self.done = torch.cuda.Event()
+        self.done.record()
+
+    def wait(self) -> dict[str, torch.Tensor]:
+        if isinstance(self.host, dict):
+            return dict(self.host)
+        self.done.synchronize()
+        return dict(zip(self.names, _unpack(self.host, self.likes)))

@@ -92,6 +92,7 @@ def test_default_sweep_covers_the_contract() -> None:
     assert variants["shuffled"].shuffle and variants["staggered"].stagger
     assert variants["chunk-32"].engine.max_num_batched_tokens == 32 and variants["preemption"].engine.num_cache_blocks
     assert variants["threads-1"].threads == 1 and sweep.reference.threads is None
+    assert sweep.reference.engine.async_scheduling and not variants["sync-steps"].engine.async_scheduling
     assert [c.engine.numerics for c in sweep.controls] == ["fast"]
     assert all(v.engine.numerics == "batch_invariant" for v in (sweep.reference, *sweep.variants))
     assert "threads-1" not in {v.name for v in default_sweep(device="cuda").variants}  # GPU kernels: no CPU threads

@@ -108,7 +108,7 @@ def test_batch_size_auto_is_one_error_line(runs):
                                  "give batch_size N (the engine's max_num_seqs)"),
     ({"device": "cpu"}, {"device": "cuda:0"}, "device given twice: 'cpu' in model_args, 'cuda:0' from lm-eval "
                                               "(--device, default cuda:0); give it once"),
-    ({"pretrained": "gpt2"}, {}, "unknown model_args pretrained (known: batch_size, block_size, cache_qdq, cuda_graphs, "
+    ({"pretrained": "gpt2"}, {}, "unknown model_args pretrained (known: async_scheduling, batch_size, block_size, cache_qdq, cuda_graphs, "
                                  "device, dtype, enable_chunked_prefill, engram_tables, max_model_len, max_num_batched_tokens, model, "
                                  "num_cache_blocks, numerics, run_dir, run_seed, suite, unseeded_seeds, "
                                  "weight_storage)"),

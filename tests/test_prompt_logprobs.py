@@ -96,7 +96,7 @@ def test_bitwise_identical_across_batching_chunking_and_preemption(tiny_checkpoi
 def test_recomputed_chunks_do_not_score_the_prompt_twice():
     seq = Sequence(0, list(range(2, 12)), SamplingParams(prompt_logprobs=True), seed=0)
     assert scored_positions(seq, 0, 4) == range(0, 4)
-    seq.prompt_logprobs = [-1.0] * 6  # scored up to position 5, then preempted: recomputation restarts at 0
+    seq.num_scored = 6  # scored up to position 5 (results maybe still in flight), then preempted: recomputed from 0
     assert scored_positions(seq, 0, 4) == range(0, 0)
     assert scored_positions(seq, 4, 10) == range(6, 9)  # the last prompt token scores nothing
     seq.token_ids.append(7)  # a generated token is never scored as prompt

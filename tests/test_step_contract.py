@@ -18,9 +18,9 @@ import torch
 
 import kernels
 from deepinfer import LLM, SamplingParams
-from deepinfer.engine import runner as runner_module
 from deepinfer.engine.runner import ModelRunner, RunnerOutput
 from deepinfer.engine.sampler import SamplingBatch
+from deepinfer.transfer import Download
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3, max_tokens=6, ignore_eos=True, logprobs=2)
@@ -37,7 +37,7 @@ def decoding(llm: LLM) -> LLM:
 
 
 def test_the_runner_never_changes_a_sequence():
-    llm = decoding(LLM("preset:tiny", max_model_len=128))
+    llm = decoding(LLM("preset:tiny", max_model_len=128, async_scheduling=False))
     scheduled = llm.scheduler.schedule()
     before = [copy.deepcopy(dataclasses.asdict(chunk.seq)) for chunk in scheduled.chunks]
     output = llm.runner.execute(scheduled)
@@ -64,14 +64,14 @@ class SyncCounter:
         monkeypatch.setattr(ModelRunner, "build_batch", self.uncounted(ModelRunner.build_batch))
         monkeypatch.setattr(SamplingBatch, "host_tensors", staticmethod(self.uncounted(SamplingBatch.host_tensors)))
         monkeypatch.setattr(RunnerOutput, "result", self.uncounted(RunnerOutput.result))
-        download = runner_module.download
+        wait = Download.wait
 
-        def counted_download(tensors):
+        def counted_wait(download):
             self.count += 1
             self.calls.append("download")
-            return download(tensors)
+            return self.uncounted(wait)(download)
 
-        monkeypatch.setattr(runner_module, "download", counted_download)
+        monkeypatch.setattr(Download, "wait", counted_wait)
 
     def _counted(self, fn, name):
         def wrapper(*args, **kwargs):
@@ -107,11 +107,16 @@ def test_a_decode_step_reads_the_device_once(monkeypatch, numerics):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_cuda_decode_step_synchronises_once():
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_cuda_decode_step_synchronises_once(monkeypatch, async_scheduling):
     from cuda_syncs import synchronisations
 
-    llm = decoding(LLM("preset:tiny", device="cuda", dtype="bfloat16", max_model_len=128))
-    assert len(synchronisations(llm.step)) == 1  # the runner's one download
+    llm = decoding(LLM("preset:tiny", device="cuda", dtype="bfloat16", max_model_len=128,
+                       async_scheduling=async_scheduling))
+    waits, wait = [], Download.wait
+    monkeypatch.setattr(Download, "wait", lambda download: waits.append(download) or wait(download))
+    assert synchronisations(llm.step) == []  # nothing synchronises on its own ...
+    assert len(waits) == 1  # ... and the host waits once, for the copy of one step's results (an event)
 
 
 def test_non_finite_logits_end_only_the_request_they_reach():

@@ -43,9 +43,10 @@ def test_close_capacity_covers_every_closing_window(chunks, ratio):
 
 def mid_run(device: str = "cpu", dtype: str = "float32", steps: int = 2,
             numerics: str = "batch_invariant") -> tuple[LLM, object]:
-    """An engine a few steps into three requests (chunked prefill next to decodes), and its next step."""
+    """An engine a few steps into three requests (chunked prefill next to decodes), and its next step
+    (scheduled by the test, so the engine reads each step's results before the next)."""
     llm = LLM("preset:tiny", device=device, dtype=dtype, max_model_len=256, max_num_batched_tokens=24,
-              numerics=numerics)
+              numerics=numerics, async_scheduling=False)
     for prompt in PROMPTS:
         llm.add_request(prompt, PARAMS)
     for _ in range(steps):

@@ -24,6 +24,8 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 
 def _setting(default, help: str, **flag):
+    """A field with its help text; `choices` for a string, and for a boolean on by default `off`, the
+    help of its `--no-...` flag."""
     return field(default=default, metadata={"help": help, **flag})
 
 
@@ -40,10 +42,12 @@ class EngineConfig:
     num_cache_blocks: int | None = _setting(None, "cache blocks per pool (default: room for max_num_seqs "
                                                   "sequences of max_model_len)")
     block_size: int = _setting(16, "tokens per cache block")
-    enable_chunked_prefill: bool = _setting(True, "split long prompts over steps")
+    enable_chunked_prefill: bool = _setting(True, "split long prompts over steps", off=(
+        "--no-chunked-prefill", "never split a prompt over steps (the step budget grows to max_model_len)"))
     cache_qdq: bool = _setting(True, "V4.1: keep the caches in the release's formats (FP8 window KV, NVFP4 "
                                      "compressed KV, MXFP4 indexer queries and keys), as its reference does; "
-                                     "V4 has none")
+                                     "V4 has none", off=(
+        "--no-cache-qdq", "V4.1: keep the caches in full precision instead of the release's formats"))
     weight_storage: str = _setting("auto", "quantized checkpoints: keep FP8/MXFP4 weights as stored and decode them "
                                    "inside the matmuls (quantized), decode them once at load (decoded), or auto "
                                    "(quantized on CUDA, decoded on CPU); the outputs are the same bits either way",
@@ -53,7 +57,13 @@ class EngineConfig:
                                   "either way", choices=ENGRAM_TABLES)
     cuda_graphs: bool = _setting(True, "CUDA with batch_invariant numerics: replay decode steps from CUDA graphs "
                                        "captured once per step shape (the same bits as running them eagerly); "
-                                       "CPU and fast numerics run every step eagerly")
+                                       "CPU and fast numerics run every step eagerly", off=(
+        "--no-cuda-graphs", "CUDA: run every step eagerly instead of replaying decode steps from graphs"))
+    async_scheduling: bool = _setting(True, "schedule and prepare each step while the device runs the one before, "
+                                            "reading a step's tokens one step late (the same bits; a request that "
+                                            "stops costs one discarded step); off with engram_tables=host, whose "
+                                            "rows are gathered from the tokens of the step before", off=(
+        "--no-async-scheduling", "read each step's results before scheduling the next"))
     seed: int = _setting(0, "seed from which unseeded requests derive theirs")
     unseeded_seeds: str = _setting("request_order", "how unseeded requests get a seed: request_order (the engine's "
                                    "request counter) or content (a hash of the request)", choices=UNSEEDED_SEEDS)
@@ -66,7 +76,7 @@ class EngineConfig:
                 _check_positive(name, getattr(self, name))
         if self.seed is None or isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise DeepInferError(f"seed must be an integer, got {self.seed!r}")
-        for name in ("enable_chunked_prefill", "cache_qdq", "cuda_graphs"):
+        for name in ("enable_chunked_prefill", "cache_qdq", "cuda_graphs", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise DeepInferError(f"{name} must be true or false, got {getattr(self, name)!r}")
         _check_choice("numerics", self.numerics, NUMERICS)
@@ -143,21 +153,15 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     """One flag per `EngineConfig` field not in `skip`: `--max-num-seqs` and so on, `--run-seed` for
-    `seed`, `--no-chunked-prefill` for `enable_chunked_prefill`, `--no-cache-qdq` for `cache_qdq`,
-    `--no-cuda-graphs` for `cuda_graphs`; defaults are the fields' defaults."""
+    `seed`, and for a setting on by default its `--no-...` flag (`--no-chunked-prefill` for
+    `enable_chunked_prefill`, `--no-cuda-graphs`, ...); defaults are the fields' defaults."""
     for f in fields(EngineConfig):
         if f.name in skip:
             continue
         help_text = f"{f.metadata['help']} (default: {f.default})"
-        if f.name == "enable_chunked_prefill":
-            parser.add_argument("--no-chunked-prefill", dest=f.name, action="store_false", default=f.default,
-                                help="never split a prompt over steps (the step budget grows to max_model_len)")
-        elif f.name == "cache_qdq":
-            parser.add_argument("--no-cache-qdq", dest=f.name, action="store_false", default=f.default,
-                                help="V4.1: keep the caches in full precision instead of the release's formats")
-        elif f.name == "cuda_graphs":
-            parser.add_argument("--no-cuda-graphs", dest=f.name, action="store_false", default=f.default,
-                                help="CUDA: run every step eagerly instead of replaying decode steps from graphs")
+        if "off" in f.metadata:
+            flag, off_help = f.metadata["off"]
+            parser.add_argument(flag, dest=f.name, action="store_false", default=f.default, help=off_help)
         elif f.name == "seed":
             parser.add_argument("--run-seed", dest="run_seed", type=int, default=f.default, help=help_text)
         else:

@@ -2,7 +2,9 @@
 
 Data flows one way: request -> scheduler -> runner -> model -> sampler -> output. `LLM` owns
 intake and the loop; one step is `Scheduler.schedule()`, `ModelRunner.execute()`, then
-`Scheduler.update()` (the scheduler owns every change to a queued sequence).
+`Scheduler.update()` (the scheduler owns every change to a queued sequence). With async scheduling
+the update of a step comes after the next step is queued, so the host schedules and prepares step
+t + 1 while the device runs step t.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from deepinfer.config_v41 import V41Config
 from deepinfer.engine.cache import CacheManager, cache_memory, default_max_model_len, step_budget
 from deepinfer.engine.config import DTYPES, EngineConfig, parse_device
 from deepinfer.engine.output import OutputProcessor
-from deepinfer.engine.runner import ModelRunner
-from deepinfer.engine.scheduler import Scheduler
+from deepinfer.engine.runner import ModelRunner, RunnerOutput
+from deepinfer.engine.scheduler import Scheduler, SchedulerOutput
 from deepinfer.engine.sequence import Sequence
 from deepinfer.errors import DeepInferError
 from deepinfer.model import DeepseekV41, build_model
@@ -132,10 +134,15 @@ class LLM:
 
     def _start_engine(self, config: EngineConfig) -> None:
         """Everything of an engine but its model: cache, scheduler, runner and output, as `config` says
-        (resolved: `max_model_len` and `weight_storage` filled in)."""
+        (resolved: `max_model_len` and `weight_storage` filled in, `async_scheduling` off where the
+        Engram tables are in host memory)."""
         self._requested = config
         self.seed, self.unseeded_seeds = config.seed, config.unseeded_seeds
         config = replace(config, weight_storage=self.weight_storage)
+        if self.model.engram_tokens is not None and self.model.engram_on_host:
+            # the step's Engram rows are gathered on the host from its tokens: no step can be queued
+            # before the tokens of the one before are read
+            config = replace(config, async_scheduling=False)
         self._check_max_model_len(config)
         if config.max_model_len is None:
             config = replace(config, max_model_len=self._default_max_model_len(config))
@@ -150,10 +157,12 @@ class LLM:
         )
         self.output = OutputProcessor(self.tokenizer, self.config.eos_token_ids, self.max_model_len, config.numerics)
         self.scheduler = Scheduler(
-            self.cache, self.output.stop, max_num_seqs=config.max_num_seqs,
+            self.cache, self.output, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, chunked_prefill=config.enable_chunked_prefill,
         )
         self.runner = ModelRunner(self.model, self.cache, self.device, cuda_graphs=config.cuda_graphs)
+        self.async_scheduling = config.async_scheduling
+        self._in_flight: tuple[SchedulerOutput, RunnerOutput] | None = None
         self._next_id = 0
 
     def _check_max_model_len(self, config: EngineConfig) -> None:
@@ -254,13 +263,21 @@ class LLM:
     # the loop ----------------------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; returns the requests that finished in it."""
+        """One engine step; returns the requests whose finish it read (with async scheduling, those
+        that finished in the step before)."""
         scheduled = self.scheduler.schedule()
-        result = self.runner.execute(scheduled).result(scheduled)
-        finished = self.scheduler.update(scheduled, result)
+        before, self._in_flight = self._in_flight, None
+        if scheduled.chunks:
+            self._in_flight = (scheduled, self.runner.execute(scheduled, before[1] if before else None))
+        finished = []
+        if before is not None:
+            finished += self.scheduler.update(before[0], before[1].result(before[0]))
+        if self._in_flight is not None and not self.async_scheduling:
+            (done, output), self._in_flight = self._in_flight, None
+            finished += self.scheduler.update(done, output.result(done))
         return [self.output.request_output(seq) for seq in finished]
 
     # batch APIs ---------------------------------------------------------------------------------

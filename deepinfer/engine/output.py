@@ -17,20 +17,25 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.numerics = numerics
 
-    def stop(self, seq: Sequence) -> tuple[str, str | None] | None:
-        """Whether `seq`, which just got a token, is done: ("stop" | "length", text cut at a stop
-        string or None), or None to go on."""
-        params, token = seq.params, seq.token_ids[-1]
+    def stop(self, seq: Sequence, length: int) -> tuple[str, str | None] | None:
+        """Whether `seq`, whose token `length - 1` is the one just sampled, is done: ("stop" |
+        "length", text cut at a stop string or None), or None to go on. Tokens from `length` on are
+        placeholders of steps still in flight and are not looked at."""
+        params, token = seq.params, seq.token_ids[length - 1]
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             return "stop", None
         if params.stop:
-            text = self.tokenizer.decode(seq.output_token_ids)
+            text = self.tokenizer.decode(seq.token_ids[len(seq.prompt_token_ids):length])
             hits = [text.find(s) for s in params.stop if s in text]
             if hits:
                 return "stop", text[: min(hits)]
-        if len(seq.output_token_ids) >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        if self.full(seq, length):
             return "length", None
         return None
+
+    def full(self, seq: Sequence, length: int) -> bool:
+        """Whether `seq` with `length` tokens may have no more (max_tokens or the context length)."""
+        return length - len(seq.prompt_token_ids) >= seq.params.max_tokens or length >= self.max_model_len
 
     def request_output(self, seq: Sequence) -> RequestOutput:
         text = seq.text

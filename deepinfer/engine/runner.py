@@ -1,15 +1,17 @@
 """Turns a scheduled step into cache addresses, runs the model, and samples the new tokens.
 
 `execute` keeps everything on the device: the step's metadata goes up in one copy, the model,
-the sampler, logprobs and top-k run there, and the `RunnerOutput` holds device tensors.
-`RunnerOutput.result` brings what the host needs down in one copy (the step's only sync).
+the sampler, logprobs and top-k run there, and the `RunnerOutput` holds device tensors, whose copy
+to the host is queued right behind them. `RunnerOutput.result` waits for that copy (the step's only
+sync), which can be after the next step is queued (async scheduling): that step's inputs may hold
+placeholders for tokens this one samples, resolved on the device from its `token_ids`.
 With CUDA graphs on, a decode step's forward is replayed from the graph of its shape.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -20,7 +22,7 @@ from deepinfer.engine.sampler import SamplingBatch, sample, top_logprobs
 from deepinfer.engine.scheduler import ScheduledChunk, SchedulerOutput, StepResult
 from deepinfer.model import NULL_BLOCK, DeepseekV4, StepBatch, bucket
 from deepinfer.model.batch import graph_bucket
-from deepinfer.transfer import download
+from deepinfer.transfer import Download
 
 
 @dataclass
@@ -45,12 +47,16 @@ class RunnerOutput:
     prompt_logprobs: torch.Tensor | None = None
     prompt_top_ids: torch.Tensor | None = None
     prompt_top_logprobs: torch.Tensor | None = None
+    download: Download | None = field(default=None, repr=False)
+
+    def send_to_host(self) -> None:
+        """Queue the copy of everything but `hidden` to the host (once the step's tensors are all set)."""
+        self.download = Download({f.name: getattr(self, f.name) for f in fields(self)
+                                  if f.name not in ("hidden", "download") and getattr(self, f.name) is not None})
 
     def result(self, scheduled: SchedulerOutput) -> StepResult:
-        """Everything but `hidden`, on the host in one copy, sliced per chunk."""
-        wanted = {f.name: getattr(self, f.name) for f in fields(self)
-                  if f.name != "hidden" and getattr(self, f.name) is not None}
-        host = {name: tensor.tolist() for name, tensor in download(wanted).items()}
+        """What the host needs, sliced per chunk of `scheduled` (this step's): waits for the copy."""
+        host = {name: tensor.tolist() for name, tensor in self.download.wait().items()}
         sampling = scheduled.sampling
         top = []
         for row, chunk in enumerate(sampling):
@@ -83,17 +89,23 @@ class ModelRunner:
         # decode steps replay graphs captured per step shape, sharing one memory pool (one replay at a
         # time); fast numerics cannot be captured: its expert routing reads counts on the host
         self.graphs: dict[tuple, StepGraph] | None = None
+        self.compressed_ids: torch.Tensor | None = None  # Engram's compressed id of each token, on the device
         if cuda_graphs and self.device.type == "cuda" and self.ops.numerics == "batch_invariant":
             self.graphs, self.graph_pool = {}, torch.cuda.graph_pool_handle()
 
-    def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
+    def execute(self, scheduled: SchedulerOutput, in_flight: RunnerOutput | None = None) -> RunnerOutput:
         """Forward the scheduled chunks, sample each sampling chunk's next token and score the
-        prompt positions asked for; nothing is read back to the host."""
+        prompt positions asked for; nothing is read back to the host. `in_flight`: the output of
+        the step before, whose sampled tokens this step's placeholders stand for."""
         chunks, sampling = scheduled.chunks, scheduled.sampling
         graphed = self.graphs is not None and all(c.num_tokens == 1 and not c.scored for c in chunks)
         host_batch, rows = self.build_batch(chunks, graph_bucket if graphed else bucket)
-        rows.update(SamplingBatch.host_tensors([(c.seq.params, c.seq.seed, len(c.seq.token_ids)) for c in sampling]))
+        rows.update(SamplingBatch.host_tensors([(c.seq.params, c.seq.seed, c.end) for c in sampling]))
         batch, rows = host_batch.to(self.device, rows)  # the step's one upload
+        if any(chunk.resolves_input for chunk in chunks):
+            if in_flight is None:
+                raise RuntimeError("a step takes placeholder tokens as input but no step is in flight")
+            self._resolve_placeholders(batch, in_flight.token_ids[:, 0])
         params = SamplingBatch.from_tensors(rows)
         hidden = self._replay(batch) if graphed else self.model(batch, self.cache.layer_views)
         sampled_hidden = hidden[rows["sample_rows"]]
@@ -117,7 +129,18 @@ class ModelRunner:
             out.prompt_logprobs = prompt.gather(1, rows["score_targets"].unsqueeze(1)).squeeze(1)
             kp = max(max(c.seq.params.logprobs or 0, 1) for c in scoring)
             out.prompt_top_ids, out.prompt_top_logprobs = top_logprobs(prompt, kp)
+        out.send_to_host()
         return out
+
+    def _resolve_placeholders(self, batch: StepBatch, sampled: torch.Tensor) -> None:
+        """Put the tokens `sampled` by the step in flight in place of their placeholders in `batch`'s
+        input ids (and, for Engram, in its compressed ids and lookback, through the compressed map)."""
+        batch.input_ids = resolved(batch.input_ids, sampled)
+        if batch.engram_ids is not None:
+            if self.compressed_ids is None:
+                self.compressed_ids = self.model.engram_tokens.compressed.to(self.device)
+            batch.engram_ids = resolved(batch.engram_ids, sampled, self.compressed_ids)
+            batch.engram_lookback = resolved(batch.engram_lookback, sampled, self.compressed_ids)
 
     def _replay(self, batch: StepBatch) -> torch.Tensor:
         """A decode step's forward replayed from the graph of its shape (captured on first sight); the
@@ -178,3 +201,13 @@ class ModelRunner:
         width = table_bucket(max(map(len, tables), default=1))
         padded = [table + [NULL_BLOCK] * (width - len(table)) for table in tables]
         return torch.tensor(padded + [[NULL_BLOCK] * width] * (rows - len(tables)), dtype=torch.long)
+
+
+def resolved(ids: torch.Tensor, sampled: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
+    """`ids` with each placeholder (`deepinfer.engine.sequence.placeholder(row)`) replaced by
+    `sampled[row]`, mapped through `table` when given; on the device, no sync."""
+    rows = (-1 - ids).clamp(min=0)
+    tokens = sampled[rows]
+    if table is not None:
+        tokens = table[tokens]
+    return torch.where(ids < 0, tokens, ids)

@@ -8,32 +8,43 @@ front of the queue to be recomputed from its tokens (prompt plus what it has gen
 
 A step is `schedule() -> SchedulerOutput`, then the runner, then `update(SchedulerOutput,
 StepResult)`. The scheduler owns every change to a queued `Sequence`: `schedule()` admits and
-preempts (status, blocks), `update()` applies a step's results (new tokens, logprobs, finishing,
-computed counts, freeing blocks); the runner and the output module only read sequences.
+preempts (status, blocks) and commits the step (computed and scored counts, a placeholder for each
+token it will sample), `update()` applies the step's results (new tokens in place of the
+placeholders, logprobs, finishing, freeing blocks); the runner and the output module only read
+sequences.
+
+With async scheduling, step t + 1 is scheduled before step t's results are read: a sequence whose
+token is still a placeholder decodes it anyway (the runner resolves it on the device), so a
+sequence that stops at t (end token, stop string, non-finite logits) has one step of work at t + 1
+that `update` discards. A sequence that will be full once its placeholders resolve (max_tokens,
+context length) is not scheduled. Batch composition never changes a request's bits, so the
+outputs are the same with and without it.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from deepinfer.engine.cache import CacheManager
-from deepinfer.engine.sequence import Sequence, Status
+from deepinfer.engine.sequence import Sequence, Status, is_placeholder, placeholder
 
 
 @dataclass
 class ScheduledChunk:
     """Tokens [start, start + num_tokens) of `seq` run this step. `scored` lists the positions whose
     logits score a prompt token not scored before (position p scores token p + 1; a sequence
-    recomputed after preemption does not score its prompt twice); `num_draft` is room for draft
-    tokens after the sampled one (0 until speculative decoding)."""
+    recomputed after preemption does not score its prompt twice); `samples`: the chunk reaches the
+    sequence's last token, so the step draws token `end`; `num_draft` is room for draft tokens after
+    the sampled one (0 until speculative decoding)."""
 
     seq: Sequence
     start: int
     num_tokens: int
     scored: range = range(0)
+    samples: bool = False
     num_draft: int = 0
 
     @property
@@ -41,9 +52,9 @@ class ScheduledChunk:
         return self.start + self.num_tokens
 
     @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the sequence's last known token (so a new token is drawn)."""
-        return self.end == len(self.seq.token_ids)
+    def resolves_input(self) -> bool:
+        """Whether the chunk's last input token is a placeholder of the step in flight."""
+        return is_placeholder(self.seq.token_ids[self.end - 1])
 
 
 @dataclass
@@ -72,24 +83,30 @@ class StepResult:
 
 
 def scored_positions(seq: Sequence, start: int, end: int) -> range:
-    """Positions in [start, end) whose logits score a prompt token that has no logprob yet."""
+    """Positions in [start, end) whose logits score a prompt token not scored by an earlier step."""
     if not seq.params.prompt_logprobs:
         return range(0)
-    return range(max(start, len(seq.prompt_logprobs)), min(end, len(seq.prompt_token_ids) - 1))
+    return range(max(start, seq.num_scored), min(end, len(seq.prompt_token_ids) - 1))
 
 
-# Decides whether a sequence that just got a token is done: the finish reason (and, for a stop
-# string, the text cut before it) or None. `deepinfer.engine.output.OutputProcessor.stop` is one.
-StopCheck = Callable[[Sequence], tuple[str, str | None] | None]
+class StopRules(Protocol):
+    """When a sequence is done (`deepinfer.engine.output.OutputProcessor` is one)."""
+
+    def stop(self, seq: Sequence, length: int) -> tuple[str, str | None] | None:
+        """After token `length - 1` was sampled: the finish reason (and, for a stop string, the text
+        cut before it), or None to go on."""
+
+    def full(self, seq: Sequence, length: int) -> bool:
+        """Whether `seq` with `length` tokens may have no more."""
 
 
 class Scheduler:
     def __init__(
-        self, cache: CacheManager, stop: StopCheck, *, max_num_seqs: int, max_num_batched_tokens: int,
+        self, cache: CacheManager, rules: StopRules, *, max_num_seqs: int, max_num_batched_tokens: int,
         chunked_prefill: bool,
     ) -> None:
         self.cache = cache
-        self.stop = stop
+        self.rules = rules
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
@@ -107,7 +124,7 @@ class Scheduler:
         budget = self.budget
         chunks: list[ScheduledChunk] = []
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING or budget == 0:
+            if seq.status is not Status.RUNNING or budget == 0 or self.rules.full(seq, len(seq.token_ids)):
                 continue
             n = self._chunk_len(seq, budget)
             if n == 0:
@@ -126,7 +143,8 @@ class Scheduler:
             n = self._chunk_len(seq, budget)
             # Leave a block per pool for each running sequence, so admitting a newcomer does not
             # force a preemption (and a re-admission, and another preemption) on the next step.
-            if n == 0 or not self.cache.can_grow(seq.blocks, n, reserve=len(self.running)):
+            if (n == 0 or self.rules.full(seq, len(seq.token_ids))
+                    or not self.cache.can_grow(seq.blocks, n, reserve=len(self.running))):
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
@@ -134,11 +152,28 @@ class Scheduler:
             self.cache.grow(seq.blocks, n)
             chunks.append(self._chunk(seq, 0, n))
             budget -= n
+        self._commit(chunks)
         return SchedulerOutput(chunks)
 
     @staticmethod
     def _chunk(seq: Sequence, start: int, n: int) -> ScheduledChunk:
-        return ScheduledChunk(seq, start, n, scored_positions(seq, start, start + n))
+        end = start + n
+        return ScheduledChunk(seq, start, n, scored_positions(seq, start, end), samples=end == len(seq.token_ids))
+
+    @staticmethod
+    def _commit(chunks: list[ScheduledChunk]) -> None:
+        """Count the step's work as done: its tokens computed, its positions scored, and a placeholder
+        for each token it samples (its row in the step's output), so the next step can be scheduled
+        before this one's results are read."""
+        row = 0
+        for chunk in chunks:
+            seq = chunk.seq
+            seq.num_computed = chunk.end
+            if chunk.scored:
+                seq.num_scored = chunk.scored.stop
+            if chunk.samples:
+                seq.token_ids.append(placeholder(row))
+                row += 1
 
     def _chunk_len(self, seq: Sequence, budget: int) -> int:
         remaining = seq.num_uncomputed
@@ -158,42 +193,47 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def update(self, scheduled: SchedulerOutput, result: StepResult) -> list[Sequence]:
-        """Apply a step's results: record prompt logprobs, append sampled tokens, finish sequences
-        (stop, length, or non-finite logits), advance computed counts and release cache rows no
-        later step can read. Returns the sequences that finished."""
+        """Apply a step's results: record prompt logprobs, put the sampled tokens in place of their
+        placeholders, finish sequences (stop, length, or non-finite logits) and release cache rows
+        no later step can read. Rows of sequences that finished before this step are dropped.
+        Returns the sequences that finished."""
         now = time.perf_counter()
         finished = []
         scoring = iter(zip(result.prompt_logprobs, result.prompt_top))
         sampled = iter(range(len(result.tokens)))
         for chunk in scheduled.chunks:
             seq = chunk.seq
-            if chunk.scored:
-                logprobs, top = next(scoring)
-                seq.prompt_logprobs.extend(logprobs)
-                seq.prompt_top_logprobs.extend(top)
-            seq.num_computed = chunk.end
-            if chunk.samples:
-                row = next(sampled)
-                if not result.finite[row]:
-                    seq.finish("error", error=f"non-finite logits at position {chunk.end - 1}",
-                               error_kind="non_finite_logits")
-                else:
-                    self._append(seq, result, row, now)
+            prompt = next(scoring) if chunk.scored else None
+            row = next(sampled) if chunk.samples else None
             if seq.status is Status.FINISHED:
-                self.running.remove(seq)
+                continue
+            if prompt is not None:
+                seq.prompt_logprobs.extend(prompt[0])
+                seq.prompt_top_logprobs.extend(prompt[1])
+            if row is not None:
+                self._resolve(seq, chunk.end, result, row, now)
+            if seq.status is Status.FINISHED:
+                (self.running if seq in self.running else self.waiting).remove(seq)
                 self.cache.free(seq.blocks)
                 finished.append(seq)
-            else:
+            elif seq.status is Status.RUNNING:
                 self.cache.release_behind(seq.blocks, seq.num_computed)
         return finished
 
-    def _append(self, seq: Sequence, result: StepResult, row: int, now: float) -> None:
-        seq.token_ids.append(result.tokens[row])
+    def _resolve(self, seq: Sequence, index: int, result: StepResult, row: int, now: float) -> None:
+        """Token `index` of `seq`, sampled in `row`: the real token in place of its placeholder, then
+        the stop checks (a finished sequence drops the placeholders after it)."""
+        if not result.finite[row]:
+            del seq.token_ids[index:]
+            seq.finish("error", error=f"non-finite logits at position {index - 1}", error_kind="non_finite_logits")
+            return
+        seq.token_ids[index] = result.tokens[row]
         seq.logprobs.append(result.logprobs[row])
         if result.top[row] is not None:
             seq.top_logprobs.append(result.top[row])
         if seq.first_token_time is None:
             seq.first_token_time = now
-        stopped = self.stop(seq)
+        stopped = self.rules.stop(seq, index + 1)
         if stopped is not None:
+            del seq.token_ids[index + 1:]
             seq.finish(*stopped)

@@ -1,4 +1,10 @@
-"""A request's life inside the engine: its tokens, how many are computed, its cache blocks."""
+"""A request's life inside the engine: its tokens, how many are computed, its cache blocks.
+
+A token the device is still sampling is held in `Sequence.token_ids` as a placeholder: a negative
+id, `placeholder(row)`, naming the row of the in-flight step's output that will hold it. The runner
+resolves placeholders on the device (a step can take them as input before the host knows them);
+`Scheduler.update` replaces them with the real tokens once the step's results come down.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,15 @@ from enum import Enum
 
 from deepinfer.engine.cache import BlockTables
 from deepinfer.sampling_params import SamplingParams
+
+
+def placeholder(row: int) -> int:
+    """The stand-in for the token a step samples in its output row `row`."""
+    return -1 - row
+
+
+def is_placeholder(token: int) -> bool:
+    return token < 0
 
 
 class Status(Enum):
@@ -22,7 +37,8 @@ class Sequence:
     params: SamplingParams
     seed: int
     token_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0
+    num_computed: int = 0  # tokens whose cache rows are written, or scheduled to be by a step in flight
+    num_scored: int = 0  # prompt positions whose logprobs are scheduled (`prompt_logprobs` may lag behind)
     status: Status = Status.WAITING
     blocks: BlockTables = field(default_factory=BlockTables)
     logprobs: list[float] = field(default_factory=list)
@@ -42,6 +58,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
+        """The generated tokens, placeholders included while a step is in flight."""
         return self.token_ids[len(self.prompt_token_ids):]
 
     @property

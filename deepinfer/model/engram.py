@@ -207,12 +207,17 @@ class EngramTokens:
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A step's compressed ids [T] (of `input_ids`, padding included) and lookback [rows,
         lookback]: per row, the compressed ids of the tokens before its first token this step
-        (`histories[b]`, the row's earlier tokens; pad rows and missing tokens get the pad)."""
+        (`histories[b]`, the row's earlier tokens; pad rows and missing tokens get the pad).
+        Placeholders (negative ids, tokens the device is still sampling) stay as they are."""
         lookback = torch.full((rows, self.lookback), self.pad, dtype=torch.long)
         for row, history in enumerate(histories):
-            previous = self.compressed[torch.tensor(history[-self.lookback:], dtype=torch.long)].tolist()
+            previous = self.compress(torch.tensor(history[-self.lookback:], dtype=torch.long)).tolist()
             lookback[row] = torch.tensor(lookback_ids(previous, self.lookback, self.pad))
-        return self.compressed[input_ids], lookback
+        return self.compress(input_ids), lookback
+
+    def compress(self, ids: torch.Tensor) -> torch.Tensor:
+        """The compressed id of each token id, placeholders kept."""
+        return torch.where(ids < 0, ids, self.compressed[ids.clamp(min=0)])
 
 
 def lookback_ids(previous: Sequence[int], width: int, pad_id: int) -> list[int]:

@@ -1,0 +1,149 @@
+"""Async scheduling (`EngineConfig.async_scheduling`): step t + 1 is scheduled and queued before step
+t's tokens are read, with placeholders for them resolved on the device.
+
+- outputs are bitwise those of synchronous scheduling, whatever the mix of requests, stops, chunked
+  prefill, prompt logprobs and preemption (hypothesis), for V4 and for V4.1 with Engram (whose
+  compressed ids and lookback take the placeholders too) and stop strings;
+- a request is never scheduled past max_tokens, and one that stops early costs at most one discarded
+  step; every cache block is free at the end;
+- Engram tables in host memory need the tokens on the host, so those engines run synchronously (and
+  record that they did).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from deepinfer import LLM, EngineConfig, SamplingParams
+from deepinfer.engine.config import add_engine_flags, config_from_flags
+from deepinfer.errors import DeepInferError
+
+SYNC = EngineConfig(max_model_len=128, async_scheduling=False)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LLM:
+    return LLM("preset:tiny", SYNC)
+
+
+@pytest.fixture(scope="module")
+def v41_tiny() -> LLM:
+    return LLM("preset:v41-tiny", SYNC)
+
+
+def outcome(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple]:
+    """Every output field that async scheduling must not change, in prompt order."""
+    free = llm.cache.num_free()
+    outputs = llm.generate(prompts, params)
+    assert llm.cache.num_free() == free, "blocks were left allocated"
+    skip = {"first_token_time", "request_id"}  # ids count the engine's requests so far
+    return [tuple(v for k, v in dataclasses.asdict(o).items() if k not in skip) for o in outputs]
+
+
+def both(model: LLM, config: EngineConfig) -> tuple[LLM, LLM]:
+    """Engines over `model`'s weights as `config` says, reading results synchronously and asynchronously."""
+    return (model.with_engine(dataclasses.replace(config, async_scheduling=False)),
+            model.with_engine(dataclasses.replace(config, async_scheduling=True)))
+
+
+request = st.fixed_dictionaries({
+    "prompt": st.lists(st.integers(2, 1023), min_size=1, max_size=40),
+    "max_tokens": st.integers(1, 20),
+    "temperature": st.sampled_from([0.0, 0.9]),
+    "logprobs": st.sampled_from([None, 2]),
+    "prompt_logprobs": st.booleans(),
+    "stop_token_ids": st.lists(st.integers(2, 1023), max_size=40),
+})
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(requests=st.lists(request, min_size=1, max_size=6), budget=st.sampled_from([8, 24, 256]),
+       blocks=st.sampled_from([None, 24]), seed=st.integers(0, 3))
+def test_async_outputs_are_the_synchronous_ones(tiny, requests, budget, blocks, seed):
+    config = dataclasses.replace(SYNC, max_num_batched_tokens=budget, block_size=4, num_cache_blocks=blocks)
+    sync, overlapped = both(tiny, config)
+    prompts = [r["prompt"] for r in requests]
+    params = [SamplingParams(seed=seed + i, **{k: v for k, v in r.items() if k != "prompt"})
+              for i, r in enumerate(requests)]
+    assert outcome(overlapped, prompts, params) == outcome(sync, prompts, params)
+
+
+def test_small_caches_preempt_requests_with_tokens_in_flight(tiny):
+    """Preemption picks sequences whose last token is still a placeholder; recomputing them resolves it."""
+    config = dataclasses.replace(SYNC, max_num_batched_tokens=16, block_size=4, num_cache_blocks=24)
+    sync, overlapped = both(tiny, config)
+    prompts = [list(range(2, 30 + 5 * i)) for i in range(6)]
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=20 + 3 * i, logprobs=2,
+                             prompt_logprobs=bool(i % 2)) for i in range(6)]
+    assert outcome(overlapped, prompts, params) == outcome(sync, prompts, params)
+    assert overlapped.scheduler.num_preemptions > 0
+
+
+def test_engram_and_stop_strings_match_synchronous_scheduling(v41_tiny):
+    sync, overlapped = both(v41_tiny, dataclasses.replace(SYNC, max_num_batched_tokens=32))
+    prompts = ["The quick brown fox", "Reproducible inference means", "1 2 3 4 5 6", "Once"]
+    free = [SamplingParams(temperature=0.9, seed=i, max_tokens=24, ignore_eos=True) for i in range(4)]
+    text = sync.generate(prompts, free)[1].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]  # a string the second request is known to produce
+    assert stop.strip(), f"no usable stop string in {text!r}"
+    params = [dataclasses.replace(p, stop=[stop], ignore_eos=False) for p in free]
+    want = outcome(sync, prompts, params)
+    assert outcome(overlapped, prompts, params) == want
+    assert sync.generate(prompts[1:2], params[1:2])[0].finish_reason == "stop"
+
+
+def sampling_rows_per_request(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> dict[int, int]:
+    """How many tokens the engine sampled for each request (discarded ones included)."""
+    counts: dict[int, int] = {}
+    execute = llm.runner.execute
+
+    def counting(scheduled, in_flight=None):
+        for chunk in scheduled.sampling:
+            counts[chunk.seq.request_id] = counts.get(chunk.seq.request_id, 0) + 1
+        return execute(scheduled, in_flight)
+
+    llm.runner.execute = counting
+    try:
+        outputs = llm.generate(prompts, params)
+    finally:
+        del llm.runner.execute
+    return {o.request_id: (counts[o.request_id], len(o.token_ids)) for o in outputs}
+
+
+def test_length_limits_cost_no_step_and_stops_at_most_one(tiny):
+    sync, overlapped = both(tiny, SYNC)
+    prompts = [list(range(2, 12)), list(range(20, 40)), list(range(50, 53))]
+    greedy = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (1, 7, 15)]
+    for llm in (sync, overlapped):
+        rows = sampling_rows_per_request(llm, prompts, greedy)
+        assert [rows[i] for i in sorted(rows)] == [(1, 1), (7, 7), (15, 15)]
+    produced = sync.generate(prompts, greedy)
+    stops = [SamplingParams(temperature=0, max_tokens=15, stop_token_ids=[o.token_ids[-1]]) for o in produced]
+    for llm, waste in ((sync, 0), (overlapped, 1)):
+        rows = sampling_rows_per_request(llm, prompts, stops)
+        for sampled, kept in rows.values():
+            assert kept <= sampled <= kept + waste
+
+
+def test_host_engram_tables_run_synchronously(v41_tiny):
+    host = LLM("preset:v41-tiny", max_model_len=128, engram_tables="host")
+    assert host.engine_config.async_scheduling is False  # what ran is what the run records
+    prompts = [[2, 3, 4, 5], [9, 8, 7]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    overlapped = v41_tiny.with_engine(dataclasses.replace(SYNC, async_scheduling=True))
+    assert overlapped.engine_config.async_scheduling is True
+    assert outcome(host, prompts, [params] * 2) == outcome(overlapped, prompts, [params] * 2)
+
+
+def test_the_flag_and_its_validation():
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    assert config_from_flags(parser.parse_args([])).async_scheduling is True
+    assert config_from_flags(parser.parse_args(["--no-async-scheduling"])).async_scheduling is False
+    with pytest.raises(DeepInferError, match="^async_scheduling must be true or false, got 'no'$"):
+        EngineConfig(async_scheduling="no")
