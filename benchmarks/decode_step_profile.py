@@ -3,7 +3,8 @@
     python benchmarks/decode_step_profile.py --out results.json [--preset flash-4l] [--batches 1 64]
 
 For each batch size B the engine gets B requests (64-token prompts, greedy, no stop), steps until
-every one of them is decoding, then:
+every one of them is decoding, then (reading each step's results before the next: no async
+scheduling, so a step's costs are its own):
 - times `--steps` decode steps one by one (synchronised; median and min reported);
 - profiles one decode step with torch.profiler and counts what ran on the GPU (kernels, memcpy,
   memset) and the host-side launch calls;
@@ -29,6 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from deepinfer import LLM, NUMERICS, EngineConfig, SamplingParams
 from deepinfer.engine.graph import StepGraph
+from deepinfer.transfer import Download
 
 PROMPT_TOKENS = 64
 TOP_KERNELS = 15  # the kernels of one profiled step reported by total GPU time
@@ -44,10 +46,11 @@ def engine_config(dtype: str, numerics: str, batch: int, prompt_tokens: int = PR
 
 
 def decoding_engine(model: LLM, batch: int, new_tokens: int, prompt_tokens: int = PROMPT_TOKENS,
-                    cuda_graphs: bool = True) -> LLM:
-    """An engine over `model`'s weights with `batch` requests, stepped until every one is decoding."""
+                    **settings) -> LLM:
+    """An engine over `model`'s weights (and `settings`) with `batch` requests, stepped until every one
+    is decoding."""
     llm = model.with_engine(engine_config(model.engine_config.dtype, model.numerics, batch, prompt_tokens,
-                                          cuda_graphs=cuda_graphs))
+                                          **settings))
     gen = torch.Generator().manual_seed(batch)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     for _ in range(batch):
@@ -93,8 +96,12 @@ def profiled_step(llm: LLM) -> dict:
 
 
 def synced_step(llm: LLM) -> list[str]:
-    """Where (file:line of the Python call) each synchronisation of one decode step happened."""
+    """Where (file:line of the Python call) each synchronisation of one decode step happened: the
+    synchronising calls torch warns of, and the wait for the step results' copy (an event, which
+    torch does not report)."""
     torch.cuda.synchronize()
+    waits, wait = [], Download.wait
+    Download.wait = lambda download: waits.append("deepinfer/transfer.py:Download.wait") or wait(download)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -102,8 +109,9 @@ def synced_step(llm: LLM) -> list[str]:
             llm.step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
+            Download.wait = wait
     root = str(Path(__file__).resolve().parent.parent) + "/"
-    return [f"{w.filename.replace(root, '')}:{w.lineno}" for w in caught if SYNC_WARNING in str(w.message)]
+    return [f"{w.filename.replace(root, '')}:{w.lineno}" for w in caught if SYNC_WARNING in str(w.message)] + waits
 
 
 def forward_times(llm: LLM, repeats: int) -> dict:
@@ -142,7 +150,7 @@ def main() -> None:
     for numerics in args.numerics:
         model = LLM(f"preset:{args.preset}", engine_config(args.dtype, numerics, 1))  # built once per mode
         for batch in args.batches:
-            llm = decoding_engine(model, batch, new_tokens=args.steps + 8)
+            llm = decoding_engine(model, batch, new_tokens=args.steps + 8, async_scheduling=False)
             timed_steps(llm, 2)  # warm-up (autotuning, allocator)
             times = timed_steps(llm, args.steps)
             run = {"numerics": numerics, "batch": batch, "step_ms_median": round(1e3 * statistics.median(times), 3),

@@ -7,34 +7,56 @@ one JSON (with the command and the device).
 - kernels: the invariant Triton matmul (`kernels.triton_ops.linear`) against cuBLAS at the preset's
   decode (M = 1, 16) and prefill (M = 2048) shapes, rotating over enough weight copies that L2 holds
   none of them, each replayed from a CUDA graph (GPU time, as inside the engine's graphs);
-- decode: ms per decode step at each batch size after `--context`-token prompts, batch-invariant with
-  CUDA graphs, batch-invariant eager and fast (ratios to the first), with kernel launches and host
-  syncs per step; at batch 1 the HBM roofline: the bytes a step must read (every weight but the
-  embedding table and the routed experts, the embedding rows, the expected routed experts, the
-  caches) over the measured copy bandwidth;
-- prefill: tokens/s of 8 prompts of 2048 tokens in one step, both numerics modes.
+- decode: ms per decode step at each batch size after prompts of each `--contexts` length (larger
+  contexts at the batch sizes whose prompts total at most `--context-tokens`), `--steps` steps run
+  back to back as in serving, under each engine setup of `SETUPS` (batch-invariant with CUDA graphs
+  and async scheduling, without async, eager; fast), with the fraction of that time the GPU sat idle
+  between steps (CUDA events: from the end of a step's queued work to the first copy of the next),
+  and, from one more step, the kernels, launches and host syncs per step; at batch 1 the HBM
+  roofline: the bytes a step must read (every weight but the embedding table and the routed
+  experts, the embedding rows, the expected routed experts, the caches) over the measured copy
+  bandwidth;
+- prefill: tokens/s of 8 prompts of 2048 tokens and of one 32768-token prompt, in steps of at most
+  `--prefill-step-tokens` (16384), both numerics modes;
+- transformers: its own eager model on the same weights (`transformers_bench.py`), decode at batch
+  1 and 64 after prompts of the first context and the 8 x 2048 prefill, as ratios to ours.
 The preset's seeded random weights are built on the device, once per numerics mode.
+
+    python benchmarks/gpu_bench.py --merge invariant.json fast.json transformers.json --out results.json
+
+merges reports of one preset and device made by separate runs (a device's time per command is
+limited: `--modes`, `--skip`, and `transformers_bench.py` on its own), keeping each one's command,
+and summarizes them together.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import triton
 from torch.nn import functional as F
 
-from decode_step_profile import decoding_engine, engine_config, profiled_step, synced_step, timed_steps
+import transformers_bench
+from decode_step_profile import decoding_engine, engine_config, profiled_step, synced_step
 from deepinfer import LLM, NUMERICS, SamplingParams
 from kernels import triton_ops
 from kernels.quant import QuantizedWeight
 
-PREFILL = (8, 2048)
+PREFILLS = ((8, 2048), (1, 32768))
+# engine setups timed per numerics mode: name -> settings (fast numerics cannot be captured in graphs)
+SETUPS = {
+    "batch_invariant": {"graphs+async": {}, "graphs": {"async_scheduling": False},
+                        "eager+async": {"cuda_graphs": False}},
+    "fast": {"async": {}},
+}
 
 
 def timed_ms(fn, inputs: list[tuple]) -> float:
@@ -121,37 +143,92 @@ def decode_bytes(model, batch: int, context: int) -> int:
     return int(dense + rows + routed * expected / experts + cache)
 
 
-def decode(model: LLM, batches: list[int], context: int, steps: int) -> list[dict]:
-    """ms per decode step of `model` (its numerics) at each batch size, graphs on and (invariant) off."""
-    rows = []
-    graph_modes = (True, False) if model.numerics == "batch_invariant" else (False,)
-    for batch in batches:
-        for graphs in graph_modes:
-            llm = decoding_engine(model, batch, steps + 8, prompt_tokens=context, cuda_graphs=graphs)
-            timed_steps(llm, 2)
-            times = timed_steps(llm, steps)
-            row = {"numerics": model.numerics, "cuda_graphs": graphs, "batch": batch, "context": context,
-                   "step_ms": round(1e3 * statistics.median(times), 3)}
-            profile = profiled_step(llm)
-            row.update(gpu_kernels=profile["gpu_kernels"], host_launch_calls=profile["host_launch_calls"],
-                       gpu_kernel_ms=profile["gpu_kernel_ms"], host_syncs=len(synced_step(llm)),
-                       top_kernels=profile["top_kernels"][:6])
-            rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "top_kernels"}), flush=True)
-            del llm
-            torch.cuda.empty_cache()
-    return rows
+def stepped(llm: LLM, steps: int) -> dict:
+    """`steps` decode steps run back to back (the host waits only for results, as in serving): ms per
+    step, and the fraction of the GPU's time spent idle between steps, from CUDA events recorded
+    after each step's work is queued and once the next step's batch is built, before its first copy."""
+    built, ended = [], []
+    build, execute = llm.runner.build_batch, llm.runner.execute
+
+    def marked(fn, events):
+        def call(*args, **kwargs):
+            result = fn(*args, **kwargs)
+            events.append(torch.cuda.Event(enable_timing=True))
+            events[-1].record()
+            return result
+        return call
+
+    llm.runner.build_batch, llm.runner.execute = marked(build, built), marked(execute, ended)
+    try:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            llm.step()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    finally:
+        del llm.runner.build_batch, llm.runner.execute
+    gaps = [end.elapsed_time(begin) for end, begin in zip(ended, built[1:])]
+    busy_span = built[0].elapsed_time(ended[-1])
+    return {"step_ms": round(1e3 * seconds / steps, 3), "gpu_idle_between_steps": round(sum(gaps) / busy_span, 4),
+            "gap_ms_median": round(statistics.median(gaps), 4)}
 
 
-def prefill(model: LLM) -> dict:
-    """Tokens/s of PREFILL prompts computed in one step (the second of two runs: the first compiles)."""
-    count, length = PREFILL
+def release() -> None:
+    """Give dropped engines' caches and graph pools back to the device before the next one is built."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def decode(model: LLM, batches: list[int], contexts: list[int], context_tokens: int, steps: int,
+           rows: list[dict], save: Callable[[], None]) -> None:
+    """ms per decode step of `model` (its numerics) at each batch size and context, under each setup,
+    appended to `rows` (and `save`d) one by one."""
+    for context in contexts:
+        for batch in batches:
+            if context != contexts[0] and batch * context > context_tokens:
+                continue
+            for setup, settings in SETUPS[model.numerics].items():
+                llm = decoding_engine(model, batch, 2 * steps + 16, prompt_tokens=context, **settings)
+                stepped(llm, 4)  # captures, compiles and the allocator settle
+                graphs = len(llm.runner.graphs or {})
+                row = {"numerics": model.numerics, "setup": setup, "batch": batch, "context": context,
+                       **stepped(llm, steps)}
+                row["graphs_captured_while_timed"] = len(llm.runner.graphs or {}) - graphs
+                profile = profiled_step(llm)
+                row.update(gpu_kernels=profile["gpu_kernels"], host_launch_calls=profile["host_launch_calls"],
+                           gpu_kernel_ms=profile["gpu_kernel_ms"], host_syncs=len(synced_step(llm)),
+                           top_kernels=profile["top_kernels"][:6])
+                row["gib_allocated"] = round(torch.cuda.memory_allocated() / 2**30, 1)
+                rows.append(row)
+                save()
+                print(json.dumps({k: v for k, v in row.items() if k != "top_kernels"}), flush=True)
+                del llm
+                release()
+
+
+def prefill(model: LLM, count: int, length: int, step_tokens: int) -> dict:
+    """Tokens/s of `count` prompts of `length` tokens, computed in as few steps of at most
+    `step_tokens` tokens as fit (the second of two runs: the first compiles); a step budget that
+    runs out of device memory is halved until one fits (the row says which ran)."""
+    while True:
+        try:
+            return prefill_at(model, count, length, step_tokens)
+        except torch.OutOfMemoryError:
+            if step_tokens <= 1024:
+                raise
+        release()  # outside the handler: the failed run's frames (and its engine) are gone
+        print(f"prefill {count}x{length}: out of memory at {step_tokens}-token steps; halving", flush=True)
+        step_tokens //= 2
+
+
+def prefill_at(model: LLM, count: int, length: int, step_tokens: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     seconds = []
     for _ in range(2):
         llm = model.with_engine(engine_config(model.engine_config.dtype, model.numerics, count, length,
-                                              max_num_batched_tokens=count * length))
+                                              max_num_batched_tokens=min(step_tokens, count * length)))
         prompts = [torch.randint(16, 4000, (length,), generator=gen).tolist() for _ in range(count)]
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -159,8 +236,9 @@ def prefill(model: LLM) -> dict:
         torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
         del llm
+        release()
     return {"numerics": model.numerics, "prompts": count, "prompt_tokens": length,
-            "tokens_per_s": round(count * length / seconds[-1], 1)}
+            "step_tokens": min(step_tokens, count * length), "tokens_per_s": round(count * length / seconds[-1], 1)}
 
 
 def main() -> None:
@@ -169,12 +247,23 @@ def main() -> None:
     parser.add_argument("--preset", default="flash-4l")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
-    parser.add_argument("--context", type=int, default=512, help="prompt tokens before the timed decode steps")
-    parser.add_argument("--steps", type=int, default=10, help="timed decode steps per configuration")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["kernels", "decode", "prefill"])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4000, 32000],
+                        help="prompt tokens before the timed decode steps")
+    parser.add_argument("--context-tokens", type=int, default=300_000,
+                        help="beyond the first context, the most prompt tokens one configuration prefills")
+    parser.add_argument("--steps", type=int, default=20, help="timed decode steps per configuration")
+    parser.add_argument("--prefill-step-tokens", type=int, default=16384,
+                        help="the prefill runs' step budget (sparse attention gathers its keys per token)")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["kernels", "decode", "prefill", "transformers"])
     parser.add_argument("--modes", nargs="+", default=list(NUMERICS), choices=NUMERICS)
+    parser.add_argument("--merge", nargs="+", metavar="REPORT", help="merge these reports instead of measuring")
     args = parser.parse_args()
     out = Path(args.out)
+    if args.merge:
+        report = merged([json.loads(Path(path).read_text()) for path in args.merge])
+        summarize(report)
+        out.write_text(json.dumps(report, indent=1))
+        return
     report = {"command": "python " + " ".join(a if a != args.out else out.name for a in sys.argv),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "preset": args.preset, "dtype": args.dtype, "ceilings": ceilings()}
@@ -183,40 +272,86 @@ def main() -> None:
         model = LLM(f"preset:{args.preset}", engine_config(args.dtype, numerics, 1))
         if numerics == "batch_invariant" and "kernels" not in args.skip:
             report["kernels"] = kernels(model.config)
+        if "prefill" not in args.skip:  # first: its long steps need the most memory
+            for count, length in PREFILLS:
+                report.setdefault("prefill", []).append(prefill(model, count, length, args.prefill_step_tokens))
+                print(json.dumps(report["prefill"][-1]), flush=True)
         if "decode" not in args.skip:
-            report.setdefault("decode", []).extend(decode(model, args.batches, args.context, args.steps))
-        if "prefill" not in args.skip:
-            report.setdefault("prefill", []).append(prefill(model))
-            print(json.dumps(report["prefill"][-1]), flush=True)
+            decode(model, args.batches, args.contexts, args.context_tokens, args.steps,
+                   report.setdefault("decode", []), lambda: out.write_text(json.dumps(report, indent=1)))
         if numerics == "batch_invariant":
-            step_bytes = decode_bytes(model.model, 1, args.context)
+            step_bytes = decode_bytes(model.model, 1, args.contexts[0])
             report["roofline_batch1"] = {"bytes_per_step": step_bytes,
                                          "ms": round(step_bytes / report["ceilings"]["copy_tb_s"] / 1e9, 3)}
         del model
-        torch.cuda.empty_cache()
+        release()
         out.write_text(json.dumps(report, indent=1))  # after each mode: a later failure keeps this one
+    if "transformers" not in args.skip:
+        report["transformers"] = transformers_bench.measure(args.preset, [1, 64], args.contexts[0], args.steps,
+                                                            args.dtype)
     summarize(report)
     out.write_text(json.dumps(report, indent=1))
 
 
+def merged(reports: list[dict]) -> dict:
+    """One report of several runs on one preset and device (a `transformers_bench` report becomes the
+    `transformers` section); measurements of the same thing in two runs are refused."""
+    for key in ("preset", "device"):
+        if len({r[key] for r in reports}) > 1:
+            raise SystemExit(f"--merge: the reports differ in {key}: {sorted({r[key] for r in reports})}")
+    report = {"commands": [r["command"] for r in reports]}
+    for part in reports:
+        if isinstance(part.get("transformers"), str):  # transformers_bench.py's own report
+            part = {"transformers": {k: v for k, v in part.items() if k not in ("command", "device")}}
+        for key, value in part.items():
+            if key == "command":
+                continue
+            if key in ("decode", "prefill"):
+                report.setdefault(key, []).extend(value)
+            elif key not in report or key in ("ceilings", "torch", "triton", "dtype", "device", "preset"):
+                report.setdefault(key, value)
+            else:
+                raise SystemExit(f"--merge: two reports have {key!r}")
+    return report
+
+
 def summarize(report: dict) -> None:
-    """Ratios the issue asks for: invariant vs fast, graphs vs eager, batch 1 against the roofline."""
-    steps = {(r["numerics"], r["cuda_graphs"], r["batch"]): r["step_ms"] for r in report.get("decode", [])}
+    """Ratios the issue asks for: invariant vs fast, async and graphs vs without, batch 1 against the
+    roofline, per context."""
+    steps = {(r["setup"], r["batch"], r["context"]): r for r in report.get("decode", [])}
     summary = {}
-    for batch in sorted({b for _, _, b in steps}):
-        graphs = steps.get(("batch_invariant", True, batch))
-        if graphs is None:
+    for (setup, batch, context), row in steps.items():
+        if setup != "graphs+async":
             continue
-        summary[f"batch {batch}"] = {
-            "invariant_graphs_ms": graphs,
-            "invariant_over_fast": round(graphs / steps[("fast", False, batch)], 3) if ("fast", False, batch) in steps else None,
-            "eager_over_graphs": round(steps[("batch_invariant", False, batch)] / graphs, 3),
-        }
-    if "roofline_batch1" in report and "batch 1" in summary:
-        summary["batch 1"]["of_roofline"] = round(report["roofline_batch1"]["ms"] / summary["batch 1"]["invariant_graphs_ms"], 3)
-    prefill_rates = {r["numerics"]: r["tokens_per_s"] for r in report.get("prefill", [])}
-    if len(prefill_rates) == 2:
-        summary["prefill_invariant_over_fast_time"] = round(prefill_rates["fast"] / prefill_rates["batch_invariant"], 3)
+        ms = row["step_ms"]
+        entry = {"invariant_ms": ms, "gpu_idle_between_steps": row["gpu_idle_between_steps"]}
+        for other, key in (("async", "invariant_over_fast"), ("graphs", "sync_over_async"),
+                           ("eager+async", "eager_over_graphs")):
+            if (other, batch, context) in steps:
+                theirs = steps[(other, batch, context)]["step_ms"]
+                entry[key] = round(ms / theirs, 3) if other == "async" else round(theirs / ms, 3)
+        if other_idle := steps.get(("graphs", batch, context)):
+            entry["gpu_idle_between_steps_sync"] = other_idle["gpu_idle_between_steps"]
+        summary[f"batch {batch}, context {context}"] = entry
+    first = f"batch 1, context {min((c for _, _, c in steps), default=0)}"
+    if "roofline_batch1" in report and first in summary:
+        summary[first]["of_roofline"] = round(report["roofline_batch1"]["ms"] / summary[first]["invariant_ms"], 3)
+    rates = {(r["numerics"], r["prompts"], r["prompt_tokens"]): r["tokens_per_s"] for r in report.get("prefill", [])}
+    for count, length in PREFILLS:
+        if ("fast", count, length) in rates and ("batch_invariant", count, length) in rates:
+            summary[f"prefill {count}x{length} invariant_over_fast_time"] = round(
+                rates[("fast", count, length)] / rates[("batch_invariant", count, length)], 3)
+    theirs = report.get("transformers")
+    if theirs:
+        for row in theirs["decode"]:
+            ours = steps.get(("graphs+async", row["batch"], theirs["context"]))
+            if ours:
+                summary[f"batch {row['batch']}, context {theirs['context']}"]["speedup_over_transformers"] = round(
+                    row["step_ms"] / ours["step_ms"], 2)
+        count, length = transformers_bench.PREFILL
+        if ("batch_invariant", count, length) in rates:
+            summary[f"prefill {count}x{length} invariant_over_transformers_speed"] = round(
+                rates[("batch_invariant", count, length)] / theirs["prefill"]["tokens_per_s"], 2)
     report["summary"] = summary
     print(json.dumps(summary, indent=1), flush=True)
 

@@ -2,8 +2,9 @@
 
     python benchmarks/gpu_invariance.py --preset small --dtype bfloat16 --out results.json
 
-Runs the standard request set under every standard variant, and one with CUDA graphs off (the
-others replay decode steps from graphs, in whichever step-shape bucket their batches land), in
+Runs the standard request set under every standard variant, one with CUDA graphs off (the
+others replay decode steps from graphs, in whichever step-shape bucket their batches land) and one
+with async scheduling off (the others queue each step before reading the one before), in
 `batch_invariant` and `fast` modes; reports which requests diverge from the all-at-once reference,
 and the wall time of the all-at-once variant in each mode.
 """
@@ -23,7 +24,7 @@ from deepinfer.checkpoint import preset_config
 from harness.invariance import STANDARD_VARIANTS, matrix_variant, run_matrix, run_variant, standard_requests
 from harness.sweep import Variant
 
-VARIANTS = STANDARD_VARIANTS + (Variant.of("graphs-off", cuda_graphs=False),)
+VARIANTS = STANDARD_VARIANTS + (Variant.of("graphs-off", cuda_graphs=False), Variant.of("async-off", async_scheduling=False))
 
 
 def timed_reference(llm: LLM, requests, dtype: str, numerics: str) -> float:
@@ -48,7 +49,8 @@ def main() -> None:
     requests = standard_requests(preset_config(args.preset).vocab_size, count=args.requests)
     command = " ".join(arg if arg != args.out else Path(args.out).name for arg in sys.argv)  # no machine paths
     report = {"command": f"python {command}", "device": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "preset": args.preset, "dtype": args.dtype, "modes": {}}
+              "torch": torch.__version__, "preset": args.preset, "dtype": args.dtype, "requests": len(requests),
+              "modes": {}}
     for numerics in args.modes:
         start = time.perf_counter()
         reference = matrix_variant(STANDARD_VARIANTS[0], dtype=args.dtype, numerics=numerics, device="cuda")

@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -147,3 +148,20 @@ def test_the_flag_and_its_validation():
     assert config_from_flags(parser.parse_args(["--no-async-scheduling"])).async_scheduling is False
     with pytest.raises(DeepInferError, match="^async_scheduling must be true or false, got 'no'$"):
         EngineConfig(async_scheduling="no")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("preset", ["tiny", "v41-tiny"])
+def test_cuda_async_steps_replayed_from_graphs_match_synchronous_ones(preset):
+    """On CUDA the placeholders resolve inside steps replayed from graphs, and results come down
+    through pinned memory behind the next step's work."""
+    config = EngineConfig(device="cuda", dtype="bfloat16", max_model_len=256, max_num_batched_tokens=24,
+                          async_scheduling=False)
+    sync, overlapped = both(LLM(f"preset:{preset}", config), config)
+    prompts = [[2 + (i * 7 + j) % 900 for j in range(n)] for i, n in enumerate((10, 37, 5, 21, 64, 3))]
+    produced = sync.generate(prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    params = [SamplingParams(temperature=0.7 * (i % 2), seed=i, max_tokens=10 + 5 * i, logprobs=2,
+                             prompt_logprobs=i == 1, stop_token_ids=[o.token_ids[8 + i]])
+              for i, o in enumerate(produced)]
+    assert outcome(overlapped, prompts, params) == outcome(sync, prompts, params)
+    assert overlapped.runner.graphs  # decode steps were replayed
