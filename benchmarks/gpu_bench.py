@@ -39,6 +39,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import triton
@@ -51,6 +52,7 @@ from kernels import triton_ops
 from kernels.quant import QuantizedWeight
 
 PREFILLS = ((8, 2048), (1, 32768))
+T = TypeVar("T")
 # engine setups timed per numerics mode: name -> settings (fast numerics cannot be captured in graphs)
 SETUPS = {
     "batch_invariant": {"graphs+async": {}, "graphs": {"async_scheduling": False},
@@ -180,21 +182,39 @@ def release() -> None:
     torch.cuda.empty_cache()
 
 
+def fitting(run: Callable[[int], T], step_tokens: int, what: str) -> tuple[T, int]:
+    """`run(step_tokens)`, the step budget halved while the device runs out of memory (sparse
+    attention gathers its keys per token): what it returned and the budget that ran."""
+    while True:
+        try:
+            return run(step_tokens), step_tokens
+        except torch.OutOfMemoryError:
+            if step_tokens <= 1024:
+                raise
+        release()  # outside the handler: the failed run's frames (and its engine) are gone
+        print(f"{what}: out of memory at {step_tokens}-token steps; halving", flush=True)
+        step_tokens //= 2
+
+
 def decode(model: LLM, batches: list[int], contexts: list[int], context_tokens: int, steps: int,
-           rows: list[dict], save: Callable[[], None]) -> None:
-    """ms per decode step of `model` (its numerics) at each batch size and context, under each setup,
-    appended to `rows` (and `save`d) one by one."""
+           step_tokens: int, rows: list[dict], save: Callable[[], None]) -> None:
+    """ms per decode step of `model` (its numerics) at each batch size and context, under each setup
+    (prompts prefilled in steps of at most `step_tokens`), appended to `rows` (and `save`d) one by one."""
     for context in contexts:
         for batch in batches:
             if context != contexts[0] and batch * context > context_tokens:
                 continue
             for setup, settings in SETUPS[model.numerics].items():
-                llm = decoding_engine(model, batch, 2 * steps + 16, prompt_tokens=context, **settings)
+                llm, prefilled_in = fitting(
+                    lambda budget: decoding_engine(model, batch, 2 * steps + 16, prompt_tokens=context,
+                                                   max_num_batched_tokens=budget, **settings),
+                    min(step_tokens, batch * context), f"decode batch {batch} context {context}")
                 stepped(llm, 4)  # captures, compiles and the allocator settle
                 graphs = len(llm.runner.graphs or {})
                 row = {"numerics": model.numerics, "setup": setup, "batch": batch, "context": context,
                        **stepped(llm, steps)}
                 row["graphs_captured_while_timed"] = len(llm.runner.graphs or {}) - graphs
+                row["prefill_step_tokens"] = prefilled_in
                 profile = profiled_step(llm)
                 row.update(gpu_kernels=profile["gpu_kernels"], host_launch_calls=profile["host_launch_calls"],
                            gpu_kernel_ms=profile["gpu_kernel_ms"], host_syncs=len(synced_step(llm)),
@@ -209,17 +229,10 @@ def decode(model: LLM, batches: list[int], contexts: list[int], context_tokens: 
 
 def prefill(model: LLM, count: int, length: int, step_tokens: int) -> dict:
     """Tokens/s of `count` prompts of `length` tokens, computed in as few steps of at most
-    `step_tokens` tokens as fit (the second of two runs: the first compiles); a step budget that
-    runs out of device memory is halved until one fits (the row says which ran)."""
-    while True:
-        try:
-            return prefill_at(model, count, length, step_tokens)
-        except torch.OutOfMemoryError:
-            if step_tokens <= 1024:
-                raise
-        release()  # outside the handler: the failed run's frames (and its engine) are gone
-        print(f"prefill {count}x{length}: out of memory at {step_tokens}-token steps; halving", flush=True)
-        step_tokens //= 2
+    `step_tokens` tokens as fit (the second of two runs: the first compiles; `fitting` halves a
+    budget that runs out of memory, and the row says which ran)."""
+    return fitting(lambda budget: prefill_at(model, count, length, budget), step_tokens,
+                   f"prefill {count}x{length}")[0]
 
 
 def prefill_at(model: LLM, count: int, length: int, step_tokens: int) -> dict:
@@ -253,7 +266,7 @@ def main() -> None:
                         help="beyond the first context, the most prompt tokens one configuration prefills")
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps per configuration")
     parser.add_argument("--prefill-step-tokens", type=int, default=16384,
-                        help="the prefill runs' step budget (sparse attention gathers its keys per token)")
+                        help="step budget of every prefill, timed or before decode (halved where it runs out of memory)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["kernels", "decode", "prefill", "transformers"])
     parser.add_argument("--modes", nargs="+", default=list(NUMERICS), choices=NUMERICS)
     parser.add_argument("--merge", nargs="+", metavar="REPORT", help="merge these reports instead of measuring")
@@ -277,7 +290,7 @@ def main() -> None:
                 report.setdefault("prefill", []).append(prefill(model, count, length, args.prefill_step_tokens))
                 print(json.dumps(report["prefill"][-1]), flush=True)
         if "decode" not in args.skip:
-            decode(model, args.batches, args.contexts, args.context_tokens, args.steps,
+            decode(model, args.batches, args.contexts, args.context_tokens, args.steps, args.prefill_step_tokens,
                    report.setdefault("decode", []), lambda: out.write_text(json.dumps(report, indent=1)))
         if numerics == "batch_invariant":
             step_bytes = decode_bytes(model.model, 1, args.contexts[0])
