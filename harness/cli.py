@@ -48,7 +48,8 @@ def add_audit(commands: argparse._SubParsersAction) -> None:
                                          "certificate.json, report.md and report.html into --out.")
     _model_and_suite(certify)
     certify.add_argument("--sweep", help="sweep JSON file (default: batch 1/8/32, shuffled, staggered, chunk 32, "
-                                         "preemption, plus a numerics=fast control)")
+                                         "preemption, synchronous steps, one CPU thread or (CUDA) no graphs, plus "
+                                         "a numerics=fast control)")
     certify.add_argument("--out", required=True, help="output folder (must be new or empty unless --resume)")
     certify.add_argument("--resume", action="store_true", help="continue an interrupted certification in --out")
     certify.add_argument("--sign-key", help="Ed25519 private key (PEM) to sign the certificate with")

@@ -89,7 +89,8 @@ class Sweep:
 def default_sweep(dtype: str | None = None, device: str | None = None) -> Sweep:
     """The sweep `make certify` runs: batch sizes 1/8/32, shuffled, staggered, chunk 32, forced
     preemption, each step read before the next is scheduled (the others schedule asynchronously), on
-    CPU one thread, and a `fast` numerics control. The preemption variant's 12 blocks
+    CPU one thread, on CUDA every step run eagerly (the others replay decode steps from CUDA graphs),
+    and a `fast` numerics control. The preemption variant's 12 blocks
     per cache pool (raised to one sequence's worth where that is more, see `CacheManager`) hold under
     two sequences' sliding-window rows at a 64-token step whatever max_model_len resolves to, so the
     requests must take turns. `dtype` and `device` (None: the engine's defaults) apply to every configuration."""
@@ -106,6 +107,8 @@ def default_sweep(dtype: str | None = None, device: str | None = None) -> Sweep:
     )
     if parse_device(reference.engine.device).type == "cpu":
         variants += (reference.derive("threads-1", threads=1),)
+    else:
+        variants += (reference.derive("graphs-off", cuda_graphs=False),)
     return Sweep(reference, variants, (reference.derive("fast", numerics="fast"),))
 
 

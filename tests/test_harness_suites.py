@@ -95,7 +95,9 @@ def test_default_sweep_covers_the_contract() -> None:
     assert sweep.reference.engine.async_scheduling and not variants["sync-steps"].engine.async_scheduling
     assert [c.engine.numerics for c in sweep.controls] == ["fast"]
     assert all(v.engine.numerics == "batch_invariant" for v in (sweep.reference, *sweep.variants))
-    assert "threads-1" not in {v.name for v in default_sweep(device="cuda").variants}  # GPU kernels: no CPU threads
+    on_cuda = {v.name: v for v in default_sweep(device="cuda").variants}
+    assert "threads-1" not in on_cuda and "threads-1" in variants  # GPU kernels: no CPU threads
+    assert not on_cuda["graphs-off"].engine.cuda_graphs and "graphs-off" not in variants
 
 
 def test_a_run_uses_its_variants_thread_count_and_restores_the_process_one(tiny_checkpoint, tmp_path) -> None:
