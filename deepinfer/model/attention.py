@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from deepinfer.config import CSA, HCA, SLIDING, ModelConfig
-from deepinfer.model.batch import CacheAddresses, CompressorAddresses
+from deepinfer.model.batch import CacheAddresses, CompressorAddresses, query_chunks
 from deepinfer.model.layers import Linear, RMSNorm, empty
 from deepinfer.model.rope import RotaryTable
 from kernels import Ops
@@ -135,6 +135,8 @@ class Attention(nn.Module):
         self, x: torch.Tensor, addresses: CacheAddresses, cache: dict[str, torch.Tensor],
         rope: tuple[torch.Tensor, torch.Tensor], compress_rope: RotaryTable,
     ) -> torch.Tensor:
+        """Write the step's cache rows (window KV, compressed entries), then attend, the queries in
+        row chunks whose gathered keys fit `READ_BUDGET_BYTES`."""
         tokens = x.shape[0]
         cos, sin = rope
         q_residual = self.q_norm(self.wq_a(x))
@@ -144,35 +146,59 @@ class Attention(nn.Module):
 
         window = cache["window"]
         window[addresses.window_write] = kv.to(window.dtype)
-        keys = [window[addresses.window_read]]
-        valid = [addresses.window_valid]
+        step = None
         if self.layer_type != SLIDING:
             step = addresses.compressors[POOL_PREFIX[self.layer_type]]
-            entry_keys, entry_valid = self._compressed_entries(x, q_residual, step, cache, rope, compress_rope)
-            keys.append(entry_keys)
-            valid.append(entry_valid)
-        out = self.ops.sink_attention(
-            q, torch.cat(keys, dim=1), torch.cat(valid, dim=1), self.attn_sink, self.head_dim**-0.5
-        )
+            self._compress(x, step, cache, compress_rope)
+        parts = [self._attend(rows, q, x, q_residual, rope, addresses, step, cache)
+                 for rows in query_chunks(tokens, self._row_bytes(addresses, step))]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
         out = self.ops.rotary(out, cos, -sin)
         grouped = self.ops.grouped_linear(out.reshape(tokens, self.o_groups, -1), self.wo_a.weight, self.o_groups)
         return self.wo_b(grouped.flatten(1))
 
-    def _compressed_entries(
-        self, x: torch.Tensor, q_residual: torch.Tensor, step: CompressorAddresses, cache: dict[str, torch.Tensor],
-        rope: tuple[torch.Tensor, torch.Tensor], compress_rope: RotaryTable,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _compress(self, x: torch.Tensor, step: CompressorAddresses, cache: dict[str, torch.Tensor],
+                  compress_rope: RotaryTable) -> None:
+        """Pool the windows the step closes into entries (the indexer's keys too, in CSA layers)."""
         state, entries = cache["state"], cache["entries"]
         d, main_width = self.head_dim, self.compressor.state_width
         self.compressor.update(x, step, state, entries, compress_rope, slice(0, main_width), slice(0, d))
-        if self.layer_type == HCA:
-            return entries[step.entry_read, :d], step.entry_valid
-        index_cols = slice(d, d + self.indexer.head_dim)
-        self.indexer.compressor.update(
-            x, step, state, entries, compress_rope,
-            slice(main_width, main_width + self.indexer.compressor.state_width), index_cols,
-        )
-        chosen, chosen_valid = self.indexer.select(
-            x, q_residual, *rope, entries[step.entry_read, index_cols], step.entry_valid
-        )
-        return entries[step.entry_read.gather(1, chosen), :d], chosen_valid
+        if self.layer_type == CSA:
+            self.indexer.compressor.update(
+                x, step, state, entries, compress_rope,
+                slice(main_width, main_width + self.indexer.compressor.state_width),
+                slice(d, d + self.indexer.head_dim),
+            )
+
+    def _row_bytes(self, addresses: CacheAddresses, step: CompressorAddresses | None) -> int:
+        """Bytes one query gathers: its keys (cache dtype, an fp32 copy, a masked one), and in CSA
+        layers the index keys of every entry it may see, as fp32, with their scores."""
+        keys = addresses.window_read.shape[1]
+        index = 0
+        if step is not None:
+            entries = step.entry_read.shape[1]
+            keys += min(self.indexer.topk, entries) if self.layer_type == CSA else entries
+            index = entries * (12 * self.indexer.head_dim + 16) if self.layer_type == CSA else 0
+        return 12 * keys * self.head_dim + index
+
+    def _attend(
+        self, rows: slice, q: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor], addresses: CacheAddresses, step: CompressorAddresses | None,
+        cache: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """Sink attention of the queries `rows` over their window and compressed keys."""
+        keys = [cache["window"][addresses.window_read[rows]]]
+        valid = [addresses.window_valid[rows]]
+        if step is not None:
+            entries, d = cache["entries"], self.head_dim
+            entry_read, entry_valid = step.entry_read[rows], step.entry_valid[rows]
+            if self.layer_type == CSA:
+                index_keys = entries[entry_read, d:d + self.indexer.head_dim]
+                cos, sin = rope
+                chosen, entry_valid = self.indexer.select(x[rows], q_residual[rows], cos[rows], sin[rows],
+                                                          index_keys, entry_valid)
+                entry_read = entry_read.gather(1, chosen)
+            keys.append(entries[entry_read, :d])
+            valid.append(entry_valid)
+        return self.ops.sink_attention(q[rows], torch.cat(keys, dim=1), torch.cat(valid, dim=1), self.attn_sink,
+                                       self.head_dim**-0.5)

@@ -39,6 +39,19 @@ def graph_bucket(n: int) -> int:
     return 1 << (max(n, 1) - 1).bit_length()
 
 
+# The most bytes an attention call may gather for its queries at once (keys and their fp32 copies,
+# index keys, scores): a step's queries attend in row chunks that fit, so memory stays bounded
+# whatever the step's size and context length. Rows are independent, so chunking changes no bits.
+READ_BUDGET_BYTES = 1 << 32
+
+
+def query_chunks(tokens: int, row_bytes: int) -> list[slice]:
+    """Row ranges of a step's `tokens` queries, each gathering at most `READ_BUDGET_BYTES` at
+    `row_bytes` per query (one range when all fit: a decode step is never split)."""
+    rows = max(1, READ_BUDGET_BYTES // max(row_bytes, 1))
+    return [slice(start, min(start + rows, tokens)) for start in range(0, max(tokens, 1), rows)]
+
+
 def close_capacity(tokens: int, seqs: int, ratio: int) -> int:
     """How many compression windows a step of `tokens` tokens over `seqs` sequences can close: a
     sequence's n consecutive tokens close at most n // ratio + 1 windows."""

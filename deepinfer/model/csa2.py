@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from deepinfer.config_v41 import FULL, REINDEX, SWA, LayerRole, V41Config
-from deepinfer.model.batch import CacheAddresses, CompressorAddresses
+from deepinfer.model.batch import CacheAddresses, CompressorAddresses, query_chunks
 from deepinfer.model.layers import Linear, RMSNorm, empty
 from deepinfer.model.rope import RotaryTable
 from kernels import Ops
@@ -65,6 +65,17 @@ class Selection:
     chosen: torch.Tensor
     valid: torch.Tensor
     candidates: torch.Tensor | None = None
+
+    def rows(self, rows: slice) -> "Selection":
+        """The selection of the queries `rows`."""
+        candidates = self.candidates[rows] if self.candidates is not None else None
+        return Selection(self.chosen[rows], self.valid[rows], candidates)
+
+    @staticmethod
+    def joined(parts: list["Selection"]) -> "Selection":
+        """The selections of consecutive row ranges as one."""
+        candidates = None if parts[0].candidates is None else torch.cat([p.candidates for p in parts])
+        return Selection(torch.cat([p.chosen for p in parts]), torch.cat([p.valid for p in parts]), candidates)
 
 
 class Compressor2(nn.Module):
@@ -159,6 +170,7 @@ class Attention2(nn.Module):
         self.role = role
         self.formats = formats
         self.n_heads, self.head_dim, self.o_groups = config.num_attention_heads, config.head_dim, config.o_groups
+        self.index_topk = config.index_topk
         self.eps = config.rms_norm_eps
         h = config.hidden_size
         self.wq_a = Linear(h, config.q_lora_rank, ops, dtype, device)
@@ -188,23 +200,56 @@ class Attention2(nn.Module):
         kv = self.formats.window(self.ops.rotary(self.kv_norm(self.wkv(x)), *rope))
         window = cache["window"]
         window[addresses.window_write] = kv.to(window.dtype)
-        keys, valid = [window[addresses.window_read]], [addresses.window_valid]
+        step = None
         if self.role.kind != SWA:
             step = addresses.compressors[pool_prefix(self.role.kv_source)]
-            entries = cache["entries"]
             if self.role.kind == FULL:
-                self._compress(x, step, entries, cache.get("state"), compress_rope)
-            if self.role.kind in (FULL, REINDEX):
-                visible = (positions + 1) // self.role.ratio
-                index_keys = entries[step.entry_read, self.head_dim:]
-                selection = self.indexer.select(x, q_residual, rope, index_keys, step.entry_valid, visible, selection)
-            keys.append(entries[step.entry_read.gather(1, selection.chosen), :self.head_dim])
-            valid.append(selection.valid)
-        out = self.ops.sink_attention(q, torch.cat(keys, dim=1), torch.cat(valid, dim=1), self.attn_sink,
-                                      self.head_dim**-0.5)
+                self._compress(x, step, cache["entries"], cache.get("state"), compress_rope)
+        parts = [self._attend(rows, q, x, q_residual, rope, positions, addresses, step, cache, selection)
+                 for rows in query_chunks(tokens, self._row_bytes(addresses, step))]
+        if len(parts) == 1:
+            out, selection = parts[0]
+        else:
+            out = torch.cat([part for part, _ in parts])
+            selection = Selection.joined([chosen for _, chosen in parts]) if step is not None else selection
         out = self.ops.rotary(out, rope[0], -rope[1])
         grouped = self.ops.grouped_linear(out.reshape(tokens, self.o_groups, -1), self.wo_a.weight, self.o_groups)
         return self.wo_b(grouped.flatten(1)), selection
+
+    def _row_bytes(self, addresses: CacheAddresses, step: CompressorAddresses | None) -> int:
+        """Bytes one query gathers: its keys (cache dtype, an fp32 copy, a masked one), and in index
+        sources the index keys of every entry it may see, as fp32, with their scores."""
+        keys = addresses.window_read.shape[1]
+        index = 0
+        if step is not None:
+            entries = step.entry_read.shape[1]
+            keys += min(self.index_topk, entries)  # a selection's width
+            if self.role.kind in (FULL, REINDEX):
+                index = entries * (12 * self.indexer.head_dim + 16)
+        return 12 * keys * self.head_dim + index
+
+    def _attend(
+        self, rows: slice, q: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor, addresses: CacheAddresses,
+        step: CompressorAddresses | None, cache: dict[str, torch.Tensor], selection: Selection | None,
+    ) -> tuple[torch.Tensor, Selection | None]:
+        """Sink attention of the queries `rows` over their window and chosen entries, and their
+        selection (made here in index sources, carried in from an earlier layer otherwise)."""
+        keys, valid = [cache["window"][addresses.window_read[rows]]], [addresses.window_valid[rows]]
+        if step is not None:
+            entries, entry_read = cache["entries"], step.entry_read[rows]
+            carried = selection.rows(rows) if selection is not None else None
+            if self.role.kind in (FULL, REINDEX):
+                visible = (positions[rows] + 1) // self.role.ratio
+                index_keys = entries[entry_read, self.head_dim:]
+                carried = self.indexer.select(x[rows], q_residual[rows], (rope[0][rows], rope[1][rows]), index_keys,
+                                              step.entry_valid[rows], visible, carried)
+            keys.append(entries[entry_read.gather(1, carried.chosen), :self.head_dim])
+            valid.append(carried.valid)
+            selection = carried
+        out = self.ops.sink_attention(q[rows], torch.cat(keys, dim=1), torch.cat(valid, dim=1), self.attn_sink,
+                                      self.head_dim**-0.5)
+        return out, selection
 
     def _compress(self, x: torch.Tensor, step: CompressorAddresses, entries: torch.Tensor,
                   state: torch.Tensor | None, compress_rope: RotaryTable) -> None:
