@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from deepinfer.config import CSA, HCA, SLIDING, ModelConfig
-from deepinfer.model.batch import CacheAddresses, CompressorAddresses, query_chunks
+from deepinfer.model.batch import CacheAddresses, CompressorAddresses, gather_bytes, query_chunks
 from deepinfer.model.layers import Linear, RMSNorm, empty
 from deepinfer.model.rope import RotaryTable
 from kernels import Ops
@@ -171,15 +171,14 @@ class Attention(nn.Module):
             )
 
     def _row_bytes(self, addresses: CacheAddresses, step: CompressorAddresses | None) -> int:
-        """Bytes one query gathers: its keys (cache dtype, an fp32 copy, a masked one), and in CSA
-        layers the index keys of every entry it may see, as fp32, with their scores."""
-        keys = addresses.window_read.shape[1]
-        index = 0
-        if step is not None:
-            entries = step.entry_read.shape[1]
-            keys += min(self.indexer.topk, entries) if self.layer_type == CSA else entries
-            index = entries * (12 * self.indexer.head_dim + 16) if self.layer_type == CSA else 0
-        return 12 * keys * self.head_dim + index
+        """`gather_bytes` of one query: its window, and its chosen (CSA) or all (HCA) entries."""
+        window = addresses.window_read.shape[1]
+        if step is None:
+            return gather_bytes(window, self.head_dim)
+        entries = step.entry_read.shape[1]
+        if self.layer_type == HCA:
+            return gather_bytes(window + entries, self.head_dim)
+        return gather_bytes(window + min(self.indexer.topk, entries), self.head_dim, entries, self.indexer.head_dim)
 
     def _attend(
         self, rows: slice, q: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,

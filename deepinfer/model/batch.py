@@ -45,6 +45,12 @@ def graph_bucket(n: int) -> int:
 READ_BUDGET_BYTES = 1 << 32
 
 
+def gather_bytes(keys: int, head_dim: int, index_entries: int = 0, index_dim: int = 0) -> int:
+    """Bytes one query's attention gathers: `keys` keys of `head_dim` (cache dtype, an fp32 copy, a
+    masked one), and the index keys of `index_entries` entries of `index_dim` as fp32 with their scores."""
+    return 12 * keys * head_dim + index_entries * (12 * index_dim + 16)
+
+
 def query_chunks(tokens: int, row_bytes: int) -> list[slice]:
     """Row ranges of a step's `tokens` queries, each gathering at most `READ_BUDGET_BYTES` at
     `row_bytes` per query (one range when all fit: a decode step is never split)."""

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from deepinfer.config_v41 import FULL, REINDEX, SWA, LayerRole, V41Config
-from deepinfer.model.batch import CacheAddresses, CompressorAddresses, query_chunks
+from deepinfer.model.batch import CacheAddresses, CompressorAddresses, gather_bytes, query_chunks
 from deepinfer.model.layers import Linear, RMSNorm, empty
 from deepinfer.model.rope import RotaryTable
 from kernels import Ops
@@ -217,16 +217,15 @@ class Attention2(nn.Module):
         return self.wo_b(grouped.flatten(1)), selection
 
     def _row_bytes(self, addresses: CacheAddresses, step: CompressorAddresses | None) -> int:
-        """Bytes one query gathers: its keys (cache dtype, an fp32 copy, a masked one), and in index
-        sources the index keys of every entry it may see, as fp32, with their scores."""
-        keys = addresses.window_read.shape[1]
-        index = 0
-        if step is not None:
-            entries = step.entry_read.shape[1]
-            keys += min(self.index_topk, entries)  # a selection's width
-            if self.role.kind in (FULL, REINDEX):
-                index = entries * (12 * self.indexer.head_dim + 16)
-        return 12 * keys * self.head_dim + index
+        """`gather_bytes` of one query: its window and selected entries, and in index sources the
+        index keys of every entry it may see."""
+        window = addresses.window_read.shape[1]
+        if step is None:
+            return gather_bytes(window, self.head_dim)
+        entries = step.entry_read.shape[1]
+        indexed = entries if self.role.kind in (FULL, REINDEX) else 0
+        return gather_bytes(window + min(self.index_topk, entries), self.head_dim, indexed,
+                            self.indexer.head_dim if indexed else 0)
 
     def _attend(
         self, rows: slice, q: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
