@@ -107,9 +107,13 @@ def verdict_summary(cert: dict) -> str:
         parts.append(f"{counts['errored']} errored {where} ({describe_errors(counts['errored_by_kind'])})")
     if counts["requests_errored_differently"]:
         parts.append(f"{counts['requests_errored_differently']} request errors differ from the reference's")
-    parts.append(f"{len(variants)} variants vs reference {cert['reference']}: {counts['requests_diverged']} request "
-                 f"divergences, {drift} logprob-only drifts")
+    parts.append(f"{_count(len(variants), 'variant')} vs reference {cert['reference']}: "
+                 f"{_count(counts['requests_diverged'], 'request divergence')}, {_count(drift, 'logprob-only drift')}")
     return "; ".join(parts)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def describe_errors(by_kind: dict[str, int]) -> str:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,8 +30,12 @@ def main(
 ) -> int:
     """Run one command. `more_commands` register extra command groups (the harness adds `audit`);
     exceptions in `user_errors`, and the system's OSErrors (a full disk), are reported like
-    DeepInferError: one line, exit 2. Runs write atomically, so `--resume` continues after either."""
+    DeepInferError: one line, exit 2. Runs write atomically, so `--resume` continues after either.
+    SIGTERM (a scheduler's kill, `timeout`) unwinds like Ctrl-C, so a half-written checkpoint or
+    file is removed, and exits 143."""
     args = build_parser(more_commands).parse_args(argv)
+    in_main = threading.current_thread() is threading.main_thread()  # where signal handlers can be set
+    previous = signal.signal(signal.SIGTERM, _terminated) if in_main else None
     try:
         return args.run(args)
     except (DeepInferError, *user_errors) as err:
@@ -39,6 +45,13 @@ def main(
         where = f"{err.filename}: " if err.filename else ""
         print(f"error: {where}{err.strerror or err}", file=sys.stderr)
         return EXIT_USER_ERROR
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _terminated(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 class OneLineErrors(argparse.ArgumentParser):

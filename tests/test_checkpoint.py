@@ -437,3 +437,25 @@ def test_small_preset_loads_in_transformers_and_is_healthy(tmp_path):
         assert torch.isfinite(logits).all() and 1 < logits.std(-1).min() and logits.std(-1).max() < 5
         out = model.generate(ids[:, :8], max_new_tokens=64, do_sample=False)
     assert len(set(out[0, 8:].tolist())) >= 8
+
+
+def test_a_terminated_create_leaves_no_partial_checkpoint(tmp_path):
+    """SIGTERM (a job scheduler's kill) mid-write unwinds like Ctrl-C: the hidden folder being written
+    is removed, nothing appears at --out, and the exit status is 128 + SIGTERM."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "ck"
+    command = [sys.executable, "-c", "import sys; from harness.cli import main; sys.exit(main(sys.argv[1:]))",
+               "checkpoint", "create", "--preset", "small", "--out", str(out), "--seed", "1"]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not any(p.name.endswith(".partial") for p in tmp_path.iterdir()):
+        assert proc.poll() is None and time.monotonic() < deadline, "the writer never started"
+        time.sleep(0.02)
+    time.sleep(0.2)  # some shards written
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM, proc.stderr.read().decode()
+    assert list(tmp_path.iterdir()) == []

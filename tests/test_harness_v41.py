@@ -32,7 +32,7 @@ from test_harness_cli import SUITE, SWEEP, audit, signed_by, write_lines
 from test_replay import edit_cassette
 
 TRACES = Path(__file__).parent / "fixtures" / "traces"
-VERDICT = ("verdict: BITWISE_REPRODUCIBLE over all 4 requests; {variants} variants vs reference ref: "
+VERDICT = ("verdict: BITWISE_REPRODUCIBLE over all 4 requests; {variants} vs reference ref: "
            "0 request divergences, 0 logprob-only drifts")
 # SWEEP's reference and one variant with the caches in full precision (variants inherit the reference's setting)
 NO_QDQ_SWEEP = {"reference": {**SWEEP["reference"], "cache_qdq": False},
@@ -95,7 +95,7 @@ def test_certify_is_bitwise_reproducible_and_the_certificate_verifies(capsys, ce
     run = certified.qdq
     assert run.code == 0
     lines = run.stdout.splitlines()
-    assert lines[0] == VERDICT.format(variants=2)
+    assert lines[0] == VERDICT.format(variants="2 variants")
     assert lines[1].startswith("control fast: ")
     assert lines[2] == f"certificate: {run.cert}"
     cert = json.loads(run.cert.read_text())
@@ -132,7 +132,7 @@ def test_every_run_manifest_records_the_qdq_switch(certified):
 def test_without_qdq_the_numerics_change_and_stay_bitwise_reproducible(certified):
     run = certified.no_qdq
     assert run.code == 0
-    assert run.stdout.splitlines()[0] == VERDICT.format(variants=1)
+    assert run.stdout.splitlines()[0] == VERDICT.format(variants="1 variant")
     assert json.loads(run.cert.read_text())["verdict"] == "BITWISE_REPRODUCIBLE"
     plain, qdq = configurations(run.cert), configurations(certified.qdq.cert)
     assert (plain["batch-1"]["token_root"], plain["batch-1"]["logit_root"]) == (

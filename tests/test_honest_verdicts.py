@@ -77,7 +77,7 @@ def test_certify_counts_errored_requests_in_the_verdict_and_fails_by_default(cer
     verdict = captured.out.splitlines()[0]
     # 4 episodes x 2 turns served; the too-long episode's 2 turns and 2 malformed lines errored
     assert verdict == ("verdict: BITWISE_REPRODUCIBLE over 8 of 12 requests; 4 errored identically in every variant "
-                       "(2 malformed, 2 prompt too long); 1 variants vs reference ref: 0 request divergences, "
+                       "(2 malformed, 2 prompt too long); 1 variant vs reference ref: 0 request divergences, "
                        "0 logprob-only drifts")
     assert captured.err.startswith("FAIL: requests errored (4 of 12 in the reference, 0 differently in a variant)")
     cert = json.loads((out / "certificate.json").read_text())
