@@ -165,3 +165,36 @@ def test_cuda_async_steps_replayed_from_graphs_match_synchronous_ones(preset):
               for i, o in enumerate(produced)]
     assert outcome(overlapped, prompts, params) == outcome(sync, prompts, params)
     assert overlapped.runner.graphs  # decode steps were replayed
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_step_that_fails_to_run_is_redone_by_the_next(tiny, async_scheduling):
+    """A step whose execution raises (out of device memory, say) leaves its sequences as they were
+    before it was scheduled, and the step in flight still lands: stepping on gives the same outputs."""
+    config = dataclasses.replace(SYNC, max_num_batched_tokens=24, async_scheduling=async_scheduling)
+    prompts = [list(range(2, 40)), list(range(50, 57)), list(range(60, 90))]
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=9, logprobs=1, prompt_logprobs=True,
+                             stop_token_ids=[100 + i]) for i in range(3)]
+    want = outcome(tiny.with_engine(config), prompts, params)
+    llm = tiny.with_engine(config)
+    execute, calls, failures = llm.runner.execute, [], []
+
+    def flaky(scheduled, in_flight=None):
+        calls.append(len(calls))
+        if len(calls) in (2, 3, 6):  # prefill chunks, then a decode step
+            raise RuntimeError("device busy")
+        return execute(scheduled, in_flight)
+
+    llm.runner.execute = flaky
+    ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+    done = {}
+    while llm.has_unfinished():
+        try:
+            done.update((o.request_id, o) for o in llm.step())
+        except RuntimeError as err:
+            failures.append(str(err))
+    assert failures == ["device busy"] * 3
+    skip = {"first_token_time", "request_id"}
+    got = [tuple(v for k, v in dataclasses.asdict(done[i]).items() if k not in skip) for i in ids]
+    assert got == want
+    assert llm.cache.num_free() == tiny.with_engine(config).cache.num_free()

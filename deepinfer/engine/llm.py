@@ -271,7 +271,12 @@ class LLM:
         scheduled = self.scheduler.schedule()
         before, self._in_flight = self._in_flight, None
         if scheduled.chunks:
-            self._in_flight = (scheduled, self.runner.execute(scheduled, before[1] if before else None))
+            try:
+                self._in_flight = (scheduled, self.runner.execute(scheduled, before[1] if before else None))
+            except BaseException:  # e.g. out of device memory: the step never ran, so a retry redoes it
+                self.scheduler.undo(scheduled)
+                self._in_flight = before
+                raise
         finished = []
         if before is not None:
             finished += self.scheduler.update(before[0], before[1].result(before[0]))

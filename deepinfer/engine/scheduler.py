@@ -192,6 +192,17 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def undo(self, scheduled: SchedulerOutput) -> None:
+        """Take back the commit of a step that did not run (computed and scored counts, placeholders),
+        so the next `schedule()` gives its sequences the same work again; admissions and blocks stay."""
+        for chunk in reversed(scheduled.chunks):
+            seq = chunk.seq
+            seq.num_computed = chunk.start
+            if chunk.scored:
+                seq.num_scored = chunk.scored.start
+            if chunk.samples:
+                del seq.token_ids[chunk.end:]
+
     def update(self, scheduled: SchedulerOutput, result: StepResult) -> list[Sequence]:
         """Apply a step's results: record prompt logprobs, put the sampled tokens in place of their
         placeholders, finish sequences (stop, length, or non-finite logits) and release cache rows
