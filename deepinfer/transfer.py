@@ -52,19 +52,18 @@ class Download:
     one synchronisation, on that copy alone."""
 
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.names, self.likes = list(tensors), list(tensors.values())
-        self.host: torch.Tensor | dict[str, torch.Tensor]
-        if all(t.device.type == "cpu" for t in self.likes):
-            self.host = dict(tensors)
-            return
-        packed = _pack(self.likes)
+        self.tensors = dict(tensors)
+        self.done: torch.cuda.Event | None = None
+        if all(t.device.type == "cpu" for t in self.tensors.values()):
+            return  # already on the host: nothing to copy or wait for
+        packed = _pack(list(self.tensors.values()))
         self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
         self.host.copy_(packed, non_blocking=True)
         self.done = torch.cuda.Event()
         self.done.record()
 
     def wait(self) -> dict[str, torch.Tensor]:
-        if isinstance(self.host, dict):
-            return dict(self.host)
+        if self.done is None:
+            return dict(self.tensors)
         self.done.synchronize()
-        return dict(zip(self.names, _unpack(self.host, self.likes)))
+        return dict(zip(self.tensors, _unpack(self.host, list(self.tensors.values()))))

@@ -270,20 +270,25 @@ class LLM:
         that finished in the step before)."""
         scheduled = self.scheduler.schedule()
         before, self._in_flight = self._in_flight, None
+        current = None
         if scheduled.chunks:
             try:
-                self._in_flight = (scheduled, self.runner.execute(scheduled, before[1] if before else None))
+                current = (scheduled, self.runner.execute(scheduled, before[1] if before else None))
             except BaseException:  # e.g. out of device memory: the step never ran, so a retry redoes it
                 self.scheduler.undo(scheduled)
                 self._in_flight = before
                 raise
-        finished = []
-        if before is not None:
-            finished += self.scheduler.update(before[0], before[1].result(before[0]))
-        if self._in_flight is not None and not self.async_scheduling:
-            (done, output), self._in_flight = self._in_flight, None
-            finished += self.scheduler.update(done, output.result(done))
+        finished = self._read(before) if before is not None else []
+        if current is not None and self.async_scheduling:
+            self._in_flight = current
+        elif current is not None:
+            finished += self._read(current)
         return [self.output.request_output(seq) for seq in finished]
+
+    def _read(self, step: tuple[SchedulerOutput, RunnerOutput]) -> list[Sequence]:
+        """Apply a step's results (waiting for them); the sequences that finished."""
+        scheduled, output = step
+        return self.scheduler.update(scheduled, output.result(scheduled))
 
     # batch APIs ---------------------------------------------------------------------------------
 
