@@ -11,7 +11,9 @@ scheduling, so a step's costs are its own):
 - counts the device->host synchronisations of one decode step with
   `torch.cuda.set_sync_debug_mode("warn")` (each synchronising call warns once);
 - times the model forward of one decode step eagerly and replayed as a CUDA graph
-  (`deepinfer.engine.graph.StepGraph`), interleaved, to show what capture would buy the step.
+  (`deepinfer.engine.graph.StepGraph`), interleaved, to show what capture would buy the step;
+- profiles that forward once more, eagerly, and credits each kernel to the innermost model module
+  (by class) whose forward launched it: where the launches and the GPU time of a step go.
 Weights are the preset's seeded random weights built on the GPU.
 """
 
@@ -26,7 +28,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from deepinfer import LLM, NUMERICS, EngineConfig, SamplingParams
 from deepinfer.engine.graph import StepGraph
@@ -114,6 +116,43 @@ def synced_step(llm: LLM) -> list[str]:
     return [f"{w.filename.replace(root, '')}:{w.lineno}" for w in caught if SYNC_WARNING in str(w.message)] + waits
 
 
+MODULE_SCOPE = "module::"
+
+
+def module_census(model: torch.nn.Module, forward) -> list[dict]:
+    """Kernels (count and GPU µs) of one eager `forward()` per innermost module class that launched
+    them ("(model)" for the top level), largest GPU time first."""
+    scopes: dict[torch.nn.Module, list] = {}
+
+    def enter(module, _args):
+        scopes.setdefault(module, []).append(record_function(MODULE_SCOPE + type(module).__name__).__enter__())
+
+    def leave(module, _args, _out):
+        scopes[module].pop().__exit__(None, None, None)
+
+    hooks = [h for m in model.modules() for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            forward()
+            torch.cuda.synchronize()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    totals: dict[str, list[float]] = {}
+    for event in prof.events():
+        if not event.kernels:
+            continue
+        owner = event
+        while owner is not None and not owner.name.startswith(MODULE_SCOPE):
+            owner = owner.cpu_parent
+        name = owner.name[len(MODULE_SCOPE):] if owner is not None else "(model)"
+        entry = totals.setdefault(name, [0, 0.0])
+        entry[0] += len(event.kernels)
+        entry[1] += sum(kernel.duration for kernel in event.kernels)
+    rows = [{"module": name, "kernels": count, "gpu_us": round(us, 1)} for name, (count, us) in totals.items()]
+    return sorted(rows, key=lambda row: -row["gpu_us"])
+
+
 def forward_times(llm: LLM, repeats: int) -> dict:
     """Median ms of the next decode step's model forward, eager and replayed from a CUDA graph
     (interleaved; both rewrite the same cache rows with the same values)."""
@@ -128,9 +167,10 @@ def forward_times(llm: LLM, repeats: int) -> dict:
             run()
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
+    census = module_census(llm.model, lambda: llm.model(batch, llm.cache.layer_views))
     llm.scheduler.update(scheduled, llm.runner.execute(scheduled).result(scheduled))
     return {"forward_ms_eager": round(1e3 * statistics.median(eager), 3),
-            "forward_ms_graph": round(1e3 * statistics.median(replayed), 3)}
+            "forward_ms_graph": round(1e3 * statistics.median(replayed), 3), "kernels_by_module": census}
 
 
 def main() -> None:
@@ -161,7 +201,10 @@ def main() -> None:
                 run.update(forward_times(llm, args.steps))
             report["runs"].append(run)
             Path(args.out).write_text(json.dumps(report, indent=2))  # after every run: a later failure keeps it
-            print(json.dumps({key: value for key, value in run.items() if key != "top_kernels"}), flush=True)
+            print(json.dumps({key: value for key, value in run.items() if key not in ("top_kernels", "kernels_by_module")}),
+                  flush=True)
+            for row in run.get("kernels_by_module", []):
+                print("   ", row, flush=True)
             for kernel in run["top_kernels"][:8]:
                 print("   ", kernel, flush=True)
             del llm

@@ -23,15 +23,17 @@ from functools import partial
 
 import torch
 
-from kernels import fast, invariant
+from kernels import composite, fast, invariant
 
 NUMERICS = ("batch_invariant", "fast")
 OPS = (
-    "clamped_swiglu", "cos_sin", "grouped_linear", "indexer_scores", "linear", "log", "log_softmax",
-    "matmul_layout", "mix_streams", "moe_experts", "ordered_sum", "rms_norm", "rotary", "sigmoid",
-    "sink_attention", "sinkhorn", "softmax", "softplus", "topk_indices", "unweighted_rms_norm", "window_pool",
+    "clamped_swiglu", "cos_sin", "grouped_linear", "hyper_coefficients", "hyper_collapse", "hyper_expand",
+    "indexer_scores", "linear", "log", "log_softmax", "matmul_layout", "mix_streams", "moe_experts",
+    "ordered_sum", "rms_norm", "rotary", "rotary_table", "sigmoid", "sink_attention", "sinkhorn", "softmax",
+    "softplus", "topk_indices", "unweighted_rms_norm", "window_pool",
 )
-_PRIMITIVES = tuple(name for name in OPS if name != "moe_experts")
+_COMPOSITES = ("hyper_coefficients", "hyper_collapse", "hyper_expand", "moe_experts", "rotary_table")
+_PRIMITIVES = tuple(name for name in OPS if name not in _COMPOSITES)
 
 
 class Ops:
@@ -49,9 +51,14 @@ class Ops:
 
 def _complete(table: dict) -> dict:
     """Add the composite ops, built from the table's own primitives (so the routed experts use
-    whichever matmul the table has), unless the table brings its own."""
+    whichever matmul the table has), unless the table brings its own (fused) version."""
     table.setdefault("moe_experts", partial(fast.routed_experts, matmul=table["linear"],
                                             swiglu=table["clamped_swiglu"]))
+    table.setdefault("rotary_table", partial(composite.rotary_table, cos_sin=table["cos_sin"]))
+    table.setdefault("hyper_coefficients", partial(composite.hyper_coefficients, sigmoid=table["sigmoid"],
+                                                   sinkhorn=table["sinkhorn"]))
+    table.setdefault("hyper_collapse", partial(composite.hyper_collapse, ordered_sum=table["ordered_sum"]))
+    table.setdefault("hyper_expand", partial(composite.hyper_expand, mix_streams=table["mix_streams"]))
     return table
 
 
@@ -59,9 +66,9 @@ def _table(numerics: str, device_type: str) -> dict:
     base = fast if numerics == "fast" else invariant
     table = {name: getattr(base, name) for name in _PRIMITIVES}
     if numerics == "batch_invariant" and device_type == "cuda":  # Triton is imported only when CUDA needs it
-        from kernels import triton_ops
+        from kernels import triton_fused, triton_ops
 
-        table.update(triton_ops.OPS, moe_experts=triton_ops.moe_experts)
+        table.update(triton_ops.OPS, **triton_fused.OPS, moe_experts=triton_ops.moe_experts)
     return _complete(table)
 
 

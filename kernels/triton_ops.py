@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import fast, invariant
+from kernels import fast, triton_fused
 from kernels.quant import QuantizedWeight
 
 BLOCK_K = 64  # K slice of the matmuls' dots: one for every tile shape (the interpreter's bits depend on it)
@@ -265,16 +265,17 @@ def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, gro
 
 @triton.jit
 def _expert_matmul_kernel(
-    x_ptr, rows_ptr, offsets_ptr, experts_ptr, w_ptr, s_ptr, out_ptr, N, K, stride_xm,
+    x_ptr, rows_ptr, dest_ptr, offsets_ptr, experts_ptr, w_ptr, s_ptr, out_ptr, N, K, stride_xm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FORMAT: tl.constexpr, TILE_N: tl.constexpr, TILE_K: tl.constexpr,
+    FORMAT: tl.constexpr, TILE_N: tl.constexpr, TILE_K: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr,
 ):
-    """out[s, :] = x[rows[s], :] @ w[e].T for every slot s of expert e = experts[program_id(1)], column
-    tile program_id(0). Expert e's slots are offsets[e] .. offsets[e + 1] (read on the device);
-    the program walks them in row tiles, each computed by `_tile_dot` as `_matmul_kernel` computes its
-    tiles, so a slot's bits are those of its row through `linear` with w[e].
+    """out[dest[s], :] = x[rows[s], :] @ w[e].T for every slot s of expert e = experts[program_id(1)],
+    column tile program_id(0) (without GATHER x's row is s, without SCATTER out's row is s). Expert e's
+    slots are offsets[e] .. offsets[e + 1] (read on the device); the program walks them in row tiles,
+    each computed by `_tile_dot` as `_matmul_kernel` computes its tiles, so a slot's bits are those of
+    its row through `linear` with w[e].
 
-    x: [*, K] with row stride stride_xm; rows: int64 [S]; offsets: int64 [E + 1]; w: [E, N, K]
+    x: [*, K] with row stride stride_xm; rows, dest: int64 [S]; offsets: int64 [E + 1]; w: [E, N, K]
     contiguous (bytes and scales s for a quantized FORMAT); out: [S, N] contiguous.
     """
     expert = tl.load(experts_ptr + tl.program_id(1))
@@ -286,10 +287,15 @@ def _expert_matmul_kernel(
     for first in range(start, end, BLOCK_M):
         slots = first + tl.arange(0, BLOCK_M)
         slot_ok = slots < end
-        src = tl.load(rows_ptr + slots, mask=slot_ok, other=0)
+        src = slots
+        if GATHER:
+            src = tl.load(rows_ptr + slots, mask=slot_ok, other=0)
+        dest = slots
+        if SCATTER:
+            dest = tl.load(dest_ptr + slots, mask=slot_ok, other=0)
         x_rows = x_ptr + src.to(tl.int64)[:, None] * stride_xm
         acc = _tile_dot(x_rows, w_rows, s_rows, slot_ok, col_ok, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, FORMAT, TILE_K)
-        out = out_ptr + slots.to(tl.int64)[:, None] * N + cols[None, :]
+        out = out_ptr + dest.to(tl.int64)[:, None] * N + cols[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=slot_ok[:, None] & col_ok[None, :])
 
 
@@ -302,25 +308,26 @@ def active_experts(offsets: torch.Tensor, slots: int) -> torch.Tensor:
 
 
 def expert_matmul(
-    x: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
-    experts: torch.Tensor | None = None,
+    x: torch.Tensor, rows: torch.Tensor | None, offsets: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
+    experts: torch.Tensor | None = None, dest: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per expert e, x[rows[s]] @ weight[e].T for its slots s in offsets[e] .. offsets[e + 1]:
-    x [*, K], rows int64 [S], offsets int64 [E + 1], weight [E, N, K] -> [S, N] in weight's dtype.
-    `experts` (default: `active_experts`) lists the experts to run, each slot's expert among them;
-    nothing is read back to the host."""
+    """Per expert e, x[rows[s]] @ weight[e].T for its slots s in offsets[e] .. offsets[e + 1], written to
+    row dest[s] of the output: x [*, K], rows and dest int64 [S] (None: row s), offsets int64 [E + 1],
+    weight [E, N, K] -> [S, N] in weight's dtype. `experts` (default: `active_experts`) lists the experts
+    to run, each slot's expert among them; nothing is read back to the host."""
     x = x.to(weight.dtype).contiguous()
     width, depth = weight.shape[1:]
-    out = torch.empty(rows.shape[0], width, dtype=weight.dtype, device=x.device)
+    count = x.shape[0] if rows is None else rows.shape[0]
+    out = torch.empty(count, width, dtype=weight.dtype, device=x.device)
     if out.numel() == 0:
         return out
-    experts = active_experts(offsets, rows.shape[0]) if experts is None else experts
+    experts = active_experts(offsets, count) if experts is None else experts
     w, s, layout = _b_operands(weight)
-    tiles = matmul_tiles(rows.shape[0], width, weight.dtype)
+    tiles = matmul_tiles(count, width, weight.dtype)
     _expert_matmul_kernel[(triton.cdiv(width, tiles.block_n), experts.shape[0])](
-        x, rows, offsets, experts, w, s, out, width, depth, x.stride(0),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=BLOCK_K, **layout,
-        num_warps=tiles.warps, num_stages=tiles.stages,
+        x, offsets if rows is None else rows, offsets if dest is None else dest, offsets, experts, w, s, out, width,
+        depth, x.stride(0), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=BLOCK_K, **layout,
+        GATHER=rows is not None, SCATTER=dest is not None, num_warps=tiles.warps, num_stages=tiles.stages,
     )
     return out
 
@@ -330,17 +337,16 @@ def moe_experts(
     w2: torch.Tensor | QuantizedWeight, limit: float,
 ) -> torch.Tensor:
     """`kernels.fast.routed_experts` with the invariant matmul and SwiGLU, as two grouped launches
-    over the slots sorted by expert on the device: the same bits, no host sync."""
-    top_k = indices.shape[1]
+    over the slots sorted by expert on the device, the second writing each slot's row in place for
+    the fused weighted combine: the same bits, no host sync."""
+    tokens, top_k = indices.shape
     order, offsets = fast.sort_by_expert(indices, w13.shape[0])
     experts = active_experts(offsets, order.shape[0])
     hidden = expert_matmul(x, order // top_k, offsets, w13, experts)
     gate, up = hidden.chunk(2, dim=-1)
-    act = invariant.clamped_swiglu(gate, up, limit)
-    out = expert_matmul(act, torch.arange(order.shape[0], device=x.device), offsets, w2, experts)
-    out = out * weights.reshape(-1)[order, None].to(out.dtype)
-    slots = torch.empty_like(out).index_copy_(0, order, out)
-    return fast.combine_ranks(slots.view(indices.shape[0], top_k, -1))
+    act = triton_fused.clamped_swiglu(gate, up, limit)
+    slots = expert_matmul(act, None, offsets, w2, experts, dest=order)
+    return triton_fused.weighted_combine(slots.view(tokens, top_k, -1), weights)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
@@ -566,34 +572,6 @@ def window_pool(kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor) -> tor
     return out
 
 
-@triton.jit
-def _sinkhorn_kernel(x_ptr, out_ptr, n, iters, eps, BLOCK: tl.constexpr):
-    """One program per matrix, held in registers: softmax rows, then alternate column/row scaling."""
-    matrix = tl.program_id(0).to(tl.int64)
-    rows = tl.arange(0, BLOCK)
-    ok = (rows[:, None] < n) & (rows[None, :] < n)
-    offsets = matrix * n * n + rows[:, None] * n + rows[None, :]
-    logits = tl.load(x_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
-    top = tl.max(tl.where(ok, logits, float("-inf")), axis=1)
-    e = tl.where(ok, tl.exp(logits - top[:, None]), 0.0)
-    comb = tl.where(ok, e / tl.maximum(tl.sum(e, axis=1), 1.0e-30)[:, None] + eps, 0.0)
-    comb = comb / (tl.sum(comb, axis=0)[None, :] + eps)
-    for _ in range(iters - 1):
-        comb = comb / (tl.sum(comb, axis=1)[:, None] + eps)
-        comb = comb / (tl.sum(comb, axis=0)[None, :] + eps)
-    tl.store(out_ptr + offsets, comb, mask=ok)
-
-
-def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Doubly-stochastic projection of [..., n, n] mixing logits (softmax rows, then alternate)."""
-    n = logits.shape[-1]
-    flat = logits.reshape(-1, n, n).float().contiguous()
-    out = torch.empty_like(flat)
-    if out.numel():
-        _sinkhorn_kernel[(flat.shape[0],)](flat, out, n, iters, eps, BLOCK=max(triton.next_power_of_2(n), 2))
-    return out.view(logits.shape)
-
-
 OPS = {
     "linear": linear,
     "grouped_linear": grouped_linear,
@@ -604,5 +582,4 @@ OPS = {
     "sink_attention": sink_attention,
     "indexer_scores": indexer_scores,
     "window_pool": window_pool,
-    "sinkhorn": sinkhorn,
 }

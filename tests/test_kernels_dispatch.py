@@ -18,18 +18,26 @@ def test_modes_pick_their_implementations():
     assert kernels.bind("batch_invariant", "cpu") is ops  # bound once
 
 
-def test_routed_experts_use_the_tables_own_matmul():
+def test_composites_use_the_tables_own_primitives():
     for mode, module in (("fast", fast), ("batch_invariant", invariant)):
-        assert kernels.bind(mode, "cpu").moe_experts.keywords["matmul"] is module.linear
+        ops = kernels.bind(mode, "cpu")
+        assert ops.moe_experts.keywords["matmul"] is module.linear
+        assert ops.hyper_collapse.keywords["ordered_sum"] is module.ordered_sum
+        assert ops.hyper_coefficients.keywords == {"sigmoid": module.sigmoid, "sinkhorn": module.sinkhorn}
+        assert ops.hyper_expand.keywords["mix_streams"] is module.mix_streams
+        assert ops.rotary_table.keywords["cos_sin"] is module.cos_sin
     assert kernels.bind("fast", "cuda").linear is fast.linear
 
 
 def test_cuda_batch_invariant_table_takes_the_triton_kernels():
     triton_ops = pytest.importorskip("kernels.triton_ops")
+    from kernels import triton_fused
+
     cuda = kernels.bind("batch_invariant", "cuda")
-    for name, op in triton_ops.OPS.items():
+    for name, op in {**triton_ops.OPS, **triton_fused.OPS}.items():
         assert getattr(cuda, name) is op
     assert cuda.moe_experts is triton_ops.moe_experts  # grouped over experts on the device
+    assert cuda.hyper_expand is triton_fused.hyper_expand  # fused, not the composite
     assert cuda.topk_indices is invariant.topk_indices  # not covered by Triton: PyTorch invariant
 
 

@@ -8,45 +8,21 @@ default (small shapes: it is slow), and compiled on the GPU with TRITON_INTERPRE
 from __future__ import annotations
 
 import pytest
-from triton_target import DEVICE, DTYPES, INTERPRETED, triton  # first: it picks the interpreter or the GPU
+from triton_target import DEVICE, DTYPES, INTERPRETED  # first: it picks the interpreter or the GPU
 
-import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_triton_kernels import _interpreter_patches  # noqa: F401  (bf16 dot, runtime-bound loops)
+from test_triton_kernels import _interpreter_patches  # noqa: F401  (bf16 dot and casts, libdevice exp)
 
 import kernels
-from kernels import fast, invariant, triton_ops
+from kernels import fast, triton_fused, triton_ops
 from kernels.quant import QuantizedWeight
 
 LAYOUTS = {"fp8 32x32": ("fp8", (32, 32)), "fp8 128x128": ("fp8", (128, 128)), "fp8 1x32": ("fp8", (1, 32)),
            "fp8 16x48": ("fp8", (16, 48)), "mxfp4": ("mxfp4", (1, 32))}  # 48: tiles that do not nest with K slices
 E8M0 = torch.float8_e8m0fnu
 LIMIT = 7.0
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _interpreter_rounds_bf16():
-    """The interpreter casts fp32 to bf16 by truncating, and mangles fp32 subnormals; compiled kernels
-    round to nearest even as PyTorch does. Decoded values are bf16 numbers, but tiny scales (E8M0 byte
-    0 is 2^-127) make them bf16 subnormals that must round, so cast through PyTorch while these tests run."""
-    if not INTERPRETED:
-        yield
-        return
-    from triton.runtime import interpreter
-
-    cast = interpreter.InterpreterBuilder.cast_impl
-
-    def rounded(self, src, dst_type):
-        if src.dtype.scalar != triton.language.float32 or dst_type.scalar != triton.language.bfloat16:
-            return cast(self, src, dst_type)
-        values = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
-        return interpreter.TensorHandle(values.view(torch.int16).numpy().view(np.uint16), dst_type.scalar)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(interpreter.InterpreterBuilder, "cast_impl", rounded)
-        yield
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -170,7 +146,7 @@ def test_triton_experts_take_quantized_stacks_and_rows_stay_invariant(dtype: tor
     grouped = triton_ops.moe_experts(x, indices, weights, w13, w2, LIMIT)
     _assert_same_bits(grouped, triton_ops.moe_experts(x, indices, weights, w13.decode(), w2.decode(), LIMIT))
     loop = fast.routed_experts(x, indices, weights, w13, w2, LIMIT, matmul=triton_ops.linear,
-                               swiglu=invariant.clamped_swiglu)
+                               swiglu=triton_fused.clamped_swiglu)
     _assert_same_bits(grouped, loop)
     _assert_same_bits(triton_ops.moe_experts(x[2:3], indices[2:3], weights[2:3], w13, w2, LIMIT), grouped[2:3])
 

@@ -1,4 +1,5 @@
-"""The matmul kernels compile for Hopper (sm_90) in every weight format, scale tile and split, without a GPU.
+"""The Triton kernels compile for Hopper (sm_90) without a GPU: the matmuls in every weight format,
+scale tile and split, and the fused small ops without multiply-add contraction.
 
 The interpreter runs kernels as Python and never sees what only the compiler does (a branch that
 cannot be generated for some constexpr combination is invisible to it), so this compiles
@@ -14,9 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-pytest.importorskip("triton")
+import triton_target  # noqa: F401  (imports Triton as every kernel test module does: the interpreter is
+# chosen at Triton's import, and Triton's own jit library functions keep that choice for the whole run)
 
 REPO = Path(__file__).resolve().parent.parent
 LAYOUTS = [("plain", 1, 1), ("fp8", 32, 32), ("fp8", 128, 128), ("fp8", 16, 48), ("mxfp4", 1, 32)]
@@ -28,11 +28,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels import triton_ops
 
-def compile_kernel(fn, signature, constexprs):
+def compile_kernel(fn, signature, constexprs, **options):
     names = fn.arg_names  # every parameter, in order
     source = ASTSource(fn=fn, signature={name: signature.get(name, "constexpr") for name in names},
                        constexprs={(names.index(name),): value for name, value in constexprs.items()})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 results = []
 for fmt, tile_n, tile_k in json.loads(sys.argv[1]):
@@ -44,10 +44,13 @@ for fmt, tile_n, tile_k in json.loads(sys.argv[1]):
         ptx = compile_kernel(triton_ops._matmul_kernel, signature,
                              {"BLOCK_M": 64, "BLOCK_N": 16, **layout, "SPLITS": splits, "K_CHUNK": triton_ops.K_CHUNK})
         results.append([fmt, tile_k, "matmul", splits, "wgmma" in ptx])
-    signature = {"x_ptr": "*bf16", "rows_ptr": "*i64", "offsets_ptr": "*i64", "experts_ptr": "*i64", "w_ptr": weight,
-                 "s_ptr": weight, "out_ptr": "*bf16", "N": "i32", "K": "i32", "stride_xm": "i32"}
-    ptx = compile_kernel(triton_ops._expert_matmul_kernel, signature, {"BLOCK_M": 64, "BLOCK_N": 64, **layout})
-    results.append([fmt, tile_k, "experts", 1, "wgmma" in ptx])
+    signature = {"x_ptr": "*bf16", "rows_ptr": "*i64", "dest_ptr": "*i64", "offsets_ptr": "*i64",
+                 "experts_ptr": "*i64", "w_ptr": weight, "s_ptr": weight, "out_ptr": "*bf16", "N": "i32", "K": "i32",
+                 "stride_xm": "i32"}
+    for moves in ((True, False), (False, True)):
+        ptx = compile_kernel(triton_ops._expert_matmul_kernel, signature,
+                             {"BLOCK_M": 64, "BLOCK_N": 64, **layout, "GATHER": moves[0], "SCATTER": moves[1]})
+        results.append([fmt, tile_k, "experts", moves, "wgmma" in ptx])
 print(json.dumps(results))
 """
 
@@ -58,5 +61,55 @@ def test_matmul_kernels_compile_for_hopper_in_every_format():
                           env=env, cwd=REPO, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(results) == len(LAYOUTS) * 3
+    assert len(results) == len(LAYOUTS) * 4
     assert all(uses_wgmma for *_, uses_wgmma in results), [r for r in results if not r[-1]]
+
+
+FUSED = """
+import sys
+sys.argv = sys.argv[:1]
+exec(sys.stdin.read())  # compile_kernel
+from kernels import triton_fused as f
+
+bf16, fp32 = "*bf16", "*fp32"
+kernels = {
+    "rotary": (f._rotary_kernel, {"x_ptr": bf16, "cos_ptr": fp32, "sin_ptr": fp32, "out_ptr": bf16, "rows": "i32",
+                                  "per_token": "i32", "D": "i32", "HALF": "i32"},
+               {"ROWS": 16, "BLOCK_D": 512, "BLOCK_HALF": 32}),
+    "rotary_table": (f._rotary_table_kernel, {"pos_ptr": "*i64", "inv_freq_ptr": fp32, "cos_ptr": fp32,
+                                              "sin_ptr": fp32, "tokens": "i32", "HALF": "i32", "scale": "fp32"},
+                     {"ROWS": 16, "BLOCK_HALF": 32}),
+    "coefficients": (f._hyper_coefficients_kernel, {"mix_ptr": fp32, "base_ptr": fp32, "scale_ptr": fp32,
+                                                    "pre_ptr": fp32, "post_ptr": fp32, "comb_ptr": fp32, "n": "i32",
+                                                    "iters": "i32", "eps": "fp32"}, {"BLOCK": 4}),
+    "collapse": (f._hyper_collapse_kernel, {"pre_ptr": fp32, "streams_ptr": bf16, "out_ptr": bf16, "H": "i32"},
+                 {"N": 4, "LEVELS": 2, "BLOCK": 256}),
+    "expand": (f._hyper_expand_kernel, {"post_ptr": fp32, "comb_ptr": fp32, "block_ptr": bf16, "streams_ptr": bf16,
+                                        "out_ptr": bf16, "H": "i32"}, {"N": 4, "BLOCK": 256}),
+    "swiglu": (f._clamped_swiglu_kernel, {"gate_ptr": bf16, "up_ptr": bf16, "out_ptr": bf16, "width": "i32",
+                                          "gate_stride": "i32", "up_stride": "i32", "limit": "fp32"}, {"BLOCK": 256}),
+    "combine": (f._combine_kernel, {"slots_ptr": bf16, "weights_ptr": fp32, "out_ptr": bf16, "H": "i32"},
+                {"TOP_K": 6, "BLOCK": 256}),
+}
+for name, (fn, signature, constexprs) in kernels.items():
+    contracted = {fusion: "fma.rn.f32" in compile_kernel(fn, signature, constexprs, enable_fp_fusion=fusion)
+                  for fusion in (False, True)}
+    print(name, contracted[False], contracted[True])
+"""
+
+
+def test_fused_kernels_compile_for_hopper_without_contraction():
+    """No fused multiply-add where the op chain rounds a product before adding (rotary, the collapse
+    and mixing sums, the combine); in rotary and the expansion the compiler does fuse them when allowed,
+    so the option is what keeps their bits. (The rotary table, coefficients and SwiGLU are left out:
+    libdevice's exp, cos and sin use FMAs by design.)"""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(REPO)}
+    helper = COMPILE.split("results = []")[0]
+    done = subprocess.run([sys.executable, "-c", FUSED], input=helper, capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    contracted = {name: (off == "True", on == "True") for name, off, on in
+                  (line.split() for line in done.stdout.strip().splitlines())}
+    assert set(contracted) == {"rotary", "rotary_table", "coefficients", "collapse", "expand", "swiglu", "combine"}
+    assert not any(contracted[name][0] for name in ("rotary", "collapse", "expand", "combine")), contracted
+    assert contracted["rotary"][1] and contracted["expand"][1], contracted

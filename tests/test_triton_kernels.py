@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
+
 import pytest
 from triton_target import DEVICE, DTYPES, INTERPRETED, triton  # first: it picks the interpreter or the GPU
 
@@ -16,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import invariant, triton_ops
+from kernels import invariant, triton_fused, triton_ops
 
 ROWS = (1, 3, 17, 40)
 FEW = settings(max_examples=10, deadline=None)
@@ -32,7 +34,12 @@ def _interpreter_patches():
       to fp32 first (exact: bf16 products fit fp32, which is how the tensor cores treat them too);
     - with NumPy >= 2.4, `range(0, K, BLOCK)` over a runtime K failed in 3.6: its interpreter converted
       a 1-element array to int implicitly (triton-lang/triton#9171). 3.9.0 converts it itself; the
-      replacement below gives the same int there, so it is kept for older Tritons.
+      replacement below gives the same int there, so it is kept for older Tritons;
+    - libdevice's functions have no interpreter implementation (their calls return None): `exp`, `cos`
+      and `sin`, the ones `kernels.triton_fused` uses, become the interpreter's (NumPy's), so results
+      under the interpreter are close to torch's sigmoid, SiLU, cos and sin rather than bitwise equal;
+    - the interpreter casts fp32 to bf16 by truncating (and mangles fp32 subnormals); compiled kernels
+      round to nearest even as PyTorch does, so those casts go through PyTorch.
     """
     if not INTERPRETED:
         yield
@@ -54,9 +61,22 @@ def _interpreter_patches():
     def patched_dot(self, a, b, d, *args):
         return dot(self, widen(self, a), widen(self, b), d, *args)
 
+    cast = interpreter.InterpreterBuilder.cast_impl
+
+    def rounded(self, src, dst_type):
+        if src.dtype.scalar != triton.language.float32 or dst_type.scalar != triton.language.bfloat16:
+            return cast(self, src, dst_type)
+        values = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
+        return interpreter.TensorHandle(values.view(torch.int16).numpy().view(np.uint16), dst_type.scalar)
+
+    from triton.language.extra import libdevice
+
     with pytest.MonkeyPatch.context() as patch:
+        for name in ("exp", "cos", "sin"):
+            patch.setattr(libdevice, name, lambda x, _name=name, **_: getattr(triton.language, _name)(x))
         patch.setattr(interpreter, "_patch_lang_tensor", patched_tensor)
         patch.setattr(interpreter.InterpreterBuilder, "create_dot", patched_dot)
+        patch.setattr(interpreter.InterpreterBuilder, "cast_impl", rounded)
         yield
 
 
@@ -352,7 +372,7 @@ def test_window_pool_does_not_depend_on_batch(batch: tuple[int, int], seed: int)
 @pytest.mark.parametrize("n", [1, 3, 4])
 def test_sinkhorn_matches_reference(n: int) -> None:
     logits = _randn(7, n, n, seed=n)
-    out = triton_ops.sinkhorn(logits, 20, 1e-6)
+    out = triton_fused.sinkhorn(logits, 20, 1e-6)
     _assert_close(out, invariant.sinkhorn(logits, 20, 1e-6))
     torch.testing.assert_close(out.sum(-2), torch.ones(7, n, device=DEVICE), rtol=1e-4, atol=1e-4)
 
@@ -362,9 +382,15 @@ def test_sinkhorn_matches_reference(n: int) -> None:
 def test_sinkhorn_does_not_depend_on_batch(batch: tuple[int, int], seed: int) -> None:
     tokens, at = batch
     logits = _randn(tokens, 4, 4, seed=seed)
-    _assert_same_bits(triton_ops.sinkhorn(logits, 10, 1e-6)[at:at + 1], triton_ops.sinkhorn(logits[at:at + 1], 10, 1e-6))
+    _assert_same_bits(triton_fused.sinkhorn(logits, 10, 1e-6)[at:at + 1], triton_fused.sinkhorn(logits[at:at + 1], 10, 1e-6))
 
 
 def test_every_registered_op_keeps_the_reference_signature() -> None:
-    for name, fn in triton_ops.OPS.items():
-        assert inspect.signature(fn).parameters.keys() == inspect.signature(getattr(invariant, name)).parameters.keys()
+    """Each CUDA op takes what the op it replaces takes: the PyTorch primitive's parameters, or a
+    composite's (less the primitives `kernels.bind` supplies as keywords)."""
+    from kernels import composite
+
+    for name, fn in {**triton_ops.OPS, **triton_fused.OPS}.items():
+        reference = getattr(invariant, name, None) or getattr(composite, name)
+        expected = [p for p, spec in inspect.signature(reference).parameters.items() if spec.kind != spec.KEYWORD_ONLY]
+        assert list(inspect.signature(fn).parameters) == expected, name

@@ -1,6 +1,6 @@
 """The grouped Triton experts (`kernels.triton_ops.moe_experts`): the same bits as the per-expert
-loop over the invariant Triton matmul, with no host sync, and a token's output independent of the
-batch. Compiled kernels only (the per-expert loop under the interpreter is covered in
+loop over the invariant Triton matmul and fused SwiGLU, with no host sync, and a token's output
+independent of the batch. Compiled kernels only (the per-expert loop under the interpreter is covered in
 tests/test_triton_kernels.py's matmul tests)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from cuda_syncs import synchronisations  # noqa: E402
-from kernels import fast, invariant, triton_ops  # noqa: E402
+from kernels import fast, triton_fused, triton_ops  # noqa: E402
 
 EXPERTS, TOP_K, HIDDEN, INTER = 16, 4, 256, 128
 
@@ -32,7 +32,7 @@ def test_grouped_experts_match_the_per_expert_loop_bitwise(dtype, tokens):
     w2 = (torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) / 16).to("cuda", dtype)
     indices, weights = _routing(tokens, tokens)
     loop = fast.routed_experts(x, indices, weights, w13, w2, 7.0, matmul=triton_ops.linear,
-                               swiglu=invariant.clamped_swiglu)
+                               swiglu=triton_fused.clamped_swiglu)
     outputs = []
     assert synchronisations(lambda: outputs.append(triton_ops.moe_experts(x, indices, weights, w13, w2, 7.0))) == []
     [grouped] = outputs

@@ -30,32 +30,14 @@ class HyperMix(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(post, comb, the streams collapsed with this site's own `pre`): V4's mixing."""
         pre, post, comb = self.coefficients(streams, fn, base, scale)
-        return post, comb, collapse(self.ops, pre, streams)
+        return post, comb, self.ops.hyper_collapse(pre, streams)
 
     def coefficients(
         self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(pre [T, n], post [T, n], comb [T, n, n]) in fp32 from the streams [T, n, hidden]."""
-        n = self.n
         flat = self.ops.unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
-        mixes = self.ops.linear(flat, fn)
-        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = base.split([n, n, n * n])
-        pre = self.ops.sigmoid(pre_w * scale[0] + pre_b) + self.hc_eps
-        post = 2 * self.ops.sigmoid(post_w * scale[1] + post_b)
-        comb = self.ops.sinkhorn(comb_w.view(-1, n, n) * scale[2] + comb_b.view(n, n), self.iters, self.hc_eps)
-        return pre, post, comb
-
-
-def collapse(ops: Ops, pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-    """The block input: streams [T, n, hidden] weighted by pre [T, n] and summed in stream order."""
-    return ops.ordered_sum(pre.unsqueeze(-1) * streams, dim=1).to(streams.dtype)
-
-
-def expand(ops: Ops, post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, streams: torch.Tensor
-           ) -> torch.Tensor:
-    """New streams = post * block output + comb^T @ old streams (comb mixes over its first axis)."""
-    return post.to(streams.dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + ops.mix_streams(comb, streams)
+        return self.ops.hyper_coefficients(self.ops.linear(flat, fn), base, scale, self.n, self.iters, self.hc_eps)
 
 
 class HyperHead(nn.Module):
@@ -75,4 +57,4 @@ class HyperHead(nn.Module):
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         flat = self.ops.unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
         pre = self.ops.sigmoid(self.ops.linear(flat, self.hc_fn) * self.hc_scale + self.hc_base) + self.eps
-        return collapse(self.ops, pre, streams)
+        return self.ops.hyper_collapse(pre, streams)

@@ -17,9 +17,7 @@ class RotaryTable:
         self.inv_freq, self.scale = config.rope_inv_freq(label)
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq
-        cos, sin = self.ops.cos_sin(freqs)
-        return cos * self.scale, sin * self.scale
+        return self.ops.rotary_table(positions, self.inv_freq, self.scale)
 
     def to(self, device: torch.device | str) -> None:
         self.inv_freq = self.inv_freq.to(device)

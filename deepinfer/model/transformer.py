@@ -12,7 +12,7 @@ from torch import nn
 from deepinfer.config import CSA, SLIDING, ModelConfig
 from deepinfer.model.attention import POOL_PREFIX, Attention
 from deepinfer.model.batch import CacheAddresses, PoolSpec, StepBatch
-from deepinfer.model.hyper import HyperHead, HyperMix, expand
+from deepinfer.model.hyper import HyperHead, HyperMix
 from deepinfer.model.layers import Linear, RMSNorm, empty
 from deepinfer.model.moe import MoE
 from deepinfer.model.rope import RotaryTable
@@ -44,9 +44,9 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         post, comb, x = self.mix(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
         attended = self.attn(self.attn_norm(x), addresses, cache, rope, compress_rope)
-        streams = expand(self.ops, post, comb, attended, streams)
+        streams = self.ops.hyper_expand(post, comb, attended, streams)
         post, comb, x = self.mix(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
-        return expand(self.ops, post, comb, self.ffn(self.ffn_norm(x), input_ids), streams)
+        return self.ops.hyper_expand(post, comb, self.ffn(self.ffn_norm(x), input_ids), streams)
 
 
 class Backbone(nn.Module):

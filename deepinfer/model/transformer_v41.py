@@ -17,7 +17,7 @@ from deepinfer.config_v41 import SWA, V41Config
 from deepinfer.model.batch import CacheAddresses, PoolSpec, StepBatch
 from deepinfer.model.csa2 import Attention2, CacheFormats, Selection, pool_prefix
 from deepinfer.model.engram import Engram, EngramTokens, config_layouts, engram_rows, engram_token_map
-from deepinfer.model.hyper import HyperMix, collapse, expand
+from deepinfer.model.hyper import HyperMix
 from deepinfer.model.layers import Linear, RMSNorm, empty
 from deepinfer.model.moe import MoE
 from deepinfer.model.rope import RotaryTable
@@ -56,12 +56,12 @@ class Block41(nn.Module):
         if self.role.engram:
             streams = self.engram.mix(streams, engram_memory)
         attn_pre, post, comb = self.mix.coefficients(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
-        out, selection = self.attn(self.attn_norm(collapse(self.ops, pre, streams)), addresses, cache, rope,
+        out, selection = self.attn(self.attn_norm(self.ops.hyper_collapse(pre, streams)), addresses, cache, rope,
                                    compress_rope, positions, selection)
-        streams = expand(self.ops, post, comb, out, streams)
+        streams = self.ops.hyper_expand(post, comb, out, streams)
         ffn_pre, post, comb = self.mix.coefficients(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
-        out = self.ffn(self.ffn_norm(collapse(self.ops, attn_pre, streams)), input_ids)
-        return expand(self.ops, post, comb, out, streams), ffn_pre, selection
+        out = self.ffn(self.ffn_norm(self.ops.hyper_collapse(attn_pre, streams)), input_ids)
+        return self.ops.hyper_expand(post, comb, out, streams), ffn_pre, selection
 
 
 class DeepseekV41(Decoder):
@@ -158,4 +158,4 @@ class DeepseekV41(Decoder):
                                             self.compress_rope, batch.positions, selection, memory)
         if batch.sample_index is not None:
             streams, pre = streams[batch.sample_index], pre[batch.sample_index]
-        return self.norm(collapse(self.ops, pre, streams))
+        return self.norm(self.ops.hyper_collapse(pre, streams))

@@ -1,0 +1,367 @@
+"""Fused small ops for CUDA: each kernel does in one launch what a chain of PyTorch elementwise ops
+(or of our own small kernels) does in several, and gives the same bits as that chain on the GPU.
+
+A decode step is hundreds of tiny launches (rotary, the hyper-connection mixing around every block,
+SwiGLU, the MoE combine); each costs a few microseconds of GPU time whatever its size. The kernels
+here replace them, one program per row (or per row and column block), so a row's bits never depend
+on the batch. How the bits stay those of the unfused ops:
+
+- every elementwise step is the same IEEE fp32 operation, in the same order, rounded to the same
+  dtype at the same points as the PyTorch op chain does (a bf16 op computes in fp32 and rounds its
+  result to bf16); the kernels are compiled with `enable_fp_fusion=False`, so no multiply and add
+  are contracted into one fused multiply-add the chain would not have;
+- PyTorch's CUDA sigmoid and SiLU compute x / (1 + exp(-x)) (or 1 / ...) in fp32 with the accurate
+  `expf` and an IEEE division, and its cos and sin are `cosf` and `sinf`: the kernels use libdevice's
+  `exp`, `cos`, `sin` and `div_rn`, the same functions (the GPU tests compare them with torch's bit for
+  bit);
+- sums keep the reference's order: the collapse's fixed tree (`invariant.ordered_sum`), the MoE
+  combine's rank order (`fast.combine_ranks`), Sinkhorn's tile code shared with `sinkhorn`.
+
+`mix_streams` (comb^T @ streams with K = hc_mult) is defined here rather than by a library matmul:
+the comb entries rounded to the streams' dtype, products summed over the source streams in order in
+fp32, rounded once. So `hyper_expand`, which fuses it, has a written-down reference.
+
+Under the Triton interpreter (CPU tests) libdevice is not available: the tests map its `exp`, `cos`
+and `sin` to the interpreter's own (NumPy's) while they run.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from kernels import composite, invariant
+
+BLOCK_H = 256  # hidden-dimension block of the per-token kernels
+ROTARY_ROWS = 16  # rows per rotary program
+
+
+def _fused(kernel, grid, *args, **constexprs) -> None:
+    """Launch without multiply-add contraction (see the module docstring)."""
+    kernel[grid](*args, **constexprs, enable_fp_fusion=False)
+
+
+@triton.jit
+def _sigmoid(z):
+    """torch.sigmoid's fp32 formula on CUDA."""
+    return tl.math.div_rn(1.0, 1.0 + libdevice.exp(-z))
+
+
+@triton.jit
+def _silu(z):
+    """torch's SiLU formula on CUDA (fp32)."""
+    return tl.math.div_rn(z, 1.0 + libdevice.exp(-z))
+
+
+# rotary -----------------------------------------------------------------------------------------
+
+@triton.jit
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, rows, per_token, D, HALF,
+                   ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """ROWS rows of x [rows, D] per program: the leading D - 2 * HALF channels copied, the pairs of
+    the trailing ones rotated by their token's angles (row // per_token) as `fast.rotary` does."""
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = row < rows
+    base = row.to(tl.int64)[:, None] * D
+    plain = D - 2 * HALF
+    for start in range(0, plain, BLOCK_D):
+        cols = start + tl.arange(0, BLOCK_D)
+        ok = row_ok[:, None] & (cols < plain)[None, :]
+        tl.store(out_ptr + base + cols[None, :], tl.load(x_ptr + base + cols[None, :], mask=ok), mask=ok)
+    pairs = tl.arange(0, BLOCK_HALF)
+    ok = row_ok[:, None] & (pairs < HALF)[None, :]
+    angle = (row // per_token).to(tl.int64)[:, None] * HALF + pairs[None, :]
+    cos = tl.load(cos_ptr + angle, mask=ok, other=0.0)
+    sin = tl.load(sin_ptr + angle, mask=ok, other=0.0)
+    even_at = base + plain + 2 * pairs[None, :]
+    even = tl.load(x_ptr + even_at, mask=ok, other=0.0).to(tl.float32)
+    odd = tl.load(x_ptr + even_at + 1, mask=ok, other=0.0).to(tl.float32)
+    out_ty = out_ptr.dtype.element_ty
+    tl.store(out_ptr + even_at, (even * cos - odd * sin).to(out_ty), mask=ok)
+    tl.store(out_ptr + even_at + 1, (odd * cos + even * sin).to(out_ty), mask=ok)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`fast.rotary` in one launch: interleaved RoPE on the trailing `2 * cos.shape[-1]` channels of
+    x [T, ..., D]; cos/sin [T, rope_dim // 2] fp32."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if out.numel() == 0:
+        return out
+    width, half = x.shape[-1], cos.shape[-1]
+    rows = x.numel() // width
+    plain = width - 2 * half
+    _fused(_rotary_kernel, (triton.cdiv(rows, ROTARY_ROWS),), x, cos.float().contiguous(), sin.float().contiguous(),
+           out, rows, rows // x.shape[0], width, half, ROWS=ROTARY_ROWS,
+           BLOCK_D=min(max(triton.next_power_of_2(plain), 16), 512), BLOCK_HALF=max(triton.next_power_of_2(half), 2))
+    return out
+
+
+@triton.jit
+def _rotary_table_kernel(pos_ptr, inv_freq_ptr, cos_ptr, sin_ptr, tokens, HALF, scale, ROWS: tl.constexpr,
+                         BLOCK_HALF: tl.constexpr):
+    """ROWS tokens per program: angle = position (as fp32) times inverse frequency, its cos and sin
+    (libdevice's, which torch's CUDA cos and sin are) times `scale`."""
+    token = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    pairs = tl.arange(0, BLOCK_HALF)
+    ok = (token < tokens)[:, None] & (pairs < HALF)[None, :]
+    position = tl.load(pos_ptr + token, mask=token < tokens, other=0).to(tl.float32)
+    angle = position[:, None] * tl.load(inv_freq_ptr + pairs, mask=pairs < HALF, other=0.0)[None, :]
+    at = token.to(tl.int64)[:, None] * HALF + pairs[None, :]
+    tl.store(cos_ptr + at, libdevice.cos(angle) * scale, mask=ok)
+    tl.store(sin_ptr + at, libdevice.sin(angle) * scale, mask=ok)
+
+
+def rotary_table(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`composite.rotary_table` with torch's CUDA cos and sin, in one launch."""
+    half = inv_freq.shape[0]
+    cos = torch.empty(positions.shape[0], half, dtype=torch.float32, device=positions.device)
+    sin = torch.empty_like(cos)
+    if cos.numel():
+        _fused(_rotary_table_kernel, (triton.cdiv(positions.shape[0], ROTARY_ROWS),), positions.contiguous(),
+               inv_freq.float().contiguous(), cos, sin, positions.shape[0], half, scale, ROWS=ROTARY_ROWS,
+               BLOCK_HALF=max(triton.next_power_of_2(half), 2))
+    return cos, sin
+
+
+# Sinkhorn and the hyper-connection coefficients ---------------------------------------------------
+
+@triton.jit
+def _sinkhorn_tile(logits, ok, iters, eps):
+    """Sinkhorn's projection of one [BLOCK, BLOCK] tile of logits (entries outside `ok` are padding):
+    softmax rows, then alternate column/row scaling."""
+    top = tl.max(tl.where(ok, logits, float("-inf")), axis=1)
+    e = tl.where(ok, tl.exp(logits - top[:, None]), 0.0)
+    comb = tl.where(ok, e / tl.maximum(tl.sum(e, axis=1), 1.0e-30)[:, None] + eps, 0.0)
+    comb = comb / (tl.sum(comb, axis=0)[None, :] + eps)
+    for _ in range(iters - 1):
+        comb = comb / (tl.sum(comb, axis=1)[:, None] + eps)
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + eps)
+    return comb
+
+
+@triton.jit
+def _sinkhorn_kernel(x_ptr, out_ptr, n, iters, eps, BLOCK: tl.constexpr):
+    """One program per matrix, held in registers."""
+    matrix = tl.program_id(0).to(tl.int64)
+    rows = tl.arange(0, BLOCK)
+    ok = (rows[:, None] < n) & (rows[None, :] < n)
+    offsets = matrix * n * n + rows[:, None] * n + rows[None, :]
+    logits = tl.load(x_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offsets, _sinkhorn_tile(logits, ok, iters, eps), mask=ok)
+
+
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Doubly-stochastic projection of [..., n, n] mixing logits (softmax rows, then alternate)."""
+    n = logits.shape[-1]
+    flat = logits.reshape(-1, n, n).float().contiguous()
+    out = torch.empty_like(flat)
+    if out.numel():
+        _fused(_sinkhorn_kernel, (flat.shape[0],), flat, out, n, iters, eps, BLOCK=max(triton.next_power_of_2(n), 2))
+    return out.view(logits.shape)
+
+
+@triton.jit
+def _hyper_coefficients_kernel(mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, n, iters, eps,
+                               BLOCK: tl.constexpr):
+    """One program per token: `composite.hyper_coefficients` from its mixing logits [(2 + n) * n]."""
+    token = tl.program_id(0).to(tl.int64)
+    row = mix_ptr + token * (2 + n) * n
+    idx = tl.arange(0, BLOCK)
+    ok = idx < n
+    pre = tl.load(row + idx, mask=ok, other=0.0) * tl.load(scale_ptr) + tl.load(base_ptr + idx, mask=ok, other=0.0)
+    tl.store(pre_ptr + token * n + idx, _sigmoid(pre) + eps, mask=ok)
+    post = (tl.load(row + n + idx, mask=ok, other=0.0) * tl.load(scale_ptr + 1)
+            + tl.load(base_ptr + n + idx, mask=ok, other=0.0))
+    tl.store(post_ptr + token * n + idx, 2.0 * _sigmoid(post), mask=ok)
+    tile_ok = ok[:, None] & ok[None, :]
+    cells = idx[:, None] * n + idx[None, :]
+    logits = (tl.load(row + 2 * n + cells, mask=tile_ok, other=0.0) * tl.load(scale_ptr + 2)
+              + tl.load(base_ptr + 2 * n + cells, mask=tile_ok, other=0.0))
+    tl.store(comb_ptr + token * n * n + cells, _sinkhorn_tile(logits, tile_ok, iters, eps), mask=tile_ok)
+
+
+def hyper_coefficients(
+    mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`composite.hyper_coefficients` (with torch's sigmoid and `sinkhorn`) in one launch."""
+    tokens = mixes.shape[0]
+    pre = torch.empty(tokens, n, dtype=torch.float32, device=mixes.device)
+    post, comb = torch.empty_like(pre), torch.empty(tokens, n, n, dtype=torch.float32, device=mixes.device)
+    if tokens:
+        _fused(_hyper_coefficients_kernel, (tokens,), mixes.float().contiguous(), base.float().contiguous(),
+               scale.float().contiguous(), pre, post, comb, n, iters, eps, BLOCK=max(triton.next_power_of_2(n), 2))
+    return pre, post, comb
+
+
+# collapse, stream mixing and expansion ------------------------------------------------------------
+
+@triton.jit
+def _hyper_collapse_kernel(pre_ptr, streams_ptr, out_ptr, H, N: tl.constexpr, LEVELS: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    """Program (token, column block): sum over the N = 2^LEVELS streams of pre * stream in fp32, as
+    `invariant.ordered_sum`'s tree (first half plus second half, halving), cast to the output."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < H
+    streams = tl.arange(0, N)
+    pre = tl.load(pre_ptr + token * N + streams)
+    rows = tl.load(streams_ptr + (token * N + streams[None, :]) * H + cols[:, None], mask=ok[:, None], other=0.0)
+    terms = pre[None, :] * rows.to(tl.float32)  # [BLOCK, N]
+    for level in tl.static_range(LEVELS):
+        pairs = tl.permute(tl.reshape(terms, (BLOCK, 2, N // (2 << level))), (0, 2, 1))  # [BLOCK, half, 2]
+        first, second = tl.split(pairs)
+        terms = first + second
+    tl.store(out_ptr + token * H + cols, tl.reshape(terms, (BLOCK,)).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def hyper_collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """`composite.hyper_collapse` with `invariant.ordered_sum`, in one launch (a power-of-two stream count;
+    any other runs the op chain)."""
+    tokens, n, width = streams.shape
+    if n & (n - 1):
+        return composite.hyper_collapse(pre, streams, ordered_sum=invariant.ordered_sum)
+    out = torch.empty(tokens, width, dtype=streams.dtype, device=streams.device)
+    if out.numel():
+        _fused(_hyper_collapse_kernel, (tokens, triton.cdiv(width, BLOCK_H)), pre.float().contiguous(),
+               streams.contiguous(), out, width, N=n, LEVELS=n.bit_length() - 1, BLOCK=BLOCK_H)
+    return out
+
+
+@triton.jit
+def _mixed_stream(comb_ptr, streams_ptr, token, target, cols, ok, H, N: tl.constexpr):
+    """Stream `target` of comb^T @ streams at columns `cols`, in fp32: sum over source streams i in
+    order of comb[i, target] (rounded to the streams' dtype) times stream i."""
+    ty = streams_ptr.dtype.element_ty
+    row = streams_ptr + token * N * H + cols
+    acc = tl.load(comb_ptr + token * N * N + target).to(ty).to(tl.float32) * tl.load(row, mask=ok, other=0.0).to(tl.float32)
+    for source in tl.static_range(1, N):
+        weight = tl.load(comb_ptr + token * N * N + source * N + target).to(ty).to(tl.float32)
+        acc = acc + weight * tl.load(row + source * H, mask=ok, other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _mix_streams_kernel(comb_ptr, streams_ptr, out_ptr, H, N: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < H
+    for target in tl.static_range(N):
+        mixed = _mixed_stream(comb_ptr, streams_ptr, token, target, cols, ok, H, N)
+        tl.store(out_ptr + (token * N + target) * H + cols, mixed.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _hyper_expand_kernel(post_ptr, comb_ptr, block_ptr, streams_ptr, out_ptr, H, N: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """Program (token, column block): new stream j = post[j] * block output + mixed stream j, each
+    term and the sum rounded to the streams' dtype as the op chain rounds them."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < H
+    ty = out_ptr.dtype.element_ty
+    block_out = tl.load(block_ptr + token * H + cols, mask=ok, other=0.0).to(tl.float32)
+    for target in tl.static_range(N):
+        post = tl.load(post_ptr + token * N + target).to(ty).to(tl.float32)
+        scaled = (post * block_out).to(ty).to(tl.float32)
+        mixed = _mixed_stream(comb_ptr, streams_ptr, token, target, cols, ok, H, N).to(ty).to(tl.float32)
+        tl.store(out_ptr + (token * N + target) * H + cols, (scaled + mixed).to(ty), mask=ok)
+
+
+def mix_streams(comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """comb^T @ streams per token: comb [T, n, n] fp32, streams [T, n, H] -> [T, n, H] (module docstring)."""
+    tokens, n, width = streams.shape
+    streams = streams.contiguous()
+    out = torch.empty_like(streams)
+    if out.numel():
+        _fused(_mix_streams_kernel, (tokens, triton.cdiv(width, BLOCK_H)), comb.float().contiguous(), streams, out,
+               width, N=n, BLOCK=BLOCK_H)
+    return out
+
+
+def hyper_expand(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, streams: torch.Tensor
+                 ) -> torch.Tensor:
+    """`composite.hyper_expand` with this module's `mix_streams`, in one launch."""
+    if block_out.dtype != streams.dtype:
+        return composite.hyper_expand(post, comb, block_out, streams, mix_streams=mix_streams)
+    tokens, n, width = streams.shape
+    streams = streams.contiguous()
+    out = torch.empty_like(streams)
+    if out.numel():
+        _fused(_hyper_expand_kernel, (tokens, triton.cdiv(width, BLOCK_H)), post.float().contiguous(),
+               comb.float().contiguous(), block_out.contiguous(), streams, out, width, N=n, BLOCK=BLOCK_H)
+    return out
+
+
+# SwiGLU and the MoE combine -----------------------------------------------------------------------
+
+@triton.jit
+def _clamped_swiglu_kernel(gate_ptr, up_ptr, out_ptr, width, gate_stride, up_stride, limit, BLOCK: tl.constexpr):
+    """Program (row, column block): silu(min(gate, limit)) * clamp(up, -limit, limit), each op's
+    result rounded to the output dtype as the op chain rounds it (NaN passes through the clamps)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < width
+    ty = out_ptr.dtype.element_ty
+    gate = tl.load(gate_ptr + row * gate_stride + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * up_stride + cols, mask=ok, other=0.0).to(tl.float32)
+    gate = tl.where(gate > limit, limit, gate).to(ty).to(tl.float32)
+    up = tl.where(up > limit, limit, tl.where(up < -limit, -limit, up)).to(ty).to(tl.float32)
+    tl.store(out_ptr + row * width + cols, (_silu(gate).to(ty).to(tl.float32) * up).to(ty), mask=ok)
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """`invariant.clamped_swiglu` in one launch: gate, up [..., I] (rows may be strided, as halves of
+    one projection are) -> [..., I] in gate's dtype."""
+    width = gate.shape[-1]
+    gate2, up2 = gate.reshape(-1, width), up.reshape(-1, width)
+    if gate2.stride(-1) != 1 or up2.stride(-1) != 1:
+        gate2, up2 = gate2.contiguous(), up2.contiguous()
+    out = torch.empty(gate2.shape, dtype=gate.dtype, device=gate.device)
+    if out.numel():
+        limit = torch.tensor(limit, dtype=gate.dtype).item()  # torch clamps to the limit in the input's dtype
+        _fused(_clamped_swiglu_kernel, (gate2.shape[0], triton.cdiv(width, BLOCK_H)), gate2, up2, out, width,
+               gate2.stride(0), up2.stride(0), limit, BLOCK=BLOCK_H)
+    return out.view(gate.shape)
+
+
+@triton.jit
+def _combine_kernel(slots_ptr, weights_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (token, column block): sum over ranks, in order, of slot * weight (the weight rounded to
+    the slots' dtype, each product and partial sum rounded to it)."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < H
+    ty = out_ptr.dtype.element_ty
+    row = slots_ptr + token * TOP_K * H + cols
+    acc = (tl.load(row, mask=ok, other=0.0).to(tl.float32)
+           * tl.load(weights_ptr + token * TOP_K).to(ty).to(tl.float32)).to(ty)
+    for rank in tl.static_range(1, TOP_K):
+        weight = tl.load(weights_ptr + token * TOP_K + rank).to(ty).to(tl.float32)
+        term = (tl.load(row + rank * H, mask=ok, other=0.0).to(tl.float32) * weight).to(ty)
+        acc = (acc.to(tl.float32) + term.to(tl.float32)).to(ty)
+    tl.store(out_ptr + token * H + cols, acc, mask=ok)
+
+
+def weighted_combine(slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`fast.combine_ranks(slots * weights)` in one launch: slots [T, k, H], weights [T, k] -> [T, H]."""
+    tokens, top_k, width = slots.shape
+    out = torch.empty(tokens, width, dtype=slots.dtype, device=slots.device)
+    if out.numel():
+        _fused(_combine_kernel, (tokens, triton.cdiv(width, BLOCK_H)), slots.contiguous(), weights.contiguous(), out,
+               width, TOP_K=top_k, BLOCK=BLOCK_H)
+    return out
+
+
+OPS = {
+    "rotary": rotary,
+    "rotary_table": rotary_table,
+    "sinkhorn": sinkhorn,
+    "hyper_coefficients": hyper_coefficients,
+    "hyper_collapse": hyper_collapse,
+    "mix_streams": mix_streams,
+    "hyper_expand": hyper_expand,
+    "clamped_swiglu": clamped_swiglu,
+}

@@ -1,0 +1,194 @@
+"""The fused small ops of `kernels.triton_fused`: the bits of the op chains they replace, and rows that
+do not depend on the batch.
+
+Under the Triton interpreter (CPU, the default) every comparison is bitwise except where a result
+goes through exp (sigmoid, SiLU): the interpreter's exp is NumPy's, not CUDA's, so those are compared
+within a few ulps there. Compiled on the GPU (TRITON_INTERPRET=0) everything is compared bit for bit,
+against torch's own CUDA ops.
+"""
+
+from __future__ import annotations
+
+import pytest
+from triton_target import DEVICE, DTYPES, INTERPRETED  # first: it picks the interpreter or the GPU
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_triton_kernels import _assert_same_bits, _interpreter_patches, _randn  # noqa: F401  (fixture)
+
+from kernels import composite, fast, invariant, triton_fused
+
+FEW = settings(max_examples=8, deadline=None)
+N = 4  # hc_mult of every V4 and V4.1 configuration
+
+
+def _assert_transcendental(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Bitwise when compiled; within a few ulps under the interpreter (its exp is NumPy's)."""
+    if not INTERPRETED:
+        _assert_same_bits(out, ref)
+        return
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    tol = 1e-2 if out.dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol, equal_nan=True)
+
+
+def _rope(tokens: int, half: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = _randn(tokens, half, seed=seed) * 3
+    return angles.cos() * 1.25, angles.sin() * 1.25
+
+
+# rotary -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5, 3, 40), (7, 16), (2, 2, 12), (33, 4, 64)])
+def test_rotary_is_the_op_chain_bit_for_bit(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    half = 4 if shape[-1] != 12 else 6  # (2, 2, 12): every channel rotated, none copied
+    x = _randn(*shape, seed=1, dtype=dtype)
+    cos, sin = _rope(shape[0], half, seed=2)
+    _assert_same_bits(triton_fused.rotary(x, cos, sin), fast.rotary(x, cos, sin))
+    _assert_same_bits(triton_fused.rotary(x, cos, -sin), fast.rotary(x, cos, -sin))
+
+
+def test_rotary_takes_strided_inputs() -> None:
+    x = _randn(2, 6, 40, seed=3).transpose(0, 1)[0]  # [2, 40] rows, stride 240
+    cos, sin = _rope(8, 4, seed=4)
+    expected = fast.rotary(x, cos[::4].contiguous(), sin[::4].contiguous())
+    _assert_same_bits(triton_fused.rotary(x, cos[::4], sin[::4]), expected)
+
+
+def test_rotary_table_is_the_op_chain() -> None:
+    positions = torch.tensor([0, 1, 7, 4095, 65537, 300_000, 12], device=DEVICE)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32, device=DEVICE) / 64))
+    for scale in (1.0, 1.2079):
+        fused = triton_fused.rotary_table(positions, inv_freq, scale)
+        reference = composite.rotary_table(positions, inv_freq, scale, cos_sin=lambda a: (a.cos(), a.sin()))
+        for out, ref in zip(fused, reference):
+            _assert_transcendental(out, ref)
+    assert [t.shape for t in triton_fused.rotary_table(positions[:0], inv_freq, 1.0)] == [(0, 32), (0, 32)]
+
+
+# hyper-connections -----------------------------------------------------------------------------------
+
+def _site(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    mixes = _randn(tokens, (2 + N) * N, seed=seed) * 3
+    return mixes, _randn((2 + N) * N, seed=seed + 1), _randn(3, seed=seed + 2).abs() + 0.5
+
+
+def _composite_coefficients(mixes, base, scale):
+    return composite.hyper_coefficients(mixes, base, scale, N, 20, 1e-6, sigmoid=torch.sigmoid,
+                                    sinkhorn=triton_fused.sinkhorn)
+
+
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_hyper_coefficients_are_the_op_chain(tokens: int) -> None:
+    mixes, base, scale = _site(tokens, seed=5)
+    fused = triton_fused.hyper_coefficients(mixes, base, scale, N, 20, 1e-6)
+    for out, ref in zip(fused, _composite_coefficients(mixes, base, scale)):
+        _assert_transcendental(out, ref)
+    _assert_same_bits(fused[2], _composite_coefficients(mixes, base, scale)[2])  # Sinkhorn: the same tile code
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [4, 3])  # 3: not a power of two, so the op chain runs
+def test_hyper_collapse_is_the_ordered_sum_bit_for_bit(dtype: torch.dtype, n: int) -> None:
+    streams = _randn(5, n, 300, seed=6, dtype=dtype)
+    pre = _randn(5, n, seed=7).sigmoid()
+    _assert_same_bits(triton_fused.hyper_collapse(pre, streams),
+                      composite.hyper_collapse(pre, streams, ordered_sum=invariant.ordered_sum))
+
+
+def _mixed_by_hand(comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """mix_streams as its docstring defines it: comb rounded to the streams' dtype, products summed
+    over source streams in order in fp32, rounded once."""
+    weights = comb.to(streams.dtype).float()
+    rows = streams.float()
+    out = []
+    for target in range(comb.shape[-1]):
+        acc = weights[:, 0, target, None] * rows[:, 0]
+        for source in range(1, comb.shape[1]):
+            acc = acc + weights[:, source, target, None] * rows[:, source]
+        out.append(acc)
+    return torch.stack(out, dim=1).to(streams.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mix_streams_sums_the_source_streams_in_order(dtype: torch.dtype) -> None:
+    streams, comb = _randn(4, N, 300, seed=8, dtype=dtype), _randn(4, N, N, seed=9).softmax(-1)
+    mixed = triton_fused.mix_streams(comb, streams)
+    _assert_same_bits(mixed, _mixed_by_hand(comb, streams))
+    torch.testing.assert_close(mixed.float(), invariant.mix_streams(comb, streams).float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hyper_expand_is_the_op_chain_bit_for_bit(dtype: torch.dtype) -> None:
+    streams, block_out = _randn(5, N, 300, seed=10, dtype=dtype), _randn(5, 300, seed=11, dtype=dtype)
+    post, comb = _randn(5, N, seed=12).sigmoid() * 2, _randn(5, N, N, seed=13).softmax(-1)
+    reference = composite.hyper_expand(post, comb, block_out, streams, mix_streams=triton_fused.mix_streams)
+    _assert_same_bits(triton_fused.hyper_expand(post, comb, block_out, streams), reference)
+
+
+def test_hyper_expand_with_a_block_output_of_another_dtype_runs_the_op_chain() -> None:
+    streams, block_out = _randn(3, N, 64, seed=14), _randn(3, 64, seed=15, dtype=torch.bfloat16)
+    post, comb = _randn(3, N, seed=16), _randn(3, N, N, seed=17)
+    _assert_same_bits(triton_fused.hyper_expand(post, comb, block_out, streams),
+                      composite.hyper_expand(post, comb, block_out, streams, mix_streams=triton_fused.mix_streams))
+
+
+# SwiGLU and the MoE combine ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_clamped_swiglu_is_the_op_chain(dtype: torch.dtype) -> None:
+    hidden = _randn(7, 2 * 300, seed=18, dtype=dtype) * 6
+    hidden[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 7.0])
+    hidden[1, 300:304] = torch.tensor([float("nan"), float("inf"), -float("inf"), -7.5])
+    gate, up = hidden.chunk(2, dim=-1)  # strided halves, as the experts hand them over
+    _assert_transcendental(triton_fused.clamped_swiglu(gate, up, 7.0), invariant.clamped_swiglu(gate, up, 7.0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_weighted_combine_is_the_rank_ordered_sum_bit_for_bit(dtype: torch.dtype) -> None:
+    slots, weights = _randn(6, 5, 300, seed=19, dtype=dtype), _randn(6, 5, seed=20).abs()
+    reference = fast.combine_ranks(slots * weights.unsqueeze(-1).to(dtype))
+    _assert_same_bits(triton_fused.weighted_combine(slots, weights), reference)
+
+
+# row invariance ----------------------------------------------------------------------------------------
+
+batch_rows = st.integers(2, 24).flatmap(lambda m: st.tuples(st.just(m), st.integers(0, m - 1)))
+
+
+@FEW
+@given(batch=batch_rows, dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31 - 1))
+def test_fused_rows_do_not_depend_on_the_batch(batch: tuple[int, int], dtype: torch.dtype, seed: int) -> None:
+    rows, at = batch
+    one = slice(at, at + 1)
+    x, (cos, sin) = _randn(rows, 3, 24, seed=seed, dtype=dtype), _rope(rows, 4, seed=seed + 1)
+    _assert_same_bits(triton_fused.rotary(x, cos, sin)[one], triton_fused.rotary(x[one], cos[one], sin[one]))
+    positions, inv_freq = torch.arange(rows, device=DEVICE) * 37 + seed % 1000, _randn(5, seed=seed).abs()
+    for table, alone in zip(triton_fused.rotary_table(positions, inv_freq, 1.5),
+                            triton_fused.rotary_table(positions[one], inv_freq, 1.5)):
+        _assert_same_bits(table[one], alone)
+    mixes, base, scale = _site(rows, seed=seed + 2)
+    whole, alone = (triton_fused.hyper_coefficients(m, base, scale, N, 7, 1e-6) for m in (mixes, mixes[one]))
+    for row, single in zip(whole, alone):
+        _assert_same_bits(row[one], single)
+    streams, block_out = _randn(rows, N, 40, seed=seed + 3, dtype=dtype), _randn(rows, 40, seed=seed + 4, dtype=dtype)
+    pre, post, comb = whole
+    _assert_same_bits(triton_fused.hyper_collapse(pre, streams)[one], triton_fused.hyper_collapse(pre[one], streams[one]))
+    _assert_same_bits(triton_fused.hyper_expand(post, comb, block_out, streams)[one],
+                      triton_fused.hyper_expand(post[one], comb[one], block_out[one], streams[one]))
+    gate, up = _randn(rows, 2, 40, seed=seed + 5, dtype=dtype).unbind(1)
+    _assert_same_bits(triton_fused.clamped_swiglu(gate, up, 3.0)[one], triton_fused.clamped_swiglu(gate[one], up[one], 3.0))
+    slots, weights = _randn(rows, 3, 40, seed=seed + 6, dtype=dtype), _randn(rows, 3, seed=seed + 7)
+    _assert_same_bits(triton_fused.weighted_combine(slots, weights)[one],
+                      triton_fused.weighted_combine(slots[one], weights[one]))
+
+
+def test_empty_inputs_launch_nothing() -> None:
+    empty = _randn(0, N, 16, seed=0)
+    assert triton_fused.hyper_collapse(_randn(0, N, seed=0), empty).shape == (0, 16)
+    assert triton_fused.rotary(_randn(0, 8, seed=0), _randn(0, 2, seed=0), _randn(0, 2, seed=0)).shape == (0, 8)
+    assert [t.shape for t in triton_fused.hyper_coefficients(_randn(0, 24, seed=0), *_site(1, 0)[1:], N, 3, 1e-6)] == [
+        (0, N), (0, N), (0, N, N)]
+    assert DEVICE in str(triton_fused.weighted_combine(_randn(0, 2, 8, seed=0), _randn(0, 2, seed=0)).device)
