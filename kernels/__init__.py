@@ -29,10 +29,11 @@ NUMERICS = ("batch_invariant", "fast")
 OPS = (
     "clamped_swiglu", "cos_sin", "grouped_linear", "hyper_coefficients", "hyper_collapse", "hyper_expand",
     "indexer_scores", "linear", "log", "log_softmax", "matmul_layout", "mix_streams", "moe_experts",
-    "ordered_sum", "rms_norm", "rotary", "rotary_table", "sigmoid", "sink_attention", "sinkhorn", "softmax",
-    "softplus", "topk_indices", "unweighted_rms_norm", "window_pool",
+    "ordered_sum", "paged_indexer_scores", "paged_sink_attention", "rms_norm", "rotary", "rotary_table", "sigmoid",
+    "sink_attention", "sinkhorn", "softmax", "softplus", "topk_indices", "unweighted_rms_norm", "window_pool",
 )
-_COMPOSITES = ("hyper_coefficients", "hyper_collapse", "hyper_expand", "moe_experts", "rotary_table")
+_COMPOSITES = ("hyper_coefficients", "hyper_collapse", "hyper_expand", "moe_experts", "paged_indexer_scores",
+               "paged_sink_attention", "rotary_table")
 _PRIMITIVES = tuple(name for name in OPS if name not in _COMPOSITES)
 
 
@@ -54,6 +55,10 @@ def _complete(table: dict) -> dict:
     whichever matmul the table has), unless the table brings its own (fused) version."""
     table.setdefault("moe_experts", partial(fast.routed_experts, matmul=table["linear"],
                                             swiglu=table["clamped_swiglu"]))
+    table.setdefault("paged_sink_attention", partial(composite.paged_sink_attention,
+                                                     sink_attention=table["sink_attention"]))
+    table.setdefault("paged_indexer_scores", partial(composite.paged_indexer_scores,
+                                                     indexer_scores=table["indexer_scores"]))
     table.setdefault("rotary_table", partial(composite.rotary_table, cos_sin=table["cos_sin"]))
     table.setdefault("hyper_coefficients", partial(composite.hyper_coefficients, sigmoid=table["sigmoid"],
                                                    sinkhorn=table["sinkhorn"]))

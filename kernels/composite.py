@@ -1,8 +1,11 @@
-"""Ops composed from a numerics table's own primitives: the rotary table and the hyper-connection ops
-(DeepSeek-V4's manifold-constrained residual streams). `kernels.bind` builds them from the table's
-`cos_sin`, `sigmoid`, `sinkhorn`, `ordered_sum` and `mix_streams`, so their bits in each mode are
-those of that mode's primitives. The batch-invariant CUDA table replaces them with fused Triton
-kernels that compute the same bits (`kernels/triton_fused.py`): one launch instead of a chain.
+"""Ops composed from a numerics table's own primitives: attention and indexer scores over keys read
+from the paged caches, the rotary table and the hyper-connection ops (DeepSeek-V4's
+manifold-constrained residual streams). `kernels.bind` builds them from the table's
+`sink_attention`, `indexer_scores`, `cos_sin`, `sigmoid`, `sinkhorn`, `ordered_sum` and
+`mix_streams`, so their bits in each mode are those of that mode's primitives. The batch-invariant
+CUDA table replaces them with Triton kernels that compute the same bits: the paged ones read keys
+through their slots instead of gathering them (`kernels/triton_ops.py`), the others fuse a chain of
+launches into one (`kernels/triton_fused.py`).
 """
 
 from __future__ import annotations
@@ -12,6 +15,31 @@ from collections.abc import Callable
 import torch
 
 Op = Callable[..., torch.Tensor]
+
+
+def paged_sink_attention(
+    q: torch.Tensor, window: torch.Tensor, window_slots: torch.Tensor, window_valid: torch.Tensor,
+    entries: torch.Tensor | None, entry_slots: torch.Tensor | None, entry_valid: torch.Tensor | None,
+    sinks: torch.Tensor, scale: float, *, sink_attention: Op,
+) -> torch.Tensor:
+    """Sink attention of q [T, H, D] over each token's window keys (rows window_slots [T, W] of the
+    window pool [rows, D], validity window_valid) followed by its compressed keys (rows entry_slots
+    [T, E] of the entries pool [rows, >= D], their first D columns; none when `entries` is None)."""
+    keys, valid = [window[window_slots]], [window_valid]
+    if entries is not None:
+        keys.append(entries[entry_slots, :q.shape[-1]])
+        valid.append(entry_valid)
+    return sink_attention(q, torch.cat(keys, dim=1), torch.cat(valid, dim=1), sinks, scale)
+
+
+def paged_indexer_scores(
+    q: torch.Tensor, entries: torch.Tensor, entry_slots: torch.Tensor, column: int, head_weights: torch.Tensor,
+    valid: torch.Tensor, scale: float, *, indexer_scores: Op,
+) -> torch.Tensor:
+    """Indexer scores of q [T, H, Di] against the index keys of each token's entries: columns
+    column .. column + Di of rows entry_slots [T, E] of the entries pool."""
+    keys = entries[entry_slots, column:column + q.shape[-1]]
+    return indexer_scores(q, keys, head_weights, valid, scale)
 
 
 def rotary_table(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, *, cos_sin: Op

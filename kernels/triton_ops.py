@@ -28,7 +28,10 @@ Why a row's bits cannot depend on the batch, kernel by kernel:
   KV_BLOCK with an online softmax that starts from the sink (max = sink, total = 1). Invalid keys
   are never read (their loads are masked to 0) and their probabilities are exactly 0; a block
   with no valid key is skipped. So padding a key list with invalid entries, which is what
-  batching sequences of different lengths does, leaves the result bit-identical.
+  batching sequences of different lengths does, leaves the result bit-identical. The model calls
+  it paged: a token's keys are its window rows then its compressed entries, read in the cache
+  pools through their slots (`_key_rows`) rather than gathered into a [T, K, D] copy first; the
+  keys and their blocks are the same, so are the bits (the indexer reads its keys the same way).
 
 A quantized weight (`kernels.quant.QuantizedWeight`: FP8 or MXFP4 bytes and E8M0 scales) is read
 as raw bytes and decoded inside `_tile_dot`, slice by slice: the integer arithmetic of `_e4m3`,
@@ -53,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import fast, triton_fused
+from kernels import composite, fast, triton_fused
 from kernels.quant import QuantizedWeight
 
 BLOCK_K = 64  # K slice of the matmuls' dots: one for every tile shape (the interpreter's bits depend on it)
@@ -451,11 +454,30 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 @triton.jit
+def _key_rows(a_ptr, a_slots_ptr, a_valid_ptr, A, a_stride, b_ptr, b_slots_ptr, b_valid_ptr, B, b_stride, token,
+              keys_idx, PAGED: tl.constexpr):
+    """Row pointers and validity of a token's keys `keys_idx` in its list of A keys from `a` (key j: row
+    a_slots[token, j], or without PAGED row token * A + j) followed by B keys from `b` (row
+    b_slots[token, j - A]). Keys past the list are invalid; an invalid key's row is never read."""
+    in_a = keys_idx < A
+    in_b = (keys_idx >= A) & (keys_idx < A + B)
+    if PAGED:
+        a_row = tl.load(a_slots_ptr + token * A + keys_idx, mask=in_a, other=0)
+    else:
+        a_row = token * A + keys_idx
+    b_row = tl.load(b_slots_ptr + token * B + (keys_idx - A), mask=in_b, other=0)
+    ok = ((tl.load(a_valid_ptr + token * A + keys_idx, mask=in_a, other=0) != 0)
+          | (tl.load(b_valid_ptr + token * B + (keys_idx - A), mask=in_b, other=0) != 0))
+    rows = tl.where(in_a, a_ptr + a_row.to(tl.int64) * a_stride, b_ptr + b_row.to(tl.int64) * b_stride)
+    return rows, ok
+
+
+@triton.jit
 def _sink_attention_kernel(
-    q_ptr, kv_ptr, valid_ptr, sinks_ptr, out_ptr, H, K, D, scale,
-    KV_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr, a_ptr, a_slots_ptr, a_valid_ptr, A, a_stride, b_ptr, b_slots_ptr, b_valid_ptr, B, b_stride,
+    sinks_ptr, out_ptr, H, D, scale, PAGED: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One program per (token, head): online softmax over the token's keys, from the sink."""
+    """One program per (token, head): online softmax over the token's keys (`_key_rows`), from the sink."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     dims = tl.arange(0, BLOCK_D)
@@ -464,12 +486,11 @@ def _sink_attention_kernel(
     top = tl.load(sinks_ptr + head).to(tl.float32)  # running max, starts at the sink
     total = tl.full((), 1.0, dtype=tl.float32)  # the sink's exp(sink - top) = 1
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for start in range(0, K, KV_BLOCK):
-        keys_idx = start + tl.arange(0, KV_BLOCK)
-        ok = tl.load(valid_ptr + token * K + keys_idx, mask=keys_idx < K, other=0) != 0
+    for start in range(0, A + B, KV_BLOCK):
+        rows, ok = _key_rows(a_ptr, a_slots_ptr, a_valid_ptr, A, a_stride, b_ptr, b_slots_ptr, b_valid_ptr, B,
+                             b_stride, token, start + tl.arange(0, KV_BLOCK), PAGED)
         if tl.max(ok.to(tl.int32), axis=0) > 0:  # a block with no valid key is an exact no-op
-            key_ptrs = kv_ptr + (token * K + keys_idx)[:, None] * D + dims[None, :]
-            keys = tl.load(key_ptrs, mask=ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
+            keys = tl.load(rows[:, None] + dims[None, :], mask=ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
             scores = tl.where(ok, tl.sum(keys * q[None, :], axis=1) * scale, float("-inf"))
             new_top = tl.maximum(top, tl.max(scores, axis=0))
             correction = tl.exp(top - new_top)
@@ -481,6 +502,29 @@ def _sink_attention_kernel(
     tl.store(out, (acc / total).to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
+def _launch_sink_attention(q: torch.Tensor, a: torch.Tensor, a_slots: torch.Tensor | None, a_valid: torch.Tensor,
+                           b: torch.Tensor | None, b_slots: torch.Tensor | None, b_valid: torch.Tensor | None,
+                           sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    tokens, heads, dim = q.shape
+    out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    a_valid = a_valid.to(torch.bool).contiguous().view(torch.uint8)
+    a_slots = a_valid if a_slots is None else a_slots.contiguous()
+    if b is None:
+        b, b_slots, b_valid = a, a_slots, a_valid
+        b_keys = 0
+    else:
+        b_keys, b_slots, b_valid = b_slots.shape[1], b_slots.contiguous(), b_valid.to(torch.bool).contiguous().view(torch.uint8)
+    block_d = triton.next_power_of_2(dim)
+    _sink_attention_kernel[(tokens, heads)](
+        q.contiguous(), a, a_slots, a_valid, a_valid.shape[1], a.stride(-2), b, b_slots, b_valid, b_keys, b.stride(-2),
+        sinks.float().contiguous(), out, heads, dim, scale,
+        PAGED=a_slots is not a_valid, KV_BLOCK=KV_BLOCK, BLOCK_D=block_d, num_warps=4 if block_d <= 128 else 8,
+    )
+    return out
+
+
 def sink_attention(
     q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -489,27 +533,43 @@ def sink_attention(
     q [T, H, D], kv [T, K, D], valid [T, K] bool, sinks [H] fp32 -> [T, H, D] in q's dtype.
     Softmax statistics and the accumulator are fp32; invalid keys are never read.
     """
-    tokens, heads, dim = q.shape
-    out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
-    if out.numel() == 0:
-        return out
-    block_d = triton.next_power_of_2(dim)
-    _sink_attention_kernel[(tokens, heads)](
-        q.contiguous(), kv.contiguous(), valid.to(torch.bool).contiguous().view(torch.uint8),
-        sinks.float().contiguous(), out, heads, kv.shape[1], dim, scale,
-        KV_BLOCK=KV_BLOCK, BLOCK_D=block_d, num_warps=4 if block_d <= 128 else 8,
-    )
-    return out
+    return _launch_sink_attention(q, kv.contiguous(), None, valid, None, None, None, sinks, scale)
+
+
+def _row_major(cache: torch.Tensor) -> torch.Tensor:
+    """A cache pool slice [rows, width] whose rows may be strided but whose columns are contiguous."""
+    return cache if cache.stride(-1) == 1 else cache.contiguous()
+
+
+def paged_sink_attention(
+    q: torch.Tensor, window: torch.Tensor, window_slots: torch.Tensor, window_valid: torch.Tensor,
+    entries: torch.Tensor | None, entry_slots: torch.Tensor | None, entry_valid: torch.Tensor | None,
+    sinks: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """`composite.paged_sink_attention` reading the keys in the caches through their slots (nothing
+    gathered): the same keys in the same blocks, so the bits of `sink_attention` on the gathered keys."""
+    if entries is not None and entries.dtype != window.dtype:  # one kernel reads both through one pointer type
+        return composite.paged_sink_attention(q, window, window_slots, window_valid, entries, entry_slots,
+                                              entry_valid, sinks, scale, sink_attention=sink_attention)
+    return _launch_sink_attention(q, _row_major(window), window_slots, window_valid,
+                                  None if entries is None else _row_major(entries), entry_slots, entry_valid,
+                                  sinks, scale)
 
 
 @triton.jit
-def _indexer_kernel(q_ptr, keys_ptr, w_ptr, out_ptr, H, S, D, scale, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program per (token, block of keys): heads accumulated in order."""
+def _indexer_kernel(q_ptr, keys_ptr, slots_ptr, w_ptr, out_ptr, H, S, D, key_stride, PAGED: tl.constexpr, scale,
+                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per (token, block of keys): heads accumulated in order. Key s of a token is row
+    slots[token, s] of `keys` (row token * S + s without PAGED)."""
     token = tl.program_id(0).to(tl.int64)
     slots = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
     slot_ok, dim_ok = slots < S, dims < D
-    key_ptrs = keys_ptr + (token * S + slots)[:, None] * D + dims[None, :]
+    if PAGED:
+        rows = tl.load(slots_ptr + token * S + slots, mask=slot_ok, other=0).to(tl.int64)
+    else:
+        rows = token * S + slots
+    key_ptrs = keys_ptr + rows[:, None] * key_stride + dims[None, :]
     keys = tl.load(key_ptrs, mask=slot_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
     acc = tl.zeros((BLOCK_S,), dtype=tl.float32)
     for head in range(H):
@@ -519,6 +579,19 @@ def _indexer_kernel(q_ptr, keys_ptr, w_ptr, out_ptr, H, S, D, scale, BLOCK_S: tl
     tl.store(out_ptr + token * S + slots, acc, mask=slot_ok)
 
 
+def _launch_indexer(q: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor | None, width: int,
+                    head_weights: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+    tokens, heads, dim = q.shape
+    out = torch.empty(tokens, width, dtype=torch.float32, device=q.device)
+    if out.numel():
+        _indexer_kernel[(tokens, triton.cdiv(width, KV_BLOCK))](
+            q.contiguous(), keys, keys if slots is None else slots.contiguous(), head_weights.float().contiguous(),
+            out, heads, width, dim, keys.stride(-2), slots is not None, scale,
+            BLOCK_S=KV_BLOCK, BLOCK_D=triton.next_power_of_2(dim),
+        )
+    return out.masked_fill(~valid, float("-inf"))
+
+
 def indexer_scores(
     q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, valid: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -526,15 +599,16 @@ def indexer_scores(
 
     q [T, H, D], keys [T, S, D], head_weights [T, H] fp32, valid [T, S] -> [T, S] fp32 (-inf where invalid).
     """
-    tokens, heads, dim = q.shape
-    width = keys.shape[1]
-    out = torch.empty(tokens, width, dtype=torch.float32, device=q.device)
-    if out.numel():
-        _indexer_kernel[(tokens, triton.cdiv(width, KV_BLOCK))](
-            q.contiguous(), keys.contiguous(), head_weights.float().contiguous(), out, heads, width, dim, scale,
-            BLOCK_S=KV_BLOCK, BLOCK_D=triton.next_power_of_2(dim),
-        )
-    return out.masked_fill(~valid, float("-inf"))
+    return _launch_indexer(q, keys.contiguous(), None, keys.shape[1], head_weights, valid, scale)
+
+
+def paged_indexer_scores(
+    q: torch.Tensor, entries: torch.Tensor, entry_slots: torch.Tensor, column: int, head_weights: torch.Tensor,
+    valid: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """`composite.paged_indexer_scores` reading each index key in the entries pool through its slot."""
+    keys = _row_major(entries)[:, column:column + q.shape[-1]]
+    return _launch_indexer(q, keys, entry_slots, entry_slots.shape[1], head_weights, valid, scale)
 
 
 @triton.jit
@@ -580,6 +654,8 @@ OPS = {
     "softmax": softmax,
     "log_softmax": log_softmax,
     "sink_attention": sink_attention,
+    "paged_sink_attention": paged_sink_attention,
     "indexer_scores": indexer_scores,
+    "paged_indexer_scores": paged_indexer_scores,
     "window_pool": window_pool,
 }

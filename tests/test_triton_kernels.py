@@ -320,6 +320,61 @@ def test_sink_attention_invalid_padding_does_not_change_bits(keys: int, pad: int
     )
 
 
+# paged attention and indexer: keys read through their slots ---------------------------------------
+
+def _paged_caches(tokens: int, window: int, entries: int, dim: int, index_dim: int, seed: int, dtype: torch.dtype):
+    """A window pool [rows, dim] and an entries pool [rows, dim + index_dim] whose rows past the first
+    few hold NaN (stale rows, read only as invalid keys), and per-token slots and validity into both."""
+    generator = torch.Generator().manual_seed(seed)
+    window_pool = _randn(40, dim, seed=seed, dtype=dtype)
+    entry_pool = _randn(30, dim + index_dim, seed=seed + 1, dtype=dtype)
+    window_pool[35:], entry_pool[25:] = float("nan"), float("nan")
+    window_slots = torch.randint(0, 40, (tokens, window), generator=generator).to(DEVICE)
+    entry_slots = torch.randint(0, 30, (tokens, entries), generator=generator).to(DEVICE)
+    window_valid = (window_slots < 35) & (torch.rand(tokens, window, generator=generator) < 0.8).to(DEVICE)
+    entry_valid = (entry_slots < 25) & (torch.rand(tokens, entries, generator=generator) < 0.8).to(DEVICE)
+    return window_pool, window_slots, window_valid, entry_pool, entry_slots, entry_valid
+
+
+@FEW
+@given(tokens=st.integers(1, 12), window=st.integers(1, 80), entries=st.integers(0, 90), dtype=dtypes, seed=seeds)
+def test_paged_attention_reads_the_keys_the_gathered_call_gets(tokens: int, window: int, entries: int,
+                                                               dtype: torch.dtype, seed: int) -> None:
+    """Bitwise the gathered call's result (and so row-invariant as it is), with and without entries."""
+    window_pool, window_slots, window_valid, entry_pool, entry_slots, entry_valid = _paged_caches(
+        tokens, window, entries, 32, 16, seed, dtype)
+    q, sinks = 2 * _randn(tokens, 3, 32, seed=seed + 2, dtype=dtype), _randn(3, seed=seed + 3)
+    if entries:
+        keys = torch.cat([window_pool[window_slots], entry_pool[entry_slots, :32]], dim=1)
+        valid = torch.cat([window_valid, entry_valid], dim=1)
+        paged = triton_ops.paged_sink_attention(q, window_pool, window_slots, window_valid, entry_pool, entry_slots,
+                                                entry_valid, sinks, 0.1)
+    else:
+        keys, valid = window_pool[window_slots], window_valid
+        paged = triton_ops.paged_sink_attention(q, window_pool, window_slots, window_valid, None, None, None, sinks, 0.1)
+    _assert_same_bits(paged, triton_ops.sink_attention(q, keys, valid, sinks, 0.1))
+    assert not paged.isnan().any()
+
+
+def test_paged_attention_over_pools_of_two_dtypes_gathers_them() -> None:
+    window_pool, window_slots, window_valid, entry_pool, entry_slots, entry_valid = _paged_caches(
+        3, 10, 7, 32, 16, seed=40, dtype=torch.float32)
+    q, sinks = _randn(3, 2, 32, seed=41), _randn(2, seed=42)
+    args = (q, window_pool, window_slots, window_valid, entry_pool.bfloat16(), entry_slots, entry_valid, sinks, 0.1)
+    keys = torch.cat([window_pool[window_slots], entry_pool.bfloat16()[entry_slots, :32].float()], dim=1)
+    _assert_same_bits(triton_ops.paged_sink_attention(*args),
+                      triton_ops.sink_attention(q, keys, torch.cat([window_valid, entry_valid], dim=1), sinks, 0.1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_indexer_scores_read_the_keys_the_gathered_call_gets(dtype: torch.dtype) -> None:
+    _, _, _, entry_pool, entry_slots, entry_valid = _paged_caches(5, 1, 70, 32, 16, seed=43, dtype=dtype)
+    q, weights = _randn(5, 4, 16, seed=44, dtype=dtype), _randn(5, 4, seed=45)
+    paged = triton_ops.paged_indexer_scores(q, entry_pool, entry_slots, 32, weights, entry_valid, 0.2)
+    gathered = triton_ops.indexer_scores(q, entry_pool[entry_slots, 32:], weights, entry_valid, 0.2)
+    _assert_same_bits(paged, gathered)
+
+
 # indexer scores / window pooling / Sinkhorn ---------------------------------------------------
 
 def _indexer_inputs(tokens: int, keys: int, seed: int, dtype: torch.dtype = torch.float32):

@@ -86,13 +86,15 @@ class Indexer(nn.Module):
 
     def select(
         self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        keys: torch.Tensor, valid: torch.Tensor,
+        entries: torch.Tensor, entry_slots: torch.Tensor, column: int, valid: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions (into each query's entry list) of the chosen entries, and their validity."""
+        """Positions (into each query's entry list) of the chosen entries, and their validity. The index
+        keys are columns `column`.. of the entries pool's rows `entry_slots` [T, E]."""
         q = self.wq_b(q_residual).view(x.shape[0], self.n_heads, self.head_dim)
         q = self.ops.rotary(q, cos, sin)
         head_weights = self.weights_proj(x).float() * self.n_heads**-0.5
-        scores = self.ops.indexer_scores(q, keys, head_weights, valid, self.head_dim**-0.5)
+        scores = self.ops.paged_indexer_scores(q, entries, entry_slots, column, head_weights, valid,
+                                               self.head_dim**-0.5)
         chosen = self.ops.topk_indices(scores, min(self.topk, scores.shape[-1]))
         return chosen, valid.gather(1, chosen)
 
@@ -185,19 +187,16 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor], addresses: CacheAddresses, step: CompressorAddresses | None,
         cache: dict[str, torch.Tensor],
     ) -> torch.Tensor:
-        """Sink attention of the queries `rows` over their window and compressed keys."""
-        keys = [cache["window"][addresses.window_read[rows]]]
-        valid = [addresses.window_valid[rows]]
+        """Sink attention of the queries `rows` over their window and compressed keys, read from the
+        caches through their slots."""
+        entries = entry_read = entry_valid = None
         if step is not None:
-            entries, d = cache["entries"], self.head_dim
-            entry_read, entry_valid = step.entry_read[rows], step.entry_valid[rows]
+            entries, entry_read, entry_valid = cache["entries"], step.entry_read[rows], step.entry_valid[rows]
             if self.layer_type == CSA:
-                index_keys = entries[entry_read, d:d + self.indexer.head_dim]
                 cos, sin = rope
-                chosen, entry_valid = self.indexer.select(x[rows], q_residual[rows], cos[rows], sin[rows],
-                                                          index_keys, entry_valid)
+                chosen, entry_valid = self.indexer.select(x[rows], q_residual[rows], cos[rows], sin[rows], entries,
+                                                          entry_read, self.head_dim, entry_valid)
                 entry_read = entry_read.gather(1, chosen)
-            keys.append(entries[entry_read, :d])
-            valid.append(entry_valid)
-        return self.ops.sink_attention(q[rows], torch.cat(keys, dim=1), torch.cat(valid, dim=1), self.attn_sink,
-                                       self.head_dim**-0.5)
+        return self.ops.paged_sink_attention(q[rows], cache["window"], addresses.window_read[rows],
+                                             addresses.window_valid[rows], entries, entry_read, entry_valid,
+                                             self.attn_sink, self.head_dim**-0.5)

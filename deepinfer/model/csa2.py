@@ -130,14 +130,16 @@ class Indexer2(nn.Module):
 
     def select(
         self, x: torch.Tensor, q_residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-        keys: torch.Tensor, valid: torch.Tensor, visible: torch.Tensor, carried: Selection | None,
+        entries: torch.Tensor, entry_slots: torch.Tensor, column: int, valid: torch.Tensor, visible: torch.Tensor,
+        carried: Selection | None,
     ) -> Selection:
-        """Score each token's visible entries (`keys` [T, E, Di], `valid` [T, E]; `visible` [T] how
-        many it may see) and keep the top-k, inside the candidate pool once there is one."""
+        """Score each token's visible entries (index keys: columns `column`.. of the entries pool's rows
+        `entry_slots` [T, E]; `valid` [T, E]; `visible` [T] how many it may see) and keep the top-k,
+        inside the candidate pool once there is one."""
         q = self.wq_b(q_residual).view(x.shape[0], self.n_heads, self.head_dim)
         q = self.formats.index(self.ops.rotary(q, *rope))
         weights = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
-        scores = self.ops.indexer_scores(q, keys, weights, valid, 1.0)
+        scores = self.ops.paged_indexer_scores(q, entries, entry_slots, column, weights, valid, 1.0)
         candidates = carried.candidates if carried is not None else None
         if self.role.candidate_source:
             candidates = self._candidate_pool(scores, visible) & valid
@@ -232,22 +234,22 @@ class Attention2(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor, addresses: CacheAddresses,
         step: CompressorAddresses | None, cache: dict[str, torch.Tensor], selection: Selection | None,
     ) -> tuple[torch.Tensor, Selection | None]:
-        """Sink attention of the queries `rows` over their window and chosen entries, and their
-        selection (made here in index sources, carried in from an earlier layer otherwise)."""
-        keys, valid = [cache["window"][addresses.window_read[rows]]], [addresses.window_valid[rows]]
+        """Sink attention of the queries `rows` over their window and chosen entries (read from the
+        caches through their slots), and their selection (made here in index sources, carried in from
+        an earlier layer otherwise)."""
+        entries = entry_slots = entry_valid = None
         if step is not None:
             entries, entry_read = cache["entries"], step.entry_read[rows]
             carried = selection.rows(rows) if selection is not None else None
             if self.role.kind in (FULL, REINDEX):
                 visible = (positions[rows] + 1) // self.role.ratio
-                index_keys = entries[entry_read, self.head_dim:]
-                carried = self.indexer.select(x[rows], q_residual[rows], (rope[0][rows], rope[1][rows]), index_keys,
-                                              step.entry_valid[rows], visible, carried)
-            keys.append(entries[entry_read.gather(1, carried.chosen), :self.head_dim])
-            valid.append(carried.valid)
+                carried = self.indexer.select(x[rows], q_residual[rows], (rope[0][rows], rope[1][rows]), entries,
+                                              entry_read, self.head_dim, step.entry_valid[rows], visible, carried)
+            entry_slots, entry_valid = entry_read.gather(1, carried.chosen), carried.valid
             selection = carried
-        out = self.ops.sink_attention(q[rows], torch.cat(keys, dim=1), torch.cat(valid, dim=1), self.attn_sink,
-                                      self.head_dim**-0.5)
+        out = self.ops.paged_sink_attention(q[rows], cache["window"], addresses.window_read[rows],
+                                            addresses.window_valid[rows], entries, entry_slots, entry_valid,
+                                            self.attn_sink, self.head_dim**-0.5)
         return out, selection
 
     def _compress(self, x: torch.Tensor, step: CompressorAddresses, entries: torch.Tensor,
