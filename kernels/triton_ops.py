@@ -24,14 +24,16 @@ Why a row's bits cannot depend on the batch, kernel by kernel:
 - the norms and softmaxes run one program per row, accumulating BLOCK-wide vectors elementwise
   across the row and reducing the vector once at the end, so the summation tree depends only on
   the row length;
-- `_sink_attention_kernel` runs one program per (token, head) over that token's keys in blocks of
-  KV_BLOCK with an online softmax that starts from the sink (max = sink, total = 1). Invalid keys
-  are never read (their loads are masked to 0) and their probabilities are exactly 0; a block
-  with no valid key is skipped. So padding a key list with invalid entries, which is what
-  batching sequences of different lengths does, leaves the result bit-identical. The model calls
-  it paged: a token's keys are its window rows then its compressed entries, read in the cache
-  pools through their slots (`_key_rows`) rather than gathered into a [T, K, D] copy first; the
-  keys and their blocks are the same, so are the bits (the indexer reads its keys the same way).
+- `_sink_attention_kernel` runs one program per (token, block of 16 heads) over that token's keys in
+  blocks of ATTENTION_KEYS with an online softmax that starts from the sink (max = sink, total = 1).
+  A program sees one token only, so its `tl.dot`s (scores, then probabilities times keys) involve no
+  other token. Invalid keys are never read (their loads are masked to 0) and their probabilities are
+  exactly 0, so they add exact zeros; a block with no valid key is skipped. So padding a key list
+  with invalid entries, which is what batching sequences of different lengths does, leaves the
+  result bit-identical. The model calls it paged: a token's keys are its window rows then its
+  compressed entries, read in the cache pools through their slots (`_key_rows`) rather than
+  gathered into a [T, K, D] copy first; the keys and their blocks are the same, so are the bits
+  (the indexer reads its keys the same way).
 
 A quantized weight (`kernels.quant.QuantizedWeight`: FP8 or MXFP4 bytes and E8M0 scales) is read
 as raw bytes and decoded inside `_tile_dot`, slice by slice: the integer arithmetic of `_e4m3`,
@@ -62,7 +64,9 @@ from kernels.quant import QuantizedWeight
 BLOCK_K = 64  # K slice of the matmuls' dots: one for every tile shape (the interpreter's bits depend on it)
 K_CHUNK = 512  # K slice of a split matmul's programs (a multiple of BLOCK_K)
 ROW_BLOCK = 1024  # vector width of the row-wise kernels (norms, softmax)
-KV_BLOCK = 64
+KV_BLOCK = 64  # keys per indexer program
+ATTENTION_HEADS = 16  # heads per attention program (each key block is read once for all of them)
+ATTENTION_KEYS = 32  # keys per attention block (with 16 heads and head_dim 512 the operands fit shared memory)
 
 
 @triton.jit
@@ -475,31 +479,40 @@ def _key_rows(a_ptr, a_slots_ptr, a_valid_ptr, A, a_stride, b_ptr, b_slots_ptr, 
 @triton.jit
 def _sink_attention_kernel(
     q_ptr, a_ptr, a_slots_ptr, a_valid_ptr, A, a_stride, b_ptr, b_slots_ptr, b_valid_ptr, B, b_stride,
-    sinks_ptr, out_ptr, H, D, scale, PAGED: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+    sinks_ptr, out_ptr, H, D, scale, PAGED: tl.constexpr, HEADS: tl.constexpr, KEY_BLOCK: tl.constexpr,
+    BLOCK_D: tl.constexpr, LOW_PRECISION_SCORES: tl.constexpr,
 ):
-    """One program per (token, head): online softmax over the token's keys (`_key_rows`), from the sink."""
+    """One program per (token, block of HEADS heads): an online softmax over the token's keys
+    (`_key_rows`), from the sink, every key block read once for all the block's heads. Scores are one
+    `tl.dot` of the heads' queries with the block's keys (bf16 operands when both are bf16, fp32 IEEE
+    otherwise), probabilities times keys one fp32 IEEE `tl.dot`; statistics and accumulator fp32."""
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    head_ok = heads < H
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < D
-    q = tl.load(q_ptr + (token * H + head) * D + dims, mask=dim_ok, other=0.0).to(tl.float32)
-    top = tl.load(sinks_ptr + head).to(tl.float32)  # running max, starts at the sink
-    total = tl.full((), 1.0, dtype=tl.float32)  # the sink's exp(sink - top) = 1
-    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for start in range(0, A + B, KV_BLOCK):
+    q = tl.load(q_ptr + (token * H + heads)[:, None] * D + dims[None, :], mask=head_ok[:, None] & dim_ok[None, :],
+                other=0.0)
+    if not LOW_PRECISION_SCORES:
+        q = q.to(tl.float32)
+    top = tl.load(sinks_ptr + heads, mask=head_ok, other=0.0).to(tl.float32)  # running max, starts at the sink
+    total = tl.full((HEADS,), 1.0, dtype=tl.float32)  # the sink's exp(sink - top) = 1
+    acc = tl.zeros((HEADS, BLOCK_D), dtype=tl.float32)
+    for start in range(0, A + B, KEY_BLOCK):
         rows, ok = _key_rows(a_ptr, a_slots_ptr, a_valid_ptr, A, a_stride, b_ptr, b_slots_ptr, b_valid_ptr, B,
-                             b_stride, token, start + tl.arange(0, KV_BLOCK), PAGED)
+                             b_stride, token, start + tl.arange(0, KEY_BLOCK), PAGED)
         if tl.max(ok.to(tl.int32), axis=0) > 0:  # a block with no valid key is an exact no-op
-            keys = tl.load(rows[:, None] + dims[None, :], mask=ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
-            scores = tl.where(ok, tl.sum(keys * q[None, :], axis=1) * scale, float("-inf"))
-            new_top = tl.maximum(top, tl.max(scores, axis=0))
+            keys = tl.load(rows[:, None] + dims[None, :], mask=ok[:, None] & dim_ok[None, :], other=0.0)
+            dots = tl.dot(q, tl.trans(keys.to(q.dtype)), input_precision="ieee")  # [HEADS, KEY_BLOCK]
+            scores = tl.where(ok[None, :], dots * scale, float("-inf"))
+            new_top = tl.maximum(top, tl.max(scores, axis=1))
             correction = tl.exp(top - new_top)
-            probs = tl.where(ok, tl.exp(scores - new_top), 0.0)
-            total = total * correction + tl.sum(probs, axis=0)
-            acc = acc * correction + tl.sum(probs[:, None] * keys, axis=0)
+            probs = tl.where(ok[None, :], tl.exp(scores - new_top[:, None]), 0.0)
+            total = total * correction + tl.sum(probs, axis=1)
+            acc = acc * correction[:, None] + tl.dot(probs, keys.to(tl.float32), input_precision="ieee")
             top = new_top
-    out = out_ptr + (token * H + head) * D + dims
-    tl.store(out, (acc / total).to(out_ptr.dtype.element_ty), mask=dim_ok)
+    out = out_ptr + (token * H + heads)[:, None] * D + dims[None, :]
+    tl.store(out, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & dim_ok[None, :])
 
 
 def _launch_sink_attention(q: torch.Tensor, a: torch.Tensor, a_slots: torch.Tensor | None, a_valid: torch.Tensor,
@@ -516,11 +529,12 @@ def _launch_sink_attention(q: torch.Tensor, a: torch.Tensor, a_slots: torch.Tens
         b_keys = 0
     else:
         b_keys, b_slots, b_valid = b_slots.shape[1], b_slots.contiguous(), b_valid.to(torch.bool).contiguous().view(torch.uint8)
-    block_d = triton.next_power_of_2(dim)
-    _sink_attention_kernel[(tokens, heads)](
+    block_d = max(triton.next_power_of_2(dim), 16)
+    _sink_attention_kernel[(tokens, triton.cdiv(heads, ATTENTION_HEADS))](
         q.contiguous(), a, a_slots, a_valid, a_valid.shape[1], a.stride(-2), b, b_slots, b_valid, b_keys, b.stride(-2),
-        sinks.float().contiguous(), out, heads, dim, scale,
-        PAGED=a_slots is not a_valid, KV_BLOCK=KV_BLOCK, BLOCK_D=block_d, num_warps=4 if block_d <= 128 else 8,
+        sinks.float().contiguous(), out, heads, dim, scale, PAGED=a_slots is not a_valid, HEADS=ATTENTION_HEADS,
+        KEY_BLOCK=ATTENTION_KEYS, BLOCK_D=block_d, LOW_PRECISION_SCORES=q.dtype == a.dtype == torch.bfloat16,
+        num_warps=4 if block_d <= 128 else 8,
     )
     return out
 
@@ -528,7 +542,7 @@ def _launch_sink_attention(q: torch.Tensor, a: torch.Tensor, a_slots: torch.Tens
 def sink_attention(
     q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Shared-KV attention with a per-head sink, keys reduced in KV_BLOCK blocks in order.
+    """Shared-KV attention with a per-head sink, keys reduced in ATTENTION_KEYS blocks in order.
 
     q [T, H, D], kv [T, K, D], valid [T, K] bool, sinks [H] fp32 -> [T, H, D] in q's dtype.
     Softmax statistics and the accumulator are fp32; invalid keys are never read.
