@@ -24,6 +24,7 @@ from deepinfer.checkpoint import CheckpointError
 from deepinfer.engine.llm import PromptTooLongError, RequestError
 from deepinfer.engine.sampler import first_argmax, uniform_noise
 from deepinfer.errors import DeepInferError
+from deepinfer.model import NULL_BLOCK
 from deepinfer.recipe.chat import ChatFormatError, encode_chat, parse_completion
 from deepinfer.recipe.tokenizer import TextTokenizer
 from deepinfer.sampling_params import SUITE_SEEDS, SamplingParamsError, derive_seed
@@ -553,6 +554,32 @@ def test_greedy_takes_the_lowest_index_among_tied_maxima():
 
 
 # ---------------------------------------------------------------------------------- scheduler/cache
+
+
+@settings(max_examples=25, deadline=None)
+@given(steps=st.lists(st.integers(1, 40), min_size=1, max_size=12))
+def test_blocks_behind_a_sequence_are_released_once_each(steps):
+    """`release_behind` frees exactly the blocks no later step can read, looking only at what became
+    releasable since its last call (its watermark), and a freed sequence starts over."""
+    from deepinfer.engine.cache import BlockTables, CacheManager
+    from deepinfer.model.batch import PoolSpec
+
+    specs = [PoolSpec("window", "window", (0,), 4, window=24), PoolSpec("s_state", "state", (0,), 4, ratio=4, overlap=True)]
+    cache = CacheManager(specs, max_num_seqs=1, max_model_len=512, max_step_tokens=40, num_blocks=None, block_size=8,
+                         dtype=torch.float32, device="cpu")
+    for _ in range(2):  # the second pass: after `free`, the watermark starts over
+        blocks, end = BlockTables(), 0
+        for step in steps:
+            end += step
+            cache.grow(blocks, end)
+            cache.release_behind(blocks, end)
+            for name, spec in cache.specs.items():
+                table, behind = blocks.table(name), spec.first_kept_row(end) // 8
+                assert all(b == NULL_BLOCK for b in table[:behind]) and NULL_BLOCK not in table[behind:]
+                assert blocks.released[name] == min(behind, len(table))  # where the next call starts
+                assert cache.num_free()[name] == cache.num_blocks[name] - (len(table) - blocks.released[name])
+        cache.free(blocks)
+        assert cache.num_free() == cache.num_blocks
 
 
 def test_preemption_finishes_everything_and_leaks_no_blocks(llm, tiny_checkpoint):

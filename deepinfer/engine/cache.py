@@ -91,9 +91,11 @@ def default_max_model_len(specs: list[PoolSpec], max_position_embeddings: int, m
 
 @dataclass
 class BlockTables:
-    """One sequence's block tables, one per pool."""
+    """One sequence's block tables, one per pool; `released[pool]`: how many leading entries have been
+    handed back (set to the null block), so a step looks only at what became releasable since."""
 
     tables: dict[str, list[int]] = field(default_factory=dict)
+    released: dict[str, int] = field(default_factory=dict)
 
     def table(self, pool: str) -> list[int]:
         return self.tables.setdefault(pool, [])
@@ -164,16 +166,19 @@ class CacheManager:
     def release_behind(self, blocks: BlockTables, next_pos: int) -> None:
         """Free blocks that no step starting at `next_pos` can read again."""
         for name, spec in self.specs.items():
-            table = blocks.table(name)
-            for i in range(min(spec.first_kept_row(next_pos) // self.block_size, len(table))):
+            table, start = blocks.table(name), blocks.released.get(name, 0)
+            stop = min(spec.first_kept_row(next_pos) // self.block_size, len(table))
+            for i in range(start, stop):
                 if table[i] != NULL_BLOCK:
                     self.free_blocks[name].append(table[i])
                     table[i] = NULL_BLOCK
+            blocks.released[name] = max(start, stop)
 
     def free(self, blocks: BlockTables) -> None:
         for name, table in blocks.tables.items():
             self.free_blocks[name].extend(b for b in reversed(table) if b != NULL_BLOCK)
         blocks.tables.clear()
+        blocks.released.clear()
 
     def num_free(self) -> dict[str, int]:
         return {name: len(free) for name, free in self.free_blocks.items()}
