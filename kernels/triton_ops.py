@@ -17,10 +17,15 @@ Why a row's bits cannot depend on the batch, kernel by kernel:
   (on the H200 BLOCK_K does not matter either, but the interpreter's dot does depend on it, so it
   is one constant). That is a property of the compiled code, not a promise of Triton's, so the
   CUDA tests check every tile shape `matmul_tiles` can pick bit for bit against one another;
-- a weight with few columns and a long K (the hyper-connection projections: N = 24, K = 16384)
-  would leave the chip idle in one program per column tile, so its K is split into chunks of
-  K_CHUNK (`k_splits`, from N and K only, never from M): each chunk's partial product is a
-  separate fp32 fold, and `_sum_splits_kernel` adds the partials in chunk order;
+- a weight with fewer than SPLIT_WIDTH columns and a long K (the hyper-connection projections: N =
+  24, K = 16384; the query and KV down-projections, compressors, shared experts: N = 256 .. 2048, K
+  = 4096) would leave the chip idle at decode sizes in one program per column tile, so its K is cut
+  into chunks of K_CHUNK (`k_splits`, from N and K only, never from M): each chunk's product is a
+  separate fp32 fold, and the folds are added in chunk order. Up to SPLIT_ROWS rows, and for weights
+  of at most NARROW_WIDTH columns at any row count, each chunk runs in its own program and
+  `_sum_splits_kernel` adds the fp32 partials; other products (whose row and column tiles fill the
+  chip, and whose partials would cost memory) add them inside the program. The same adds in the
+  same order: the bits do not depend on which (tested bitwise);
 - the norms and softmaxes run one program per row, accumulating BLOCK-wide vectors elementwise
   across the row and reducing the vector once at the end, so the summation tree depends only on
   the row length;
@@ -62,7 +67,10 @@ from kernels import composite, fast, triton_fused
 from kernels.quant import QuantizedWeight
 
 BLOCK_K = 64  # K slice of the matmuls' dots: one for every tile shape (the interpreter's bits depend on it)
-K_CHUNK = 512  # K slice of a split matmul's programs (a multiple of BLOCK_K)
+K_CHUNK = 512  # K slice of a chunked matmul (a multiple of BLOCK_K)
+SPLIT_WIDTH = 4096  # weights with fewer columns have long K chunked (`k_splits`)
+SPLIT_ROWS = 64  # products of at most this many rows run each K chunk in its own program ...
+NARROW_WIDTH = 256  # ... as do products with weights this narrow, whatever their rows
 ROW_BLOCK = 1024  # vector width of the row-wise kernels (norms, softmax)
 KV_BLOCK = 64  # keys per indexer program
 ATTENTION_HEADS = 16  # heads per attention program (each key block is read once for all of them)
@@ -171,15 +179,18 @@ def _matmul_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FORMAT: tl.constexpr, TILE_N: tl.constexpr, TILE_K: tl.constexpr, SPLITS: tl.constexpr, K_CHUNK: tl.constexpr,
+    SEPARATE: tl.constexpr,
 ):
     """out[m, g, :] = x[m, g, :] @ w[g].T for row tile program_id(0), column tile 1, and group (and,
-    with SPLITS > 1, K chunk) 2.
+    with SEPARATE chunks, K chunk) 2.
 
     x: [M, G, K] with row stride stride_xm; w: [G * N, K] contiguous (its bytes and scales s for a
-    quantized FORMAT, see `_b_operands`); out: [M, G, N] with row stride stride_om, or with SPLITS > 1
-    the fp32 partials [SPLITS, M, G, N] of K chunks of K_CHUNK, chunk program_id(2) % SPLITS.
+    quantized FORMAT, see `_b_operands`); out: [M, G, N] with row stride stride_om. With SPLITS > 1 the
+    product is the sum, in chunk order, of the folds over K chunks of K_CHUNK: added here, or with
+    SEPARATE written as the fp32 partials [SPLITS, M, G, N], chunk program_id(2) % SPLITS, for
+    `_sum_splits_kernel` to add.
     """
-    group = tl.program_id(2) // SPLITS
+    group = tl.program_id(2) // SPLITS if SEPARATE else tl.program_id(2)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
@@ -189,13 +200,20 @@ def _matmul_kernel(
     if SPLITS == 1:
         acc = _tile_dot(x_rows, w_rows, s_rows, row_ok, col_ok, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, FORMAT, TILE_K)
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-    else:
+    elif SEPARATE:
         split = tl.program_id(2) % SPLITS
         first = split * K_CHUNK
         acc = _tile_dot(x_rows, w_rows, s_rows, row_ok, col_ok, first, tl.minimum(K, first + K_CHUNK),
                         BLOCK_M, BLOCK_N, BLOCK_K, FORMAT, TILE_K)
         out += split.to(tl.int64) * M * stride_om
         tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
+    else:
+        acc = _tile_dot(x_rows, w_rows, s_rows, row_ok, col_ok, 0, tl.minimum(K, K_CHUNK),
+                        BLOCK_M, BLOCK_N, BLOCK_K, FORMAT, TILE_K)
+        for first in range(K_CHUNK, K, K_CHUNK):  # as `_sum_splits_kernel` adds the partials
+            acc += _tile_dot(x_rows, w_rows, s_rows, row_ok, col_ok, first, tl.minimum(K, first + K_CHUNK),
+                             BLOCK_M, BLOCK_N, BLOCK_K, FORMAT, TILE_K)
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -232,9 +250,9 @@ def matmul_tiles(rows: int, width: int, dtype: torch.dtype) -> Tiles:
 
 
 def k_splits(width: int, depth: int) -> int:
-    """How many K chunks of K_CHUNK a product with `width` output columns and K = `depth` is split into:
-    from the weight's shape alone, so a row's bits never depend on the batch."""
-    return triton.cdiv(depth, K_CHUNK) if width <= 256 and depth >= 4 * K_CHUNK else 1
+    """How many K chunks of K_CHUNK a product with `width` output columns and K = `depth` sums, in chunk
+    order: from the weight's shape alone, so a row's bits never depend on the batch."""
+    return triton.cdiv(depth, K_CHUNK) if width < SPLIT_WIDTH and depth >= 4 * K_CHUNK else 1
 
 
 def _b_operands(weight: torch.Tensor | QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -257,14 +275,15 @@ def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, gro
         return out
     w, s, layout = _b_operands(weight)
     tiles, splits = matmul_tiles(rows, width, weight.dtype), k_splits(width, depth)
-    target = out if splits == 1 else torch.empty(splits, rows, groups, width, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(rows, tiles.block_m), triton.cdiv(width, tiles.block_n), groups * splits)
+    separate = splits > 1 and (rows <= SPLIT_ROWS or width <= NARROW_WIDTH)
+    target = torch.empty(splits, rows, groups, width, dtype=torch.float32, device=x.device) if separate else out
+    grid = (triton.cdiv(rows, tiles.block_m), triton.cdiv(width, tiles.block_n), groups * (splits if separate else 1))
     _matmul_kernel[grid](
         x, w, s, target, rows, width, depth, groups * depth, groups * width,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=BLOCK_K, SPLITS=splits, K_CHUNK=K_CHUNK,
-        **layout, num_warps=tiles.warps, num_stages=tiles.stages,
+        SEPARATE=separate, **layout, num_warps=tiles.warps, num_stages=tiles.stages,
     )
-    if splits > 1:
+    if separate:
         _sum_splits_kernel[(triton.cdiv(out.numel(), ROW_BLOCK),)](target, out, out.numel(), SPLITS=splits,
                                                                    BLOCK=ROW_BLOCK)
     return out

@@ -1,5 +1,5 @@
 """The Triton kernels compile for Hopper (sm_90) without a GPU: the matmuls in every weight format,
-scale tile and split, and the fused small ops without multiply-add contraction.
+scale tile and K chunking, and the fused small ops without multiply-add contraction.
 
 The interpreter runs kernels as Python and never sees what only the compiler does (a branch that
 cannot be generated for some constexpr combination is invisible to it), so this compiles
@@ -38,12 +38,13 @@ results = []
 for fmt, tile_n, tile_k in json.loads(sys.argv[1]):
     weight = "*bf16" if fmt == "plain" else "*u8"
     layout = {"FORMAT": fmt, "TILE_N": tile_n, "TILE_K": tile_k, "BLOCK_K": triton_ops.BLOCK_K}
-    for splits in (1, 4):
-        signature = {"x_ptr": "*bf16", "w_ptr": weight, "s_ptr": weight, "out_ptr": "*fp32" if splits > 1 else "*bf16",
+    for splits, separate in ((1, False), (4, True), (4, False)):
+        signature = {"x_ptr": "*bf16", "w_ptr": weight, "s_ptr": weight, "out_ptr": "*fp32" if separate else "*bf16",
                      "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32"}
         ptx = compile_kernel(triton_ops._matmul_kernel, signature,
-                             {"BLOCK_M": 64, "BLOCK_N": 16, **layout, "SPLITS": splits, "K_CHUNK": triton_ops.K_CHUNK})
-        results.append([fmt, tile_k, "matmul", splits, "wgmma" in ptx])
+                             {"BLOCK_M": 64, "BLOCK_N": 16, **layout, "SPLITS": splits, "K_CHUNK": triton_ops.K_CHUNK,
+                              "SEPARATE": separate})
+        results.append([fmt, tile_k, "matmul", [splits, separate], "wgmma" in ptx])
     signature = {"x_ptr": "*bf16", "rows_ptr": "*i64", "dest_ptr": "*i64", "offsets_ptr": "*i64",
                  "experts_ptr": "*i64", "w_ptr": weight, "s_ptr": weight, "out_ptr": "*bf16", "N": "i32", "K": "i32",
                  "stride_xm": "i32"}
@@ -61,7 +62,7 @@ def test_matmul_kernels_compile_for_hopper_in_every_format():
                           env=env, cwd=REPO, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(results) == len(LAYOUTS) * 4
+    assert len(results) == len(LAYOUTS) * 5
     assert all(uses_wgmma for *_, uses_wgmma in results), [r for r in results if not r[-1]]
 
 

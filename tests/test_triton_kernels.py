@@ -151,22 +151,34 @@ def test_grouped_linear_row_does_not_depend_on_batch(batch: tuple[int, int], dty
 SKINNY_K = triton_ops.K_CHUNK * 4 + 37  # long enough to be split, with a ragged last chunk
 
 
-def test_a_skinny_long_weight_is_split_by_its_shape_alone() -> None:
+def test_a_narrow_long_weight_is_chunked_by_its_shape_alone() -> None:
     assert triton_ops.k_splits(24, SKINNY_K) == 5 and triton_ops.k_splits(24, 2047) == 1
-    assert triton_ops.k_splits(257, SKINNY_K) == 1
+    assert triton_ops.k_splits(triton_ops.SPLIT_WIDTH - 1, SKINNY_K) == 5
+    assert triton_ops.k_splits(triton_ops.SPLIT_WIDTH, SKINNY_K) == 1
 
 
 @FEW
 @given(batch=batch_rows, dtype=dtypes, seed=seeds)
 def test_split_linear_matches_reference_and_rows_do_not_depend_on_batch(
         batch: tuple[int, int], dtype: torch.dtype, seed: int) -> None:
-    """The hyper-connection projections' shape (few columns, long K): the K chunks' partial sums are added
-    in chunk order, so a row's bits are the same alone and in any batch (across tile shapes too)."""
+    """The hyper-connection projections' shape (few columns, long K): the K chunks' folds are added in
+    chunk order by `_sum_splits_kernel`, so a row's bits are the same alone and in any batch (across
+    tile shapes too)."""
     rows, at = batch
     x, weight = _randn(rows, SKINNY_K, seed=seed), _randn(24, SKINNY_K, seed=seed + 1, dtype=dtype)
     out = triton_ops.linear(x, weight)
     _assert_close(out, invariant.linear(x, weight), scale=SKINNY_K**0.5)
     _assert_same_bits(out[at:at + 1], triton_ops.linear(x[at:at + 1], weight))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunks_summed_in_separate_programs_or_inside_one_give_the_same_bits(dtype: torch.dtype) -> None:
+    rows = triton_ops.SPLIT_ROWS + 6
+    width = triton_ops.NARROW_WIDTH + 4  # wider than NARROW_WIDTH: past SPLIT_ROWS rows its chunks add in-program
+    x, weight = _randn(rows, 2, SKINNY_K, seed=12), _randn(2 * width, SKINNY_K, seed=13, dtype=dtype)
+    inside = triton_ops.grouped_linear(x, weight, 2)  # more than SPLIT_ROWS rows: chunks added in the programs
+    _assert_same_bits(inside[:5], triton_ops.grouped_linear(x[:5], weight, 2))  # by _sum_splits_kernel
+    _assert_same_bits(triton_ops.linear(x[:, 1], weight[width:]), inside[:, 1])
 
 
 @given(counts=st.lists(st.integers(0, 3), min_size=1, max_size=40))
