@@ -6,9 +6,12 @@ once and hands the `Ops` to the model when it builds it, so implementations can 
 without touching the model and no call pays for a lookup. Modes:
 
 - `batch_invariant` (default): a row's result never depends on the rest of the batch
-  (`kernels/invariant.py` in PyTorch; on CUDA, the Triton kernels of `kernels/triton_ops.py`
-  replace the ops they cover);
+  (`kernels/invariant.py` in PyTorch; on CUDA, the Triton kernels of `kernels/triton_ops.py` and
+  the fused ones of `kernels/triton_fused.py` replace the ops they cover);
 - `fast`: plain PyTorch ops, whose bits may change with batch shape (`kernels/fast.py`).
+
+Composite ops (`kernels/composite.py`, and the routed experts) are built from each table's own
+primitives unless the table brings a kernel of its own for them.
 
 In every table `linear`, `grouped_linear` and `moe_experts` also take weights kept quantized
 (`kernels.quant.QuantizedWeight`), with the bits of their decoded values: the Triton kernels decode
