@@ -117,11 +117,13 @@ def synced_step(llm: LLM) -> list[str]:
 
 
 MODULE_SCOPE = "module::"
+UNCREDITED = "(not credited: Triton launches)"
 
 
 def module_census(model: torch.nn.Module, forward) -> list[dict]:
-    """Kernels (count and GPU µs) of one eager `forward()` per innermost module class that launched
-    them ("(model)" for the top level), largest GPU time first."""
+    """Kernels (count and GPU µs) of one eager `forward()` per innermost module class whose PyTorch ops
+    launched them ("(model)" outside every module), and those no op launched (Triton's), largest GPU
+    time first."""
     scopes: dict[torch.nn.Module, list] = {}
 
     def enter(module, _args):
@@ -139,6 +141,7 @@ def module_census(model: torch.nn.Module, forward) -> list[dict]:
         for hook in hooks:
             hook.remove()
     totals: dict[str, list[float]] = {}
+    device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     for event in prof.events():
         if not event.kernels:
             continue
@@ -149,6 +152,9 @@ def module_census(model: torch.nn.Module, forward) -> list[dict]:
         entry = totals.setdefault(name, [0, 0.0])
         entry[0] += len(event.kernels)
         entry[1] += sum(kernel.duration for kernel in event.kernels)
+    credited = sum(count for count, _ in totals.values()), sum(us for _, us in totals.values())
+    # Triton's launches are not linked to a PyTorch op, so their kernels are not credited to a module
+    totals[UNCREDITED] = [len(device) - credited[0], sum(e.time_range.elapsed_us() for e in device) - credited[1]]
     rows = [{"module": name, "kernels": count, "gpu_us": round(us, 1)} for name, (count, us) in totals.items()]
     return sorted(rows, key=lambda row: -row["gpu_us"])
 
