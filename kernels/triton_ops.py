@@ -537,12 +537,16 @@ def _sink_attention_kernel(
 def _launch_sink_attention(q: torch.Tensor, a: torch.Tensor, a_slots: torch.Tensor | None, a_valid: torch.Tensor,
                            b: torch.Tensor | None, b_slots: torch.Tensor | None, b_valid: torch.Tensor | None,
                            sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """`_sink_attention_kernel` over each token's keys: rows a_slots[t] of `a` (without slots, a is the
+    gathered [T, K, D] keys), then rows b_slots[t] of `b` (when given). Unused pointer arguments get
+    a tensor that is never read."""
     tokens, heads, dim = q.shape
     out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out
+    paged = a_slots is not None
     a_valid = a_valid.to(torch.bool).contiguous().view(torch.uint8)
-    a_slots = a_valid if a_slots is None else a_slots.contiguous()
+    a_slots = a_slots.contiguous() if paged else a_valid
     if b is None:
         b, b_slots, b_valid = a, a_slots, a_valid
         b_keys = 0
@@ -551,7 +555,7 @@ def _launch_sink_attention(q: torch.Tensor, a: torch.Tensor, a_slots: torch.Tens
     block_d = max(triton.next_power_of_2(dim), 16)
     _sink_attention_kernel[(tokens, triton.cdiv(heads, ATTENTION_HEADS))](
         q.contiguous(), a, a_slots, a_valid, a_valid.shape[1], a.stride(-2), b, b_slots, b_valid, b_keys, b.stride(-2),
-        sinks.float().contiguous(), out, heads, dim, scale, PAGED=a_slots is not a_valid, HEADS=ATTENTION_HEADS,
+        sinks.float().contiguous(), out, heads, dim, scale, PAGED=paged, HEADS=ATTENTION_HEADS,
         KEY_BLOCK=ATTENTION_KEYS, BLOCK_D=block_d, LOW_PRECISION_SCORES=q.dtype == a.dtype == torch.bfloat16,
         num_warps=4 if block_d <= 128 else 8,
     )
