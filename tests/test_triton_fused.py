@@ -191,4 +191,5 @@ def test_empty_inputs_launch_nothing() -> None:
     assert triton_fused.rotary(_randn(0, 8, seed=0), _randn(0, 2, seed=0), _randn(0, 2, seed=0)).shape == (0, 8)
     assert [t.shape for t in triton_fused.hyper_coefficients(_randn(0, 24, seed=0), *_site(1, 0)[1:], N, 3, 1e-6)] == [
         (0, N), (0, N), (0, N, N)]
-    assert DEVICE in str(triton_fused.weighted_combine(_randn(0, 2, 8, seed=0), _randn(0, 2, seed=0)).device)
+    combined = triton_fused.weighted_combine(_randn(0, 2, 8, seed=0, dtype=torch.bfloat16), _randn(0, 2, seed=0))
+    assert combined.shape == (0, 8) and combined.dtype == torch.bfloat16
