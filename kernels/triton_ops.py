@@ -17,6 +17,11 @@ Why a row's bits cannot depend on the batch, kernel by kernel:
   (on the H200 BLOCK_K does not matter either, but the interpreter's dot does depend on it, so it
   is one constant). That is a property of the compiled code, not a promise of Triton's, so the
   CUDA tests check every tile shape `matmul_tiles` can pick bit for bit against one another;
+- products of more than 512 rows of a plain weight run `_persistent_matmul_kernel`: one program per
+  SM walks the output tiles, its operands brought in by tensor descriptors (TMA) instead of masked
+  pointer loads; a tile's arithmetic is the same `tl.dot` fold over the same BLOCK_K slices, and
+  what a descriptor reads past the tensor's edge is +0.0 as the masked loads read it (tested
+  bitwise against `_matmul_kernel`, on the interpreter and the H200);
 - a weight with fewer than SPLIT_WIDTH columns and a long K (the hyper-connection projections: N =
   24, K = 16384; the query and KV down-projections, compressors, shared experts: N = 256 .. 2048, K
   = 4096) would leave the chip idle at decode sizes in one program per column tile, so its K is cut
@@ -57,11 +62,13 @@ approximate, versions: deterministic per element, so invariance is unaffected.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels import composite, fast, triton_fused
 from kernels.quant import QuantizedWeight
@@ -75,6 +82,7 @@ ROW_BLOCK = 1024  # vector width of the row-wise kernels (norms, softmax)
 KV_BLOCK = 64  # keys per indexer program
 ATTENTION_HEADS = 16  # heads per attention program (each key block is read once for all of them)
 ATTENTION_KEYS = 32  # keys per attention block (with 16 heads and head_dim 512 the operands fit shared memory)
+PERSISTENT_BAND = 8  # row tiles the persistent matmul sweeps together over the weight's column tiles
 
 
 @triton.jit
@@ -217,6 +225,55 @@ def _matmul_kernel(
 
 
 @triton.jit
+def _descriptor_dot(x_desc, w_desc, row, col, group, N, K, k_first, k_last,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_tile_dot` for a plain weight read through tensor descriptors of x [M, G * K] and w [G * N, K] (K
+    a multiple of BLOCK_K when G > 1, so that a slice never reaches the next group's columns): the same
+    BLOCK_K slices added by the same `tl.dot`s in the same k order, elements past M and K read as +0.0 as
+    its masked loads read them, so each output element gets the same bits. (Columns past N come from
+    the next group's weight or zeros; they are computed but never stored.)"""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(k_first, k_last, BLOCK_K):
+        a = x_desc.load([row, group * K + start])
+        b = w_desc.load([group * N + col, start])
+        acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _persistent_matmul_kernel(
+    x_desc, w_desc, out_ptr, M, N, K, G, stride_om, programs,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
+    K_CHUNK: tl.constexpr, BAND: tl.constexpr,
+):
+    """`_matmul_kernel` (without SEPARATE) for plain weights and many rows: `programs` programs, one per
+    SM, each walking output tiles program_id(0), + programs, ... in bands of BAND row tiles (so a band's
+    column tiles of the weight are read while they are still in L2), its operands brought in by the
+    tensor memory accelerator. Each tile's arithmetic is `_matmul_kernel`'s (`_descriptor_dot`, chunks
+    added in chunk order), so only the speed differs."""
+    row_tiles, col_tiles = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    per_group = row_tiles * col_tiles
+    for tile in tl.range(tl.program_id(0), per_group * G, programs):
+        group, within = tile // per_group, tile % per_group
+        first_row = within // (BAND * col_tiles) * BAND
+        band_rows = tl.minimum(row_tiles - first_row, BAND)
+        row_tile = first_row + within % (BAND * col_tiles) % band_rows
+        col_tile = within % (BAND * col_tiles) // band_rows
+        row, col = row_tile * BLOCK_M, col_tile * BLOCK_N
+        if SPLITS == 1:
+            acc = _descriptor_dot(x_desc, w_desc, row, col, group, N, K, 0, K, BLOCK_M, BLOCK_N, BLOCK_K)
+        else:
+            acc = _descriptor_dot(x_desc, w_desc, row, col, group, N, K, 0, tl.minimum(K, K_CHUNK),
+                                  BLOCK_M, BLOCK_N, BLOCK_K)
+            for first in range(K_CHUNK, K, K_CHUNK):
+                acc += _descriptor_dot(x_desc, w_desc, row, col, group, N, K, first, tl.minimum(K, first + K_CHUNK),
+                                       BLOCK_M, BLOCK_N, BLOCK_K)
+        rows, cols = row + tl.arange(0, BLOCK_M), col + tl.arange(0, BLOCK_N)
+        out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + group * N + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
 def _sum_splits_kernel(part_ptr, out_ptr, total, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     """out[i] = part[0, i] + part[1, i] + ... + part[SPLITS - 1, i], added in that order, cast to out."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -236,17 +293,22 @@ class Tiles:
     block_n: int
     warps: int
     stages: int
+    persistent: bool = False  # one program per SM walking the tiles, operands read by TMA (plain weights)
 
 
 def matmul_tiles(rows: int, width: int, dtype: torch.dtype) -> Tiles:
     """The launch shape for `rows` x [width, K] products (measured on the H200,
     benchmarks/results/gemm_tiles_h200.json): up to 64 rows the weight is streamed by as many programs
-    as keep the chip busy (narrow column tiles, long K slices); larger products get larger tiles."""
+    as keep the chip busy (narrow column tiles, long K slices); larger products get larger tiles, and
+    prefill-sized ones the persistent kernel, with 128 x 256 tiles where there are enough of them
+    (wide weights, or many rows of a weight whose K is not chunked)."""
     if rows <= 64:
         return Tiles(64, 64 if width >= 16384 else 32 if width >= 8192 else 16, 4, 4)
     if rows <= 512 or dtype == torch.float32:
         return Tiles(64, 64, 4, 3)
-    return Tiles(128, 256 if width >= 65536 else 128, 8, 3)
+    if width >= 16384 or (rows >= 4096 and width >= SPLIT_WIDTH):
+        return Tiles(128, 256, 8, 3, persistent=True)
+    return Tiles(128, 128, 8, 4, persistent=True)
 
 
 def k_splits(width: int, depth: int) -> int:
@@ -273,9 +335,12 @@ def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, gro
     out = torch.empty(rows, groups, width, dtype=weight.dtype, device=x.device)
     if out.numel() == 0:
         return out
-    w, s, layout = _b_operands(weight)
     tiles, splits = matmul_tiles(rows, width, weight.dtype), k_splits(width, depth)
     separate = splits > 1 and (rows <= SPLIT_ROWS or width <= NARROW_WIDTH)
+    if tiles.persistent and not separate and _descriptor_ready(x, weight):
+        _persistent_matmul(x, weight, out, tiles, splits)
+        return out
+    w, s, layout = _b_operands(weight)
     target = torch.empty(splits, rows, groups, width, dtype=torch.float32, device=x.device) if separate else out
     grid = (triton.cdiv(rows, tiles.block_m), triton.cdiv(width, tiles.block_n), groups * (splits if separate else 1))
     _matmul_kernel[grid](
@@ -287,6 +352,39 @@ def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, gro
         _sum_splits_kernel[(triton.cdiv(out.numel(), ROW_BLOCK),)](target, out, out.numel(), SPLITS=splits,
                                                                    BLOCK=ROW_BLOCK)
     return out
+
+
+def _descriptor_ready(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> bool:
+    """Whether the persistent kernel can read x and a plain weight through tensor descriptors, which
+    want 16-byte aligned bases and row strides (a quantized weight's decode needs `_b_tile`), and whose
+    slices must not cross from one group's K into the next."""
+    if isinstance(weight, QuantizedWeight) or (x.shape[1] > 1 and x.shape[2] % BLOCK_K):
+        return False
+    return all(t.data_ptr() % 16 == 0 and t.shape[-1] * t.element_size() % 16 == 0 for t in (x, weight))
+
+
+def _persistent_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tiles: Tiles,
+                       splits: int) -> None:
+    """`_persistent_matmul_kernel` over x [M, G, K] and weight [G * N, K] into out [M, G, N]."""
+    rows, groups, depth = x.shape
+    width = out.shape[-1]
+    x_desc = TensorDescriptor.from_tensor(x.view(rows, groups * depth), [tiles.block_m, BLOCK_K])
+    w_desc = TensorDescriptor.from_tensor(weight.contiguous(), [tiles.block_n, BLOCK_K])
+    count = triton.cdiv(rows, tiles.block_m) * triton.cdiv(width, tiles.block_n) * groups
+    programs = min(count, _multiprocessors(x.device))
+    _persistent_matmul_kernel[(programs,)](
+        x_desc, w_desc, out, rows, width, depth, groups, groups * width, programs,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=BLOCK_K, SPLITS=splits, K_CHUNK=K_CHUNK,
+        BAND=PERSISTENT_BAND, num_warps=tiles.warps, num_stages=tiles.stages,
+    )
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """SMs of a CUDA device (the persistent kernel's program count); the interpreter's stand-in is 4."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit

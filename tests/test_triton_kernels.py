@@ -190,10 +190,10 @@ def test_active_experts_come_first_and_cover_every_slot(counts: list[int]) -> No
     assert len(listed) == min(len(counts), slots) and listed[:len(busy)] == busy
 
 
-def _all_tiles() -> list[triton_ops.Tiles]:
-    """Every launch shape `matmul_tiles` can pick."""
-    picks = {triton_ops.matmul_tiles(rows, width, dtype) for rows in (1, 64, 65, 512, 513)
-             for width in (100, 8192, 16384, 65536) for dtype in DTYPES}
+def _all_tiles(dtype: torch.dtype) -> list[triton_ops.Tiles]:
+    """Every launch shape `matmul_tiles` can pick for weights of `dtype`."""
+    picks = {triton_ops.matmul_tiles(rows, width, dtype) for rows in (1, 64, 65, 512, 513, 4096)
+             for width in (100, 4096, 8192, 16384, 65536)}
     return sorted(picks, key=lambda tiles: tuple(vars(tiles).values()))
 
 
@@ -212,10 +212,42 @@ def test_every_launch_shape_gives_the_same_bits(monkeypatch, dtype: torch.dtype)
                 triton_ops.linear(skinny_x, skinny), triton_ops.expert_matmul(x, order, offsets, experts)]
 
     reference = products()
-    for tiles in _all_tiles():
+    for tiles in _all_tiles(dtype):
         monkeypatch.setattr(triton_ops, "matmul_tiles", lambda *args, tiles=tiles: tiles)
         for out, expected in zip(products(), reference):
             _assert_same_bits(out, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_persistent_kernel_gives_the_pointer_kernels_bits(monkeypatch, dtype: torch.dtype) -> None:
+    """Prefill-sized products of plain weights run `_persistent_matmul_kernel` (tensor-descriptor reads,
+    tiles walked by one program per SM; 4 under the interpreter, so programs walk several tiles): ragged
+    rows, columns and K, groups, and K chunks added in the program all give `_matmul_kernel`'s bits.
+    Inputs a descriptor cannot read (an unaligned base, a group's K not a multiple of BLOCK_K) fall back."""
+    rows, width = triton_ops.SPLIT_ROWS + 6, triton_ops.NARROW_WIDTH + 4
+    x, weight = _randn(rows, 96, seed=14, dtype=dtype), _randn(80, 96, seed=15, dtype=dtype)
+    grouped_x, grouped = _randn(rows, 2, 128, seed=16, dtype=dtype), _randn(2 * 40, 128, seed=17, dtype=dtype)
+    depth = SKINNY_K + 3  # chunked, ragged last chunk and slice, rows a multiple of 16 bytes as descriptors want
+    long_x, long = _randn(rows, depth, seed=18, dtype=dtype), _randn(width, depth, seed=19, dtype=dtype)
+    unaligned_x = _randn(rows * 96 + 1, seed=20, dtype=dtype)[1:].view(rows, 96)
+    ragged_groups = _randn(rows, 2, 48, seed=21, dtype=dtype)
+    assert triton_ops.k_splits(width, depth) > 1 and not triton_ops._descriptor_ready(unaligned_x.view(rows, 1, 96), weight)
+    assert not triton_ops._descriptor_ready(ragged_groups, grouped[:, :48])
+
+    def products() -> list[torch.Tensor]:
+        return [triton_ops.linear(x, weight), triton_ops.grouped_linear(grouped_x, grouped, 2),
+                triton_ops.linear(long_x, long), triton_ops.linear(unaligned_x, weight),
+                triton_ops.grouped_linear(ragged_groups, grouped[:, :48].contiguous(), 2)]
+
+    monkeypatch.setattr(triton_ops, "matmul_tiles", lambda *args: triton_ops.Tiles(64, 32, 4, 3))
+    reference = products()
+    launches = []
+    persistent_matmul = triton_ops._persistent_matmul
+    monkeypatch.setattr(triton_ops, "_persistent_matmul", lambda *args: launches.append(persistent_matmul(*args)))
+    monkeypatch.setattr(triton_ops, "matmul_tiles", lambda *args: triton_ops.Tiles(64, 32, 4, 3, persistent=True))
+    for out, expected in zip(products(), reference):
+        _assert_same_bits(out, expected)
+    assert len(launches) == 3
 
 
 # rms_norm / unweighted_rms_norm -----------------------------------------------------------------
