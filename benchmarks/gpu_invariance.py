@@ -4,7 +4,8 @@
 
 Runs the standard request set under every standard variant, one with CUDA graphs off (the
 others replay decode steps from graphs, in whichever step-shape bucket their batches land) and one
-with async scheduling off (the others queue each step before reading the one before), in
+with async scheduling off (the others queue each step before reading the one before), and one
+whose prefill steps take up to 4096 tokens (more than 512 rows: the persistent matmul), in
 `batch_invariant` and `fast` modes; reports which requests diverge from the all-at-once reference,
 and the wall time of the all-at-once variant in each mode.
 """
@@ -24,7 +25,9 @@ from deepinfer.checkpoint import preset_config
 from harness.invariance import STANDARD_VARIANTS, matrix_variant, run_matrix, run_variant, standard_requests
 from harness.sweep import Variant
 
-VARIANTS = STANDARD_VARIANTS + (Variant.of("graphs-off", cuda_graphs=False), Variant.of("async-off", async_scheduling=False))
+VARIANTS = STANDARD_VARIANTS + (Variant.of("graphs-off", cuda_graphs=False),
+                                Variant.of("async-off", async_scheduling=False),
+                                Variant.of("budget-4096", max_num_batched_tokens=4096))
 
 
 def timed_reference(llm: LLM, requests, dtype: str, numerics: str) -> float:
