@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
+from deepinfer.engine.drafter import SPECULATION
 from deepinfer.errors import DeepInferError
 from deepinfer.sampling_params import UNSEEDED_SEEDS
 from kernels import NUMERICS
@@ -64,12 +65,18 @@ class EngineConfig:
                                             "stops costs one discarded step); off with engram_tables=host, whose "
                                             "rows are gathered from the tokens of the step before", off=(
         "--no-async-scheduling", "read each step's results before scheduling the next"))
+    speculation: str = _setting("off", "speculative decoding: off, or ngram (draft the tokens that followed the "
+                                "latest earlier occurrence of a sequence's last tokens); the model verifies a "
+                                "sequence's drafts in one step and keeps each only where it equals the token it "
+                                "samples there, so outputs are the same bits either way; runs with synchronous "
+                                "scheduling", choices=SPECULATION)
+    draft_tokens: int = _setting(5, "with speculation: most draft tokens one sequence verifies per step")
     seed: int = _setting(0, "seed from which unseeded requests derive theirs")
     unseeded_seeds: str = _setting("request_order", "how unseeded requests get a seed: request_order (the engine's "
                                    "request counter) or content (a hash of the request)", choices=UNSEEDED_SEEDS)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "draft_tokens"):
             _check_positive(name, getattr(self, name))
         for name in ("max_model_len", "num_cache_blocks"):
             if getattr(self, name) is not None:
@@ -83,6 +90,7 @@ class EngineConfig:
         _check_choice("unseeded_seeds", self.unseeded_seeds, UNSEEDED_SEEDS)
         _check_choice("weight_storage", self.weight_storage, WEIGHT_STORAGE)
         _check_choice("engram_tables", self.engram_tables, ENGRAM_TABLES)
+        _check_choice("speculation", self.speculation, SPECULATION)
         if isinstance(self.dtype, torch.dtype):  # accepted from Python callers, recorded by name
             names = [name for name, dtype in DTYPES.items() if dtype == self.dtype]
             if not names:

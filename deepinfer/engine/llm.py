@@ -25,6 +25,7 @@ from deepinfer.config import ModelConfig
 from deepinfer.config_v41 import V41Config
 from deepinfer.engine.cache import CacheManager, cache_memory, default_max_model_len, step_budget
 from deepinfer.engine.config import DTYPES, EngineConfig, parse_device
+from deepinfer.engine.drafter import build_drafter
 from deepinfer.engine.output import OutputProcessor
 from deepinfer.engine.runner import ModelRunner, RunnerOutput
 from deepinfer.engine.scheduler import Scheduler, SchedulerOutput
@@ -135,13 +136,15 @@ class LLM:
     def _start_engine(self, config: EngineConfig) -> None:
         """Everything of an engine but its model: cache, scheduler, runner and output, as `config` says
         (resolved: `max_model_len` and `weight_storage` filled in, `async_scheduling` off where the
-        Engram tables are in host memory)."""
+        Engram tables are in host memory or drafts are made)."""
         self._requested = config
         self.seed, self.unseeded_seeds = config.seed, config.unseeded_seeds
         config = replace(config, weight_storage=self.weight_storage)
         if self.model.engram_tokens is not None and self.model.engram_on_host:
             # the step's Engram rows are gathered on the host from its tokens: no step can be queued
             # before the tokens of the one before are read
+            config = replace(config, async_scheduling=False)
+        if config.speculation != "off":  # a sequence's drafts follow its last token, which must be known
             config = replace(config, async_scheduling=False)
         self._check_max_model_len(config)
         if config.max_model_len is None:
@@ -159,6 +162,7 @@ class LLM:
         self.scheduler = Scheduler(
             self.cache, self.output, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, chunked_prefill=config.enable_chunked_prefill,
+            drafter=build_drafter(config.speculation), draft_tokens=config.draft_tokens,
         )
         self.runner = ModelRunner(self.model, self.cache, self.device, cuda_graphs=config.cuda_graphs)
         self.async_scheduling = config.async_scheduling

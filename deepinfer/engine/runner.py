@@ -6,6 +6,10 @@ to the host is queued right behind them. `RunnerOutput.result` waits for that co
 sync), which can be after the next step is queued (async scheduling): that step's inputs may hold
 placeholders for tokens this one samples, resolved on the device from its `token_ids`.
 With CUDA graphs on, a decode step's forward is replayed from the graph of its shape.
+
+A chunk with draft tokens is sampled at its last token and at each draft (each row with its own
+position's noise), and the device counts how many drafts equal the token drawn before them: those
+and the token drawn after the last of them are what the chunk yields.
 """
 
 from __future__ import annotations
@@ -31,10 +35,12 @@ class RunnerOutput:
     """One step's results on the device. Rows [S] follow the sampling chunks in order; prompt rows
     [P] follow the scoring chunks' `scored` positions in order.
 
-    token_ids / logprobs [S, 1 + k]: the sampled token (and, with speculation, accepted drafts);
-    num_accepted [S]: how many of those columns count (1 today); finite [S]: whether the row's
-    logits were all finite; hidden [S, hidden]: the last hidden states (a drafter's input);
-    top_ids / top_logprobs [S, K]: the K most likely tokens when any row asked for logprobs;
+    token_ids / logprobs [S, 1 + k] (k: the most drafts of a chunk this step): the token drawn after
+    the chunk's last token, then after each of its drafts; num_accepted [S]: how many of those
+    columns count (1 + the drafts that equal the token drawn before them, counted from the first);
+    finite [S, 1 + k]: whether each column's logits were all finite; hidden [R, hidden]: the last
+    hidden states of the R sampled rows (each chunk's last token and drafts, in order: a drafter's
+    input); top_ids / top_logprobs [S, 1 + k, K]: the K most likely tokens when any row asked for logprobs;
     prompt_logprobs [P] and prompt_top_ids / prompt_top_logprobs [P, Kp] when any chunk scored.
     """
 
@@ -58,11 +64,13 @@ class RunnerOutput:
     def result(self, scheduled: SchedulerOutput) -> StepResult:
         """What the host needs, sliced per chunk of `scheduled` (this step's): waits for the copy."""
         host = {name: tensor.tolist() for name, tensor in self.download.wait().items()}
-        sampling = scheduled.sampling
+        counts = host["num_accepted"]
         top = []
-        for row, chunk in enumerate(sampling):
+        for row, chunk in enumerate(scheduled.sampling):
             k = chunk.seq.params.logprobs
-            top.append(list(zip(host["top_ids"][row][:k], host["top_logprobs"][row][:k])) if k else None)
+            top.append([list(zip(ids[:k], values[:k])) for ids, values in
+                        zip(host["top_ids"][row][:counts[row]], host["top_logprobs"][row][:counts[row]])]
+                       if k else None)
         prompt_logprobs, prompt_top, offset = [], [], 0
         for chunk in scheduled.chunks:
             if not chunk.scored:
@@ -73,10 +81,11 @@ class RunnerOutput:
             prompt_top.append([list(zip(ids[:k], values[:k])) for ids, values in
                                zip(host["prompt_top_ids"][rows], host["prompt_top_logprobs"][rows])])
             offset += len(chunk.scored)
-        return StepResult(
-            tokens=[ids[0] for ids in host["token_ids"]], logprobs=[values[0] for values in host["logprobs"]],
-            top=top, finite=host["finite"], prompt_logprobs=prompt_logprobs, prompt_top=prompt_top,
-        )
+        def counted(name: str) -> list[list]:
+            return [values[:count] for values, count in zip(host[name], counts)]
+
+        return StepResult(tokens=counted("token_ids"), logprobs=counted("logprobs"), top=top,
+                          finite=counted("finite"), prompt_logprobs=prompt_logprobs, prompt_top=prompt_top)
 
 
 class ModelRunner:
@@ -101,7 +110,8 @@ class ModelRunner:
         chunks, sampling = scheduled.chunks, scheduled.sampling
         graphed = self.graphs is not None and all(c.num_tokens == 1 and not c.scored for c in chunks)
         host_batch, rows = self.build_batch(chunks, graph_bucket if graphed else bucket)
-        rows.update(SamplingBatch.host_tensors([(c.seq.params, c.seq.seed, c.end) for c in sampling]))
+        rows.update(SamplingBatch.host_tensors([(c.seq.params, c.seq.seed, c.draws_at + j)
+                                                for c in sampling for j in range(1 + c.num_draft)]))
         batch, rows = host_batch.to(self.device, rows)  # the step's one upload
         if any(chunk.resolves_input for chunk in chunks):
             if in_flight is None:
@@ -113,17 +123,21 @@ class ModelRunner:
         logits = self.model.logits(sampled_hidden)
         logprobs = self.ops.log_softmax(logits)
         greedy_only = all(c.seq.params.temperature == 0 for c in sampling)
-        token_ids = sample(logits, params, self.ops, greedy_only=greedy_only)
+        drawn = sample(logits, params, self.ops, greedy_only=greedy_only)
+        columns = rows["verify_columns"]  # [S, 1 + k] rows of the R sampled ones
+        token_ids = drawn[columns]
+        held = (rows["drafts"] == token_ids[:, :-1]).long().cumprod(dim=1).sum(dim=1)
         out = RunnerOutput(
-            token_ids=token_ids.unsqueeze(1),
-            logprobs=logprobs.gather(1, token_ids.unsqueeze(1)),
-            num_accepted=torch.ones_like(token_ids),
-            finite=torch.isfinite(logits).all(dim=-1),
+            token_ids=token_ids,
+            logprobs=logprobs.gather(1, drawn.unsqueeze(1)).squeeze(1)[columns],
+            num_accepted=held + 1,
+            finite=torch.isfinite(logits).all(dim=-1)[columns],
             hidden=sampled_hidden,
         )
         k = max((c.seq.params.logprobs or 0 for c in sampling), default=0)
         if k:
-            out.top_ids, out.top_logprobs = top_logprobs(logprobs, k)
+            top_ids, top_values = top_logprobs(logprobs, k)
+            out.top_ids, out.top_logprobs = top_ids[columns], top_values[columns]
         scoring = [c for c in chunks if c.scored]
         if scoring:
             prompt = self.ops.log_softmax(self.model.logits(hidden[rows["score_rows"]]))
@@ -157,21 +171,30 @@ class ModelRunner:
         tables to `table_bucket` of the longest, `graph_bucket` for graphed steps), and
         the rows of the model's output that each sampling chunk samples from (`sample_rows`) and each
         scored position scores (`score_rows`, with the prompt token it scores in `score_targets`).
-        The model returns, per chunk, its scored positions' rows, then its sampled row."""
+        The model returns, per chunk, its scored positions' rows, then its sampled rows (its last
+        token's and each draft's). `verify_columns` [S, 1 + k] lays the sampled rows out per sampling
+        chunk (a chunk with fewer drafts repeats its first row) and `drafts` [S, k] holds the drafts
+        (-1, which no token equals, past a chunk's own)."""
         num_tokens = sum(chunk.num_tokens for chunk in chunks)
         ids, positions, query_start = [], [], []
         sample_index, sample_rows, score_rows, score_targets = [], [], [], []
+        width = max((chunk.num_draft for chunk in chunks), default=0)
+        verify_columns, drafts = [], []
         for chunk in chunks:  # Python lists, one tensor each at the end: a step has hundreds of chunks
             seq = chunk.seq
             query_start.append(len(ids))
             score_rows.extend(range(len(sample_index), len(sample_index) + len(chunk.scored)))
             score_targets.extend(seq.prompt_token_ids[chunk.scored.start + 1:chunk.scored.stop + 1])
             sample_index.extend(len(ids) + p - chunk.start for p in chunk.scored)
-            ids.extend(seq.token_ids[chunk.start:chunk.end])
+            ids.extend(chunk.input_ids)
             positions.extend(range(chunk.start, chunk.end))
             if chunk.samples:
-                sample_rows.append(len(sample_index))
-                sample_index.append(len(ids) - 1)
+                first = len(sample_rows)
+                for row in range(len(ids) - 1 - chunk.num_draft, len(ids)):
+                    sample_rows.append(len(sample_index))
+                    sample_index.append(row)
+                verify_columns.append([first + j if j <= chunk.num_draft else first for j in range(width + 1)])
+                drafts.append(chunk.draft_ids + [-1] * (width - chunk.num_draft))
         seq_rows = bucket(len(chunks))
         padding = [0] * (bucket(num_tokens) - num_tokens)
         query_start += [num_tokens] * (seq_rows + 1 - len(chunks))
@@ -191,6 +214,8 @@ class ModelRunner:
                 batch.engram_memory = self.model.engram_memory(batch)
         rows = {name: torch.tensor(values, dtype=torch.long) for name, values in
                 (("sample_rows", sample_rows), ("score_rows", score_rows), ("score_targets", score_targets))}
+        rows["verify_columns"] = torch.tensor(verify_columns, dtype=torch.long).reshape(len(drafts), width + 1)
+        rows["drafts"] = torch.tensor(drafts, dtype=torch.long).reshape(len(drafts), width)
         return batch, rows
 
     @staticmethod

@@ -19,6 +19,12 @@ sequence that stops at t (end token, stop string, non-finite logits) has one ste
 that `update` discards. A sequence that will be full once its placeholders resolve (max_tokens,
 context length) is not scheduled. Batch composition never changes a request's bits, so the
 outputs are the same with and without it.
+
+With a drafter (speculative decoding), a decoding sequence's chunk also carries draft tokens: the
+runner samples the target's token at each drafted position, and `update` keeps the tokens up to
+and including the first one that differs from its draft, then takes the computed count back to the
+kept tokens (cache rows past it are rewritten before anything reads them). Drafts need the
+sequence's last token, so speculation runs with synchronous scheduling.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from deepinfer.engine.cache import CacheManager
+from deepinfer.engine.drafter import Drafter
 from deepinfer.engine.sequence import Sequence, Status, is_placeholder, placeholder
 
 
@@ -37,24 +44,39 @@ class ScheduledChunk:
     """Tokens [start, start + num_tokens) of `seq` run this step. `scored` lists the positions whose
     logits score a prompt token not scored before (position p scores token p + 1; a sequence
     recomputed after preemption does not score its prompt twice); `samples`: the chunk reaches the
-    sequence's last token, so the step draws token `end`; `num_draft` is room for draft tokens after
-    the sampled one (0 until speculative decoding)."""
+    sequence's last token, so the step draws token `draws_at`; `draft_ids`: draft tokens run after
+    the sequence's last token (they are the chunk's last inputs, counted in `num_tokens`), so the
+    step also draws the tokens after each of them."""
 
     seq: Sequence
     start: int
     num_tokens: int
     scored: range = range(0)
     samples: bool = False
-    num_draft: int = 0
+    draft_ids: list[int] = field(default_factory=list)
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
 
     @property
+    def num_draft(self) -> int:
+        return len(self.draft_ids)
+
+    @property
+    def draws_at(self) -> int:
+        """The index of the first token the chunk draws (when it samples): after its last token
+        but the drafts."""
+        return self.end - self.num_draft
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start:self.draws_at] + self.draft_ids
+
+    @property
     def resolves_input(self) -> bool:
-        """Whether the chunk's last input token is a placeholder of the step in flight."""
-        return is_placeholder(self.seq.token_ids[self.end - 1])
+        """Whether the chunk's last token from its sequence is a placeholder of the step in flight."""
+        return is_placeholder(self.seq.token_ids[self.draws_at - 1])
 
 
 @dataclass
@@ -71,13 +93,14 @@ class SchedulerOutput:
 @dataclass
 class StepResult:
     """What the host reads of a runner's output (see `ModelRunner.execute`), per sampling chunk in
-    order: the token, its logprob, its top logprobs (when asked for), whether its logits were
-    finite; per scoring chunk the prompt logprobs and top logprobs of its `scored` positions."""
+    order: the tokens it drew that count (the sampled token, and after each draft that held the
+    token drawn after it), each one's logprob, top logprobs (when asked for) and whether its logits
+    were finite; per scoring chunk the prompt logprobs and top logprobs of its `scored` positions."""
 
-    tokens: list[int]
-    logprobs: list[float]
-    top: list[list[tuple[int, float]] | None]
-    finite: list[bool]
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    top: list[list[list[tuple[int, float]]] | None]
+    finite: list[list[bool]]
     prompt_logprobs: list[list[float]]
     prompt_top: list[list[list[tuple[int, float]]]]
 
@@ -103,16 +126,19 @@ class StopRules(Protocol):
 class Scheduler:
     def __init__(
         self, cache: CacheManager, rules: StopRules, *, max_num_seqs: int, max_num_batched_tokens: int,
-        chunked_prefill: bool,
+        chunked_prefill: bool, drafter: Drafter | None = None, draft_tokens: int = 0,
     ) -> None:
         self.cache = cache
         self.rules = rules
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
+        self.drafter, self.draft_tokens = drafter, draft_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_drafted = 0  # draft tokens verified
+        self.num_draft_kept = 0  # of those, the ones that held
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -129,15 +155,18 @@ class Scheduler:
             n = self._chunk_len(seq, budget)
             if n == 0:
                 continue
+            drafts = self._drafts(seq, n, budget)
+            if not self.cache.can_grow(seq.blocks, seq.num_computed + n + len(drafts)):
+                drafts = []  # drafts never cost another sequence its blocks
             while not self.cache.can_grow(seq.blocks, seq.num_computed + n):
                 self._preempt(self.running[-1])
                 if seq.status is not Status.RUNNING:
                     break
             if seq.status is not Status.RUNNING:
                 continue
-            self.cache.grow(seq.blocks, seq.num_computed + n)
-            chunks.append(self._chunk(seq, seq.num_computed, n))
-            budget -= n
+            self.cache.grow(seq.blocks, seq.num_computed + n + len(drafts))
+            chunks.append(self._chunk(seq, seq.num_computed, n, drafts))
+            budget -= n + len(drafts)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = self._chunk_len(seq, budget)
@@ -150,15 +179,28 @@ class Scheduler:
             seq.status = Status.RUNNING
             self.running.append(seq)
             self.cache.grow(seq.blocks, n)
-            chunks.append(self._chunk(seq, 0, n))
+            chunks.append(self._chunk(seq, 0, n, []))
             budget -= n
         self._commit(chunks)
         return SchedulerOutput(chunks)
 
     @staticmethod
-    def _chunk(seq: Sequence, start: int, n: int) -> ScheduledChunk:
+    def _chunk(seq: Sequence, start: int, n: int, drafts: list[int]) -> ScheduledChunk:
         end = start + n
-        return ScheduledChunk(seq, start, n, scored_positions(seq, start, end), samples=end == len(seq.token_ids))
+        return ScheduledChunk(seq, start, n + len(drafts), scored_positions(seq, start, end),
+                              samples=end == len(seq.token_ids), draft_ids=drafts)
+
+    def _drafts(self, seq: Sequence, n: int, budget: int) -> list[int]:
+        """Draft tokens for a decoding sequence (its one uncomputed token known): as many as the
+        drafter proposes up to `draft_tokens`, the step's budget, and the tokens the sequence may
+        still have (a draft past max_tokens or the context would be computed for nothing)."""
+        length = len(seq.token_ids)
+        if self.drafter is None or n != 1 or seq.num_uncomputed != 1 or is_placeholder(seq.token_ids[-1]):
+            return []
+        limit = 0
+        while limit < min(self.draft_tokens, budget - 1) and not self.rules.full(seq, length + limit + 1):
+            limit += 1
+        return self.drafter.propose(seq.token_ids, limit)[:limit] if limit else []
 
     @staticmethod
     def _commit(chunks: list[ScheduledChunk]) -> None:
@@ -201,7 +243,7 @@ class Scheduler:
             if chunk.scored:
                 seq.num_scored = chunk.scored.start
             if chunk.samples:
-                del seq.token_ids[chunk.end:]
+                del seq.token_ids[chunk.draws_at:]
 
     def update(self, scheduled: SchedulerOutput, result: StepResult) -> list[Sequence]:
         """Apply a step's results: record prompt logprobs, put the sampled tokens in place of their
@@ -222,7 +264,7 @@ class Scheduler:
                 seq.prompt_logprobs.extend(prompt[0])
                 seq.prompt_top_logprobs.extend(prompt[1])
             if row is not None:
-                self._resolve(seq, chunk.end, result, row, now)
+                self._resolve(seq, chunk, result, row, now)
             if seq.status is Status.FINISHED:
                 (self.running if seq in self.running else self.waiting).remove(seq)
                 self.cache.free(seq.blocks)
@@ -231,20 +273,34 @@ class Scheduler:
                 self.cache.release_behind(seq.blocks, seq.num_computed)
         return finished
 
-    def _resolve(self, seq: Sequence, index: int, result: StepResult, row: int, now: float) -> None:
-        """Token `index` of `seq`, sampled in `row`: the real token in place of its placeholder, then
-        the stop checks (a finished sequence drops the placeholders after it)."""
-        if not result.finite[row]:
-            del seq.token_ids[index:]
-            seq.finish("error", error=f"non-finite logits at position {index - 1}", error_kind="non_finite_logits")
-            return
-        seq.token_ids[index] = result.tokens[row]
-        seq.logprobs.append(result.logprobs[row])
-        if result.top[row] is not None:
-            seq.top_logprobs.append(result.top[row])
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        stopped = self.rules.stop(seq, index + 1)
-        if stopped is not None:
-            del seq.token_ids[index + 1:]
-            seq.finish(*stopped)
+    def _resolve(self, seq: Sequence, chunk: ScheduledChunk, result: StepResult, row: int, now: float) -> None:
+        """The tokens `chunk` drew, in its output row `row`, from token `chunk.draws_at` on: the first
+        in place of its placeholder, the ones drawn after drafts that held appended (a sequence with
+        drafts has no later placeholders: speculation runs synchronously), each followed by the stop
+        checks (a finished sequence drops the tokens after its last), then the computed count taken
+        back to the tokens that held."""
+        index, drawn = chunk.draws_at, result.tokens[row]
+        self.num_drafted += chunk.num_draft
+        self.num_draft_kept += len(drawn) - 1
+        for j, token in enumerate(drawn):
+            if not result.finite[row][j]:
+                del seq.token_ids[index + j:]
+                seq.finish("error", error=f"non-finite logits at position {index + j - 1}",
+                           error_kind="non_finite_logits")
+                return
+            if j == 0:
+                seq.token_ids[index] = token
+            else:
+                seq.token_ids.append(token)
+            seq.logprobs.append(result.logprobs[row][j])
+            if result.top[row] is not None:
+                seq.top_logprobs.append(result.top[row][j])
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            stopped = self.rules.stop(seq, index + j + 1)
+            if stopped is not None:
+                del seq.token_ids[index + j + 1:]
+                seq.finish(*stopped)
+                return
+        if chunk.num_draft:
+            seq.num_computed = index + len(drawn) - 1

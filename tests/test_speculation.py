@@ -1,0 +1,144 @@
+"""Speculative decoding changes speed, never outputs: with drafts verified in one step, every
+request's token ids, logprob bits and top logprobs are those of plain decoding (greedy and seeded
+sampling, V4 and V4.1, fp32 and bf16), whatever the drafts are, including when stop rules, the
+token budget, max_tokens or preemption cut a run of held drafts."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cpu_paths import bf16_refusal
+from deepinfer import LLM, EngineConfig, SamplingParams
+from deepinfer.engine.drafter import NgramDrafter
+from deepinfer.errors import DeepInferError
+from harness.invariance import signature, standard_requests
+
+
+class OracleDrafter:
+    """Drafts from known continuations (a reference run's outputs), wrong at every `wrong_every`-th
+    position (counted over the whole sequence), so steps keep some drafts and reject others."""
+
+    def __init__(self, streams: list[list[int]], wrong_every: int) -> None:
+        self.streams, self.wrong_every = streams, wrong_every
+
+    def propose(self, token_ids: list[int], limit: int) -> list[int]:
+        for stream in self.streams:
+            if stream[:len(token_ids)] == token_ids:
+                drafts = stream[len(token_ids):len(token_ids) + limit]
+                return [token + 1 if (len(token_ids) + i) % self.wrong_every == 0 else token
+                        for i, token in enumerate(drafts)]
+        return []
+
+
+def _requests(count: int) -> list:
+    return standard_requests(vocab_size=1024, count=count, max_tokens=16)
+
+
+def _run(llm: LLM, requests, drafter=None) -> tuple[list, LLM]:
+    if drafter is not None:
+        llm.scheduler.drafter = drafter
+    outputs = llm.generate([r.prompt for r in requests], [r.params for r in requests])
+    return [signature(out) for out in outputs], outputs
+
+
+def _speculating(llm: LLM, **settings) -> LLM:
+    return llm.with_engine(EngineConfig(**{**llm._requested.to_dict(), "speculation": "ngram", **settings}))
+
+
+@pytest.mark.parametrize("preset,dtype", [("tiny", "float32"), ("tiny", "bfloat16"),
+                                          ("v41-tiny", "float32"), ("v41-tiny", "bfloat16")])
+def test_outputs_are_the_same_bits_with_speculation_on_and_off(preset: str, dtype: str) -> None:
+    if dtype == "bfloat16" and (refusal := bf16_refusal()):
+        pytest.skip(f"the engine refuses bf16 on this CPU code path: {refusal}")
+    requests = _requests(4)
+    llm = LLM(f"preset:{preset}", dtype=dtype)
+    reference, outputs = _run(llm, requests)
+    streams = [r.prompt + out.token_ids for r, out in zip(requests, outputs)]
+    for draft_tokens, wrong_every in ((1, 3), (3, 4), (5, 5)):
+        spec = _speculating(llm, draft_tokens=draft_tokens)
+        got, _ = _run(spec, requests, OracleDrafter(streams, wrong_every))
+        assert got == reference, f"k={draft_tokens}: outputs changed with speculation"
+        drafted, kept = spec.scheduler.num_drafted, spec.scheduler.num_draft_kept
+        assert 0 < kept < drafted, f"k={draft_tokens}: {kept} of {drafted} drafts held (both paths must run)"
+
+
+def test_held_drafts_cut_by_stop_rules_budget_and_preemption(tiny_checkpoint) -> None:
+    """Perfect drafts run past a stop token, max_tokens and a stop string; a 4-token step budget
+    caps the drafts; a cache of few blocks preempts sequences with drafts in flight."""
+    llm = LLM(tiny_checkpoint)
+    prompts = [r.prompt for r in _requests(8)]
+    free = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1)] * 8
+    streams = [p + out.token_ids for p, out in zip(prompts, llm.generate(prompts, free))]
+    outputs = [s[len(p):] for s, p in zip(streams, prompts)]
+    text = llm.tokenizer.decode(outputs[2][:9]) if llm.tokenizer is not None else None
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[outputs[0][6]]),
+              SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=20, ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=0, max_tokens=11, ignore_eos=True)] + free[4:]
+    if text:
+        params[2] = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[text[-3:]])
+    reference = [signature(out) for out in llm.generate(prompts, params)]
+    for settings in ({"draft_tokens": 5}, {"draft_tokens": 5, "max_num_batched_tokens": 4},
+                     {"draft_tokens": 4, "num_cache_blocks": 6, "max_num_batched_tokens": 32}):
+        spec = _speculating(llm, **settings)
+        spec.scheduler.drafter = OracleDrafter(streams, wrong_every=10**9)
+        got = [signature(out) for out in spec.generate(prompts, params)]
+        assert got == reference, f"{settings}: outputs changed with speculation"
+        assert spec.scheduler.num_draft_kept > 0
+        if "num_cache_blocks" in settings:
+            assert spec.scheduler.num_preemptions > 0
+
+
+def test_perfect_drafts_take_fewer_steps(tiny_checkpoint) -> None:
+    llm = LLM(tiny_checkpoint)
+    prompt = _requests(1)[0].prompt
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    stream = prompt + llm.generate([prompt], params)[0].token_ids
+    spec = _speculating(llm, draft_tokens=5)
+    spec.scheduler.drafter = OracleDrafter([stream], wrong_every=10**9)
+    spec.add_request(prompt, params)
+    steps = 0
+    while spec.has_unfinished():
+        spec.step()
+        steps += 1
+    # the prompt's step draws token 1; then 6, 6, 6 tokens (5 drafts held + 1), then 5: max_tokens
+    # leaves room for 4 drafts only
+    assert steps == 1 + 4
+    assert spec.scheduler.num_draft_kept == spec.scheduler.num_drafted == 5 * 3 + 4
+
+
+def test_ngram_speculation_keeps_outputs_and_turns_async_scheduling_off(tiny_checkpoint) -> None:
+    """Prompt lookup on the standard requests (long random prompts: a generated token has often
+    been seen before, so drafts are made, and nearly all are rejected)."""
+    llm = LLM(tiny_checkpoint)
+    spec = _speculating(llm)
+    assert spec.engine_config.async_scheduling is False and llm.engine_config.async_scheduling is True
+    requests = _requests(8)
+    assert _run(spec, requests)[0] == _run(llm, requests)[0]
+    assert spec.scheduler.num_drafted > 0
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"speculation": "medusa"}, "unknown speculation 'medusa' (expected one of off, ngram)"),
+    ({"draft_tokens": 0}, "draft_tokens must be a positive integer, got 0"),
+])
+def test_bad_speculation_settings_are_refused(settings: dict, message: str) -> None:
+    with pytest.raises(DeepInferError) as err:
+        EngineConfig(**settings)
+    assert str(err.value) == message
+
+
+def _latest_continuation(ids: list[int], limit: int, max_ngram: int) -> list[int]:
+    """What prompt lookup should propose, by brute force."""
+    for n in range(min(max_ngram, len(ids) - 1), 0, -1):
+        for start in range(len(ids) - n - 1, -1, -1):
+            if ids[start:start + n] == ids[-n:]:
+                return ids[start + n:start + n + limit]
+    return []
+
+
+@given(ids=st.lists(st.integers(0, 5), max_size=40), limit=st.integers(0, 6))
+def test_ngram_drafter_proposes_what_followed_the_latest_longest_match(ids: list[int], limit: int) -> None:
+    assert NgramDrafter(max_ngram=3).propose(ids, limit) == _latest_continuation(ids, limit, 3)
