@@ -2,7 +2,8 @@
 
 A request's result is its token ids plus the IEEE-754 bits of every returned logprob (chosen and
 top-k). The determinism contract says these must not change with batch size, arrival order,
-staggered arrival, chunked-prefill size or preemption; `run_matrix` measures whether they do.
+staggered arrival, chunked-prefill size, preemption or speculative decoding; `run_matrix` measures
+whether they do.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ STANDARD_VARIANTS = (
     Variant.of("chunk-64", max_num_batched_tokens=64),
     Variant.of("chunk-off", enable_chunked_prefill=False),
     Variant.of("preemption", max_num_batched_tokens=64, num_cache_blocks=14),
+    Variant.of("speculation", speculation="ngram"),
 )
 
 

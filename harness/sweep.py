@@ -88,12 +88,13 @@ class Sweep:
 
 def default_sweep(dtype: str | None = None, device: str | None = None) -> Sweep:
     """The sweep `make certify` runs: batch sizes 1/8/32, shuffled, staggered, chunk 32, forced
-    preemption, each step read before the next is scheduled (the others schedule asynchronously), on
-    CPU one thread, on CUDA every step run eagerly (the others replay decode steps from CUDA graphs),
-    and a `fast` numerics control. The preemption variant's 12 blocks
-    per cache pool (raised to one sequence's worth where that is more, see `CacheManager`) hold under
-    two sequences' sliding-window rows at a 64-token step whatever max_model_len resolves to, so the
-    requests must take turns. `dtype` and `device` (None: the engine's defaults) apply to every configuration."""
+    preemption, each step read before the next is scheduled (the others schedule asynchronously),
+    speculative decoding with prompt-lookup drafts, on CPU one thread, on CUDA every step run
+    eagerly (the others replay decode steps from CUDA graphs), and a `fast` numerics control. The
+    preemption variant's 12 blocks per cache pool (raised to one sequence's worth where that is more,
+    see `CacheManager`) hold under two sequences' sliding-window rows at a 64-token step whatever
+    max_model_len resolves to, so the requests must take turns. `dtype` and `device` (None: the
+    engine's defaults) apply to every configuration."""
     given = {key: value for key, value in (("dtype", dtype), ("device", device)) if value is not None}
     reference = Variant.of("batch-32", max_num_seqs=32, **given)
     variants = (
@@ -104,6 +105,7 @@ def default_sweep(dtype: str | None = None, device: str | None = None) -> Sweep:
         reference.derive("chunk-32", max_num_batched_tokens=32),
         reference.derive("preemption", max_num_batched_tokens=64, num_cache_blocks=12),
         reference.derive("sync-steps", async_scheduling=False),
+        reference.derive("speculation", speculation="ngram"),
     )
     if parse_device(reference.engine.device).type == "cpu":
         variants += (reference.derive("threads-1", threads=1),)

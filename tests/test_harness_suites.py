@@ -93,6 +93,7 @@ def test_default_sweep_covers_the_contract() -> None:
     assert variants["chunk-32"].engine.max_num_batched_tokens == 32 and variants["preemption"].engine.num_cache_blocks
     assert variants["threads-1"].threads == 1 and sweep.reference.threads is None
     assert sweep.reference.engine.async_scheduling and not variants["sync-steps"].engine.async_scheduling
+    assert sweep.reference.engine.speculation == "off" and variants["speculation"].engine.speculation == "ngram"
     assert [c.engine.numerics for c in sweep.controls] == ["fast"]
     assert all(v.engine.numerics == "batch_invariant" for v in (sweep.reference, *sweep.variants))
     on_cuda = {v.name: v for v in default_sweep(device="cuda").variants}
