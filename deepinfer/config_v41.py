@@ -11,7 +11,7 @@ Every field the engine reads must be present with the right type; errors name th
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -39,6 +39,9 @@ class LayerRole:
     candidate_source: bool = False
     uses_candidates: bool = False
     engram: bool = False
+
+
+DRAFT_ROLE = LayerRole(SWA, 0)  # every DSpark draft layer: sliding window only, no Engram
 
 
 @dataclass
@@ -116,6 +119,11 @@ class V41Config:
         if self.eos_token_id is None:
             return []
         return list(self.eos_token_id) if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+
+    @property
+    def num_draft_layers(self) -> int:
+        """How many DSpark draft layers (`mtp.{k}`) the model has: none without target layers to read."""
+        return self.num_nextn_predict_layers if self.dspark_target_layer_ids else 0
 
     @property
     def roles(self) -> list[LayerRole]:
@@ -285,6 +293,12 @@ class V41Config:
             fail(f"field 'text_config.engram_max_ngram_size' must be at least 2, got {self.engram_max_ngram_size}")
         if not 0 <= self.engram_pad_token_id < self.vocab_size:
             fail(f"field 'text_config.engram_pad_token_id' {self.engram_pad_token_id} is outside the vocabulary")
+
+
+def draft_config(config: V41Config) -> V41Config:
+    """`config` with the DSpark draft layers' expert count and top-k in the fields the MoE reads."""
+    return replace(config, n_routed_experts=config.dspark_n_routed_experts,
+                   num_experts_per_tok=config.dspark_num_experts_per_tok)
 
 
 _NOT_TEXT = ("quantization_config", "text_extra", "extra")

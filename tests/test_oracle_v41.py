@@ -346,10 +346,11 @@ def test_the_engine_serves_the_released_layout_like_nemo(reference, tmp_path):
 def quantized_copy(oracle: Oracle) -> dict[str, torch.Tensor]:
     """NeMo's fp32 export in the release's quantized form: MXFP4 routed experts by NeMo's
     `quantize_mxfp4`, FP8 dense weights (32x32 tiles) and Engram tables (a row and 32 columns) by our
-    `fp8_block_encode`, each beside its E8M0 `.scale`; everything else as exported."""
+    `fp8_block_encode`, each beside its E8M0 `.scale` (the DSpark draft layers' too, as released);
+    everything else as exported."""
     from nemo_automodel.components.quantization.mxfp4 import quantize_mxfp4
 
-    specs = expected_tensors_v41(released_format(oracle.config))
+    specs = expected_tensors_v41(released_format(oracle.config), include_mtp=True)
     out = {}
     for name, tensor in oracle.released.items():
         kind = specs[name].kind if name in specs else None

@@ -31,13 +31,13 @@ class TensorSpec:
 
 
 def expected_tensors(config: ModelConfig | V41Config, include_mtp: bool) -> dict[str, TensorSpec]:
-    """Every tensor the engine loads, quantized ones as the config's `quantization_config` stores them.
-    V4.1 (`layout_v41`) lists its backbone; its draft layers are among the tensors it accepts unused
-    (`unused_tensor`), so `include_mtp` is V4's alone."""
+    """Every tensor the engine loads, quantized ones as the config's `quantization_config` stores them;
+    `include_mtp` adds the draft layers (V4: our MTP blocks; V4.1: the released DSpark layers, which
+    the backbone leaves unused, see `unused_tensor`)."""
     if isinstance(config, V41Config):
         from deepinfer.checkpoint.layout_v41 import expected_tensors_v41  # it builds on TensorSpec here
 
-        return expected_tensors_v41(config)
+        return expected_tensors_v41(config, include_mtp)
     c = config
     h, hc = c.hidden_size, c.hc_mult
     out: dict[str, TensorSpec] = {
@@ -73,6 +73,16 @@ def expected_tensors(config: ModelConfig | V41Config, include_mtp: bool) -> dict
 
         return quantized_layout(c, out)
     return out
+
+
+def unchecked_tensor(config: ModelConfig | V41Config, name: str) -> bool:
+    """A tensor a checkpoint may hold that the layout does not describe (V4.1: the vision tower and the
+    routers' image-token biases; the draft layers are checked when present); V4 has none."""
+    if isinstance(config, V41Config):
+        from deepinfer.checkpoint.layout_v41 import is_draft_tensor, is_optional
+
+        return is_optional(name) and not is_draft_tensor(name)
+    return False
 
 
 def unused_tensor(config: ModelConfig | V41Config, name: str) -> bool:

@@ -1,10 +1,12 @@
 """The tensor inventory of a DeepSeek-V4.1 checkpoint in the released names (`embed`, `layers.{i}.*`,
-`norm`, `head`), derived from the config: every name, shape and storage kind (see `layout.TensorSpec`).
+`norm`, `head`, and with `include_mtp` the DSpark draft layers `mtp.{k}.*`), derived from the config:
+every name, shape and storage kind (see `layout.TensorSpec`).
 
-Only the backbone the engine runs is listed. The release also carries the DSpark draft layers
-(`mtp.*`), a vision tower (`vision.*`, `aligner.*`, `image_*`) and the routers' image-token biases
-(`ffn.gate.bias_vl`); `OPTIONAL_PREFIXES` and `OPTIONAL_SUFFIXES` name them, and the loader
-accepts and leaves them unused.
+The release also carries a vision tower (`vision.*`, `aligner.*`, `image_*`) and the routers'
+image-token biases (`ffn.gate.bias_vl`, in the draft layers too). `OPTIONAL_PREFIXES` and
+`OPTIONAL_SUFFIXES` name those and the draft layers: what the backbone leaves unused. The loader
+accepts them all, checks the draft layers (`is_draft_tensor`) against this layout when a checkpoint
+has them, and hands them out on request (`loader.load_draft_tensors`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import replace
 import torch
 
 from deepinfer.checkpoint.layout import FP4, FP8, FP32, SCALE, WEIGHT, TensorSpec
-from deepinfer.config_v41 import FULL, REINDEX, LayerRole, V41Config
+from deepinfer.config_v41 import DRAFT_ROLE, FULL, REINDEX, LayerRole, V41Config, draft_config
 from kernels.quant import QuantizedWeight, fp8_block_encode, mxfp4_encode
 
 OPTIONAL_PREFIXES = ("mtp.", "vision.", "aligner.", "image_")
@@ -26,12 +28,17 @@ OPTIONAL_SUFFIXES = (".ffn.gate.bias_vl",)
 # experts (a scale per row and 32 columns), FP8 Engram tables (a scale per row and 32 columns)
 QUANTIZATION = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32],
                 "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
-_QUANTIZED = re.compile(r"layers\.\d+\.(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
-                        r"|ffn\.(?:shared_experts|experts\.\d+)\.w[123]|engram\.(?:embed|wkv))\.weight")
+_QUANTIZED = re.compile(r"(?:layers\.\d+\.(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
+                        r"|ffn\.(?:shared_experts|experts\.\d+)\.w[123]|engram\.(?:embed|wkv))"
+                        r"|mtp\.\d+\.(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b)|ffn\.(?:shared_experts|experts\.\d+)\.w[123]"
+                        r"|main_proj))\.weight")
+DRAFT_PREFIX = "mtp."
 ROW_GROUP = 32
 
 
-def expected_tensors_v41(config: V41Config) -> dict[str, TensorSpec]:
+def expected_tensors_v41(config: V41Config, include_mtp: bool = False) -> dict[str, TensorSpec]:
+    """The backbone's tensors, and with `include_mtp` the draft layers' (when the config has any:
+    `V41Config.num_draft_layers`)."""
     c = config
     h = c.hidden_size
     out = {
@@ -41,6 +48,8 @@ def expected_tensors_v41(config: V41Config) -> dict[str, TensorSpec]:
     }
     for i, role in enumerate(c.roles):
         out.update(_block(f"layers.{i}.", c, role, i))
+    if include_mtp:
+        out.update(_draft_layers(c))
     if c.quantization_config is None:
         return out
     quantized = {}
@@ -141,8 +150,36 @@ def _quantized_specs(name: str, spec: TensorSpec, tile: tuple[int, int]) -> dict
 
 
 def is_optional(name: str) -> bool:
-    """A released tensor the engine does not use (yet): draft layers, vision, image-token routing."""
+    """A released tensor the backbone does not use: draft layers, vision, image-token routing."""
     return name.startswith(OPTIONAL_PREFIXES) or name.endswith(OPTIONAL_SUFFIXES)
+
+
+def is_draft_tensor(name: str) -> bool:
+    """One of the DSpark draft layers' tensors that `expected_tensors_v41(include_mtp=True)` lists (their
+    routers' image-token biases stay optional, as the backbone's do)."""
+    return name.startswith(DRAFT_PREFIX) and not name.endswith(OPTIONAL_SUFFIXES)
+
+
+def _draft_layers(c: V41Config) -> dict[str, TensorSpec]:
+    """`mtp.{k}.*`: a window-only block per draft layer (with the draft's experts); `main_proj` and
+    `main_norm` on the first, the final `norm`, Markov head and confidence head on the last."""
+    layers = c.num_draft_layers
+    if not layers:
+        return {}
+    h, rank, draft = c.hidden_size, c.dspark_markov_rank, draft_config(c)
+    out = {}
+    for k in range(layers):
+        p = f"{DRAFT_PREFIX}{k}."
+        out.update(_block(p, draft, DRAFT_ROLE, c.num_hidden_layers + k))
+        if k == 0:
+            out[p + "main_proj.weight"] = TensorSpec((h, len(c.dspark_target_layer_ids) * h), WEIGHT)
+            out[p + "main_norm.weight"] = TensorSpec((h,), FP32)
+        if k == layers - 1:
+            out[p + "norm.weight"] = TensorSpec((h,), FP32)
+            out[p + "markov_head.embed.weight"] = TensorSpec((c.vocab_size, rank), WEIGHT)
+            out[p + "markov_head.head.weight"] = TensorSpec((c.vocab_size, rank), WEIGHT)
+            out[p + "confidence_head.proj.weight"] = TensorSpec((1, h + rank), FP32)
+    return out
 
 
 def _block(p: str, c: V41Config, role: LayerRole, layer: int) -> dict[str, TensorSpec]:

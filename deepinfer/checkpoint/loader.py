@@ -11,9 +11,9 @@ from deepinfer.checkpoint.errors import CheckpointError
 from deepinfer.checkpoint.files import INDEX_NAME, WeightReader, read_headers, weight_files
 from deepinfer.checkpoint.hashing import cached_hash, content_hash, hash_tensors, store_hash
 from deepinfer.checkpoint.layout import (
-    FP4, FP8, FP32, INDEX, MTP_PREFIX, SCALE, expected_tensors, unused_tensor, weight_dtype_name,
+    FP4, FP8, FP32, INDEX, MTP_PREFIX, SCALE, expected_tensors, unchecked_tensor, unused_tensor, weight_dtype_name,
 )
-from deepinfer.checkpoint.layout_v41 import dequantize as dequantize_v41, quantized_weights
+from deepinfer.checkpoint.layout_v41 import dequantize as dequantize_v41, is_draft_tensor, quantized_weights
 from deepinfer.checkpoint.quantized_v4 import dequantize as dequantize_v4
 from deepinfer.config import ModelConfig, load_config
 from deepinfer.config_v41 import V41Config
@@ -66,6 +66,24 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu", *,
     return Checkpoint(folder, config, tensors, has_mtp, digest, _tokenizer(folder), formats)
 
 
+def load_draft_tensors(folder: str | Path, device: str | torch.device = "cpu", *,
+                       quantized_as: torch.dtype | None = None) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """A V4.1 checkpoint's DSpark draft layers (`mtp.*`), validated with the rest of its headers and
+    decoded as `load_checkpoint` decodes the backbone (`quantized_as` likewise); what
+    `deepinfer.model.dspark.DSpark.load_tensors` takes. The target's embedding and head are not among
+    them (the draft shares the target's)."""
+    folder = _existing(folder)
+    config = load_config(folder)
+    if not isinstance(config, V41Config) or not config.num_draft_layers:
+        raise CheckpointError(f"{folder}: the config has no DSpark draft layers")
+    with WeightReader(weight_files(folder), device) as reader:
+        has_mtp, _ = check_tensors(config, reader.headers)
+        if not has_mtp:
+            raise CheckpointError(f"{folder}: the checkpoint has no DSpark draft layers (mtp.* tensors)")
+        tensors = {name: reader.get(name) for name in sorted(reader.headers) if is_draft_tensor(name)}
+    return weights_in_memory(config, tensors, quantized_as)
+
+
 def weights_in_memory(config: ModelConfig | V41Config, tensors: dict[str, torch.Tensor],
                       quantized_as: torch.dtype | None) -> dict[str, torch.Tensor | QuantizedWeight]:
     """A checkpoint's stored tensors as the engine takes them (see `load_checkpoint`)."""
@@ -110,7 +128,7 @@ FIXED_DTYPES = {FP32: ("float32",), INDEX: ("int64",), FP8: ("float8_e4m3fn",), 
 
 def check_tensors(config: ModelConfig, headers: dict[str, tuple[Path, str, tuple[int, ...]]]) -> tuple[bool, str]:
     """Check names, shapes and dtypes (from headers) against the layout; returns (has_mtp, weight dtype)."""
-    present = {name for name in headers if not unused_tensor(config, name)}
+    present = {name for name in headers if not unchecked_tensor(config, name)}
     has_mtp = any(name.startswith(MTP_PREFIX) for name in headers)
     expected = expected_tensors(config, include_mtp=has_mtp)
     missing = sorted(set(expected) - present)
