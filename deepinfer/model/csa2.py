@@ -197,9 +197,8 @@ class Attention2(nn.Module):
         """`cache`: this layer's `window` and its KV source's `entries` (and `state`). Returns the
         output and the selection the next layers reuse."""
         tokens = x.shape[0]
-        q_residual = self.q_norm(self.wq_a(x))
-        q = self.ops.rotary(self.wq_b(q_residual).view(tokens, self.n_heads, self.head_dim), *rope)
-        kv = self.formats.window(self.ops.rotary(self.kv_norm(self.wkv(x)), *rope))
+        q_residual, q = self.queries(x, rope)
+        kv = self.window_kv(x, rope)
         window = cache["window"]
         window[addresses.window_write] = kv.to(window.dtype)
         step = None
@@ -214,9 +213,22 @@ class Attention2(nn.Module):
         else:
             out = torch.cat([part for part, _ in parts])
             selection = Selection.joined([chosen for _, chosen in parts]) if step is not None else selection
+        return self.project_out(out, rope), selection
+
+    def queries(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the query latent `q_norm(wq_a(x))` [T, q_lora_rank], the RoPE'd queries [T, heads, head_dim])."""
+        q_residual = self.q_norm(self.wq_a(x))
+        return q_residual, self.ops.rotary(self.wq_b(q_residual).view(x.shape[0], self.n_heads, self.head_dim), *rope)
+
+    def window_kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The window KV of `x`'s tokens [T, head_dim] as the window cache keeps it (`CacheFormats.window`)."""
+        return self.formats.window(self.ops.rotary(self.kv_norm(self.wkv(x)), *rope))
+
+    def project_out(self, out: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The attention output [T, heads, head_dim] with its RoPE undone, through the grouped `wo_a` and `wo_b`."""
         out = self.ops.rotary(out, rope[0], -rope[1])
-        grouped = self.ops.grouped_linear(out.reshape(tokens, self.o_groups, -1), self.wo_a.weight, self.o_groups)
-        return self.wo_b(grouped.flatten(1)), selection
+        grouped = self.ops.grouped_linear(out.reshape(out.shape[0], self.o_groups, -1), self.wo_a.weight, self.o_groups)
+        return self.wo_b(grouped.flatten(1))
 
     def _row_bytes(self, addresses: CacheAddresses, step: CompressorAddresses | None) -> int:
         """`gather_bytes` of one query: its window and selected entries, and in index sources the

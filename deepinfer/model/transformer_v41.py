@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.config_v41 import SWA, V41Config
+from deepinfer.config_v41 import DRAFT_ROLE, SWA, V41Config
 from deepinfer.model.batch import CacheAddresses, PoolSpec, StepBatch
 from deepinfer.model.csa2 import Attention2, CacheFormats, Selection, pool_prefix
 from deepinfer.model.engram import Engram, EngramTokens, config_layouts, engram_rows, engram_token_map
@@ -31,7 +31,7 @@ class Block41(nn.Module):
     def __init__(self, config: V41Config, ops: Ops, layer: int, formats: CacheFormats, dtype, device) -> None:
         super().__init__()
         self.ops = ops
-        self.role = config.roles[layer]
+        self.role = config.roles[layer] if layer < config.num_hidden_layers else DRAFT_ROLE
         n, h = config.hc_mult, config.hidden_size
         self.attn = Attention2(config, ops, self.role, formats, dtype, device)
         self.ffn = MoE(config, ops, "moe", dtype, device)
@@ -49,12 +49,16 @@ class Block41(nn.Module):
         self, streams: torch.Tensor, pre: torch.Tensor, input_ids: torch.Tensor, addresses: CacheAddresses,
         cache: dict[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor], compress_rope: RotaryTable,
         positions: torch.Tensor, selection: Selection | None, engram_memory: torch.Tensor | None,
+        tap: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, Selection | None]:
         """Streams in and out [T, n, hidden]; `pre` [T, n] carried in from the previous site and out
         from this block's FFN site; the selection carried to the next layers; `engram_memory` the
-        table rows this layer's tokens read (Engram layers: the memory joins every stream first)."""
+        table rows this layer's tokens read (Engram layers: the memory joins every stream first).
+        `tap` receives the streams the block mixes, after Engram (a reference: they are not changed)."""
         if self.role.engram:
             streams = self.engram.mix(streams, engram_memory)
+        if tap is not None:
+            tap.append(streams)
         attn_pre, post, comb = self.mix.coefficients(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
         out, selection = self.attn(self.attn_norm(self.ops.hyper_collapse(pre, streams)), addresses, cache, rope,
                                    compress_rope, positions, selection)
@@ -130,9 +134,13 @@ class DeepseekV41(Decoder):
         return specs
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch, caches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    def forward(self, batch: StepBatch, caches: list[dict[str, torch.Tensor]],
+                streams_at: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """As `DeepseekV4.forward`: every token through the layers (writing their cache rows), then the
-        final hidden states [R, hidden] of the rows in `batch.sample_index` (all when None)."""
+        final hidden states [R, hidden] of the rows in `batch.sample_index` (all when None). Given
+        `streams_at`, it also receives the streams [T, n, hidden] of every token entering each layer of
+        `config.dspark_target_layer_ids` (after that layer's Engram): the DSpark draft's features
+        (`deepinfer.model.dspark.target_features`). Reading them changes nothing else."""
         addresses = CacheAddresses.of(batch, self.pools)
         x = self.embed(batch.input_ids)
         n = self.config.hc_mult
@@ -154,8 +162,11 @@ class DeepseekV41(Decoder):
             # a compressed layer reads its KV source's entries (and, being the source, writes them)
             cache = caches[layer] if role.kind == SWA else {**caches[role.kv_source], "window": caches[layer]["window"]}
             rope = ropes["main" if role.kind == SWA else "compress"]
+            tap = [] if streams_at is not None and layer in self.config.dspark_target_layer_ids else None
             streams, pre, selection = block(streams, pre, batch.input_ids, addresses, cache, rope,
-                                            self.compress_rope, batch.positions, selection, memory)
+                                            self.compress_rope, batch.positions, selection, memory, tap)
+            if tap:
+                streams_at[layer] = tap[0]
         if batch.sample_index is not None:
             streams, pre = streams[batch.sample_index], pre[batch.sample_index]
         return self.norm(self.ops.hyper_collapse(pre, streams))
