@@ -65,6 +65,24 @@ def signature(output: RequestOutput) -> tuple:
     return tuple(output.token_ids), bits, top
 
 
+class ReferenceDrafter:
+    """Drafts from known continuations (a run's prompt + output streams), deliberately wrong at every
+    `wrong_every`-th token position of a sequence, so that verification both keeps and rejects
+    drafts: outputs must not change either way (speculation's contract), and the share kept sets
+    how much a step yields (an oracle drafter at a chosen acceptance rate)."""
+
+    def __init__(self, streams: list[list[int]], wrong_every: int) -> None:
+        self.streams, self.wrong_every = streams, wrong_every
+
+    def propose(self, token_ids: list[int], limit: int) -> list[int]:
+        for stream in self.streams:
+            if stream[:len(token_ids)] == token_ids:
+                drafts = stream[len(token_ids):len(token_ids) + limit]
+                return [token + 1 if (len(token_ids) + i) % self.wrong_every == 0 else token
+                        for i, token in enumerate(drafts)]
+        return []
+
+
 def matrix_variant(variant: Variant, *, dtype: str, numerics: str, device: str) -> Variant:
     """`variant` with the matrix's dtype, numerics and device (and a 512-token context)."""
     return variant.derive(variant.name, dtype=dtype, numerics=numerics, device=device, max_model_len=512)

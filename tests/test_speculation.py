@@ -5,6 +5,8 @@ token budget, max_tokens or preemption cut a run of held drafts."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -13,30 +15,14 @@ from cpu_paths import bf16_refusal
 from deepinfer import LLM, EngineConfig, SamplingParams
 from deepinfer.engine.drafter import NgramDrafter
 from deepinfer.errors import DeepInferError
-from harness.invariance import signature, standard_requests
-
-
-class OracleDrafter:
-    """Drafts from known continuations (a reference run's outputs), wrong at every `wrong_every`-th
-    position (counted over the whole sequence), so steps keep some drafts and reject others."""
-
-    def __init__(self, streams: list[list[int]], wrong_every: int) -> None:
-        self.streams, self.wrong_every = streams, wrong_every
-
-    def propose(self, token_ids: list[int], limit: int) -> list[int]:
-        for stream in self.streams:
-            if stream[:len(token_ids)] == token_ids:
-                drafts = stream[len(token_ids):len(token_ids) + limit]
-                return [token + 1 if (len(token_ids) + i) % self.wrong_every == 0 else token
-                        for i, token in enumerate(drafts)]
-        return []
+from harness.invariance import ReferenceDrafter, signature, standard_requests
 
 
 def _requests(count: int) -> list:
     return standard_requests(vocab_size=1024, count=count, max_tokens=16)
 
 
-def _run(llm: LLM, requests, drafter=None) -> tuple[list, LLM]:
+def _run(llm: LLM, requests, drafter=None) -> tuple[list, list]:
     if drafter is not None:
         llm.scheduler.drafter = drafter
     outputs = llm.generate([r.prompt for r in requests], [r.params for r in requests])
@@ -44,7 +30,7 @@ def _run(llm: LLM, requests, drafter=None) -> tuple[list, LLM]:
 
 
 def _speculating(llm: LLM, **settings) -> LLM:
-    return llm.with_engine(EngineConfig(**{**llm._requested.to_dict(), "speculation": "ngram", **settings}))
+    return llm.with_engine(replace(llm.engine_config, speculation="ngram", **settings))
 
 
 @pytest.mark.parametrize("preset,dtype", [("tiny", "float32"), ("tiny", "bfloat16"),
@@ -58,7 +44,7 @@ def test_outputs_are_the_same_bits_with_speculation_on_and_off(preset: str, dtyp
     streams = [r.prompt + out.token_ids for r, out in zip(requests, outputs)]
     for draft_tokens, wrong_every in ((1, 3), (3, 4), (5, 5)):
         spec = _speculating(llm, draft_tokens=draft_tokens)
-        got, _ = _run(spec, requests, OracleDrafter(streams, wrong_every))
+        got, _ = _run(spec, requests, ReferenceDrafter(streams, wrong_every))
         assert got == reference, f"k={draft_tokens}: outputs changed with speculation"
         drafted, kept = spec.scheduler.num_drafted, spec.scheduler.num_draft_kept
         assert 0 < kept < drafted, f"k={draft_tokens}: {kept} of {drafted} drafts held (both paths must run)"
@@ -83,7 +69,7 @@ def test_held_drafts_cut_by_stop_rules_budget_and_preemption(tiny_checkpoint) ->
     for settings in ({"draft_tokens": 5}, {"draft_tokens": 5, "max_num_batched_tokens": 4},
                      {"draft_tokens": 4, "num_cache_blocks": 6, "max_num_batched_tokens": 32}):
         spec = _speculating(llm, **settings)
-        spec.scheduler.drafter = OracleDrafter(streams, wrong_every=10**9)
+        spec.scheduler.drafter = ReferenceDrafter(streams, wrong_every=10**9)
         got = [signature(out) for out in spec.generate(prompts, params)]
         assert got == reference, f"{settings}: outputs changed with speculation"
         assert spec.scheduler.num_draft_kept > 0
@@ -97,7 +83,7 @@ def test_perfect_drafts_take_fewer_steps(tiny_checkpoint) -> None:
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     stream = prompt + llm.generate([prompt], params)[0].token_ids
     spec = _speculating(llm, draft_tokens=5)
-    spec.scheduler.drafter = OracleDrafter([stream], wrong_every=10**9)
+    spec.scheduler.drafter = ReferenceDrafter([stream], wrong_every=10**9)
     spec.add_request(prompt, params)
     steps = 0
     while spec.has_unfinished():
