@@ -11,6 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from checkpoint_edits import copy_with
+
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint import CheckpointError, load_checkpoint
 from deepinfer.checkpoint.layout_v41 import footprint
@@ -70,12 +72,7 @@ def test_released_extras_are_accepted_and_unused(plain_v41_checkpoint, tmp_path)
 ])
 def test_bad_tensors_fail_in_one_line(plain_v41_checkpoint, tmp_path, change, message):
     folder = tmp_path / "bad"
-    folder.mkdir()
-    for name in ("config.json", "tokenizer.json"):
-        (folder / name).write_bytes((plain_v41_checkpoint / name).read_bytes())
-    tensors = load_file(plain_v41_checkpoint / "model.safetensors")
-    change(tensors)
-    save_file(tensors, folder / "model.safetensors")
+    copy_with(plain_v41_checkpoint, folder, change)
     with pytest.raises(CheckpointError) as err:
         load_checkpoint(folder)
     assert str(err.value) == message

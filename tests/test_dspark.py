@@ -24,7 +24,9 @@ import warnings
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from checkpoint_edits import copy_with
 
 import kernels
 from deepinfer.checkpoint import CheckpointError, load_checkpoint, load_draft_tensors
@@ -47,16 +49,6 @@ FEATURE_TOKENS = 40
 def draft_names(config: V41Config) -> dict:
     return {name: spec for name, spec in expected_tensors_v41(config, include_mtp=True).items()
             if name.startswith("mtp.")}
-
-
-def copy_with(folder, out, change) -> None:
-    """`folder`'s checkpoint in `out`, its tensors changed in place by `change`."""
-    out.mkdir()
-    for name in ("config.json", "tokenizer.json"):
-        (out / name).write_bytes((folder / name).read_bytes())
-    tensors = load_file(folder / "model.safetensors")
-    change(tensors)
-    save_file(tensors, out / "model.safetensors")
 
 
 def loaded_draft(config: V41Config, tensors: dict, qdq: bool = True, confidence_input: str = PRE_NORM) -> DSpark:
