@@ -33,6 +33,7 @@ from deepinfer.checkpoint import DEFAULT_PRESET, content_hash, default_checkpoin
 from deepinfer.engine.llm import PRESET_PREFIX
 from deepinfer.errors import DeepInferError
 from harness.record import record_run
+from harness.run_writer import read_stats
 from harness.suites import Suite, load_suite
 from harness.sweep import Sweep, Variant, check_variant, variant_from_dict
 
@@ -86,9 +87,21 @@ def _run_configurations(model: str | Path | None, suite: Suite, sweep: Sweep, ou
                   flush=True)
         record_run(model, suite, variant, out_dir / RUNS / variant.name, run_seed=run_seed, resume=resume,
                    progress=progress)
+        if progress and variant.engine.speculation != "off":
+            print(f"  {speculation_summary(read_stats(out_dir / RUNS / variant.name))}", file=sys.stderr, flush=True)
         entries.append({"name": variant.name, "role": role, "config": variant.to_dict(),
                         "run": f"{RUNS}/{variant.name}"})
     return entries
+
+
+def speculation_summary(stats: dict) -> str:
+    """What a speculating run's drafts did (from its `stats.json`): a variant whose drafter proposed
+    nothing checked plain decoding only, and says so."""
+    drafted, kept, chunks = stats["drafted"], stats["drafts_kept"], stats["verify_chunks"]
+    if not drafted:
+        return "speculation: no drafts were proposed, so this configuration ran as plain decoding"
+    return (f"speculation: {kept} of {drafted} drafts kept ({kept / drafted:.0%}), "
+            f"{1 + kept / chunks:.2f} tokens per step with drafts")
 
 
 def _rerun_block(model: str | Path | None, suite: Suite, out_dir: Path, run_seed: int, sweep: Sweep) -> dict:

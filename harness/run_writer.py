@@ -34,6 +34,8 @@ FLUSH_ROWS = 16
 FLUSH_SECONDS = 2.0
 STATS_FILE = "stats.json"
 _STATS_KEYS = ("sessions", "wall_s", "preemptions")
+# speculation's counters (engine.scheduler.Scheduler): runs recorded before they existed lack them
+_SPECULATION_KEYS = ("drafted", "drafts_kept", "verify_chunks")
 _RESUMED_SECTIONS = ("checkpoint", "suite", "variant", "engine", "seeds")  # what a resumed run must share
 
 
@@ -131,6 +133,9 @@ class RunWriter:
             stats["sessions"] += 1
             stats["wall_s"] += time.perf_counter() - self._started
             stats["preemptions"] += self.llm.scheduler.num_preemptions
+            stats["drafted"] += self.llm.scheduler.num_drafted
+            stats["drafts_kept"] += self.llm.scheduler.num_draft_kept
+            stats["verify_chunks"] += self.llm.scheduler.num_verify_chunks
             atomic_write(self.path / STATS_FILE, json_bytes(stats))
         return self.store.finalize()
 
@@ -139,7 +144,7 @@ def read_stats(run_dir: Path) -> dict:
     """The engine statistics of earlier sessions of the run; a damaged file is a one-line AuditError."""
     path = Path(run_dir) / STATS_FILE
     if not path.exists():
-        return {"sessions": 0, "wall_s": 0.0, "preemptions": 0}
+        return {"sessions": 0, "wall_s": 0.0, "preemptions": 0, **dict.fromkeys(_SPECULATION_KEYS, 0)}
     try:
         stats = json.loads(path.read_bytes())
     except (OSError, ValueError):
@@ -149,7 +154,7 @@ def read_stats(run_dir: Path) -> dict:
     if not numbers:
         raise AuditError(f"{path}: not the run's statistics (a JSON object with sessions, wall_s and preemptions); "
                          "delete it to resume")
-    return stats
+    return {**dict.fromkeys(_SPECULATION_KEYS, 0), **stats}
 
 
 def _check_same_run(run_dir: Path, stored: dict, wanted: dict) -> None:

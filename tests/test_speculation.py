@@ -5,6 +5,7 @@ token budget, max_tokens or preemption cut a run of held drafts."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -15,7 +16,12 @@ from cpu_paths import bf16_refusal
 from deepinfer import LLM, EngineConfig, SamplingParams
 from deepinfer.engine.drafter import NgramDrafter
 from deepinfer.errors import DeepInferError
+from harness.certify import speculation_summary
 from harness.invariance import ReferenceDrafter, signature, standard_requests
+from harness.record import record_run
+from harness.run_writer import STATS_FILE, read_stats
+from harness.suites import load_suite
+from harness.sweep import default_sweep
 
 
 def _requests(count: int) -> list:
@@ -128,3 +134,21 @@ def _latest_continuation(ids: list[int], limit: int, max_ngram: int) -> list[int
 @given(ids=st.lists(st.integers(0, 5), max_size=40), limit=st.integers(0, 6))
 def test_ngram_drafter_proposes_what_followed_the_latest_longest_match(ids: list[int], limit: int) -> None:
     assert NgramDrafter(max_ngram=3).propose(ids, limit) == _latest_continuation(ids, limit, 3)
+
+
+def test_a_recorded_run_counts_its_drafts_and_certify_says_what_they_did(tiny_checkpoint, tmp_path) -> None:
+    """The smoke suite (chats quoting tool output: prompt lookup finds matches) under the default
+    sweep's speculation variant: stats.json counts drafts made, kept and the chunks that carried
+    them; a run recorded before those counters existed reads as none."""
+    variant = {v.name: v for _, v in default_sweep().configurations()}["speculation"]
+    record_run(tiny_checkpoint, load_suite("smoke"), variant, tmp_path / "run", progress=False)
+    stats = read_stats(tmp_path / "run")
+    assert stats["drafted"] > 0 and stats["verify_chunks"] > 0 and 0 <= stats["drafts_kept"] <= stats["drafted"]
+    assert speculation_summary(stats).startswith(f"speculation: {stats['drafts_kept']} of {stats['drafted']} drafts")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / STATS_FILE).write_text(json.dumps({"sessions": 1, "wall_s": 2.0, "preemptions": 0}))
+    old = read_stats(tmp_path / "old")
+    assert (old["drafted"], old["drafts_kept"], old["verify_chunks"]) == (0, 0, 0)
+    assert speculation_summary(old) == "speculation: no drafts were proposed, so this configuration ran as plain decoding"
+    assert speculation_summary({"drafted": 8, "drafts_kept": 6, "verify_chunks": 2}) == (
+        "speculation: 6 of 8 drafts kept (75%), 4.00 tokens per step with drafts")

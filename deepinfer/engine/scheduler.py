@@ -139,6 +139,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_drafted = 0  # draft tokens verified
         self.num_draft_kept = 0  # of those, the ones that held
+        self.num_verify_chunks = 0  # chunks that carried drafts
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -282,6 +283,7 @@ class Scheduler:
         index, drawn = chunk.draws_at, result.tokens[row]
         self.num_drafted += chunk.num_draft
         self.num_draft_kept += len(drawn) - 1
+        self.num_verify_chunks += chunk.num_draft > 0
         for j, token in enumerate(drawn):
             if not result.finite[row][j]:
                 del seq.token_ids[index + j:]
