@@ -109,9 +109,9 @@ def test_batch_size_auto_is_one_error_line(runs):
     ({"device": "cpu"}, {"device": "cuda:0"}, "device given twice: 'cpu' in model_args, 'cuda:0' from lm-eval "
                                               "(--device, default cuda:0); give it once"),
     ({"pretrained": "gpt2"}, {}, "unknown model_args pretrained (known: async_scheduling, batch_size, block_size, cache_qdq, cuda_graphs, "
-                                 "device, dtype, enable_chunked_prefill, engram_tables, max_model_len, max_num_batched_tokens, model, "
-                                 "num_cache_blocks, numerics, run_dir, run_seed, suite, unseeded_seeds, "
-                                 "weight_storage)"),
+                                 "device, draft_tokens, dtype, enable_chunked_prefill, engram_tables, max_model_len, "
+                                 "max_num_batched_tokens, model, num_cache_blocks, numerics, run_dir, run_seed, speculation, "
+                                 "suite, unseeded_seeds, weight_storage)"),
 ])
 def test_settings_that_cannot_be_served(model_args, settings, message):
     with pytest.raises(EvalError, match=f"^{re.escape(message)}$"):
