@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deepinfer import LLM, RequestOutput, SamplingParams
+from deepinfer.engine.sequence import Sequence
 from harness.serve import serve
 from harness.sweep import Variant
 
@@ -74,7 +75,8 @@ class ReferenceDrafter:
     def __init__(self, streams: list[list[int]], wrong_every: int) -> None:
         self.streams, self.wrong_every = streams, wrong_every
 
-    def propose(self, token_ids: list[int], limit: int) -> list[int]:
+    def propose(self, seq: Sequence, limit: int) -> list[int]:
+        token_ids = seq.token_ids
         for stream in self.streams:
             if stream[:len(token_ids)] == token_ids:
                 drafts = stream[len(token_ids):len(token_ids) + limit]

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from cpu_paths import bf16_refusal
 from deepinfer import LLM, EngineConfig, SamplingParams
 from deepinfer.engine.drafter import NgramDrafter
+from deepinfer.engine.sequence import Sequence
 from deepinfer.errors import DeepInferError
 from harness.certify import speculation_summary
 from harness.invariance import ReferenceDrafter, signature, standard_requests
@@ -131,9 +132,16 @@ def _latest_continuation(ids: list[int], limit: int, max_ngram: int) -> list[int
     return []
 
 
-@given(ids=st.lists(st.integers(0, 5), max_size=40), limit=st.integers(0, 6))
-def test_ngram_drafter_proposes_what_followed_the_latest_longest_match(ids: list[int], limit: int) -> None:
-    assert NgramDrafter(max_ngram=3).propose(ids, limit) == _latest_continuation(ids, limit, 3)
+@given(ids=st.lists(st.integers(0, 5), max_size=40), limit=st.integers(0, 6), every=st.integers(1, 7))
+def test_ngram_drafter_proposes_what_followed_the_latest_longest_match(ids: list[int], limit: int, every: int) -> None:
+    """Asked as the sequence grows (every `every` tokens, as decoding asks with drafts kept), and once
+    after it shrank (a stop cuts it), the incremental index proposes what a search of the whole
+    list finds."""
+    drafter = NgramDrafter(max_ngram=3)
+    seq = Sequence(0, ids[:1], SamplingParams(), 0)
+    for length in [*range(1, len(ids) + 1, every), len(ids), len(ids) // 2]:
+        seq.token_ids = ids[:length]
+        assert drafter.propose(seq, limit) == _latest_continuation(ids[:length], limit, 3)
 
 
 def test_a_recorded_run_counts_its_drafts_and_certify_says_what_they_did(tiny_checkpoint, tmp_path) -> None:

@@ -13,35 +13,53 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
+from deepinfer.engine.sequence import Sequence
 
 SPECULATION = ("off", "ngram")
 
 
 class Drafter(Protocol):
-    def propose(self, token_ids: list[int], limit: int) -> list[int]:
-        """At most `limit` tokens to follow `token_ids` (every one known: no placeholders)."""
+    def propose(self, seq: Sequence, limit: int) -> list[int]:
+        """At most `limit` tokens to follow `seq.token_ids` (every one known: no placeholders). A
+        drafter may keep what it learns of a sequence in `seq.draft_state`, which nothing else touches."""
+
+
+class NgramIndex:
+    """For n = 1 .. max_ngram, the latest start of every n-gram of a token list that has a token after
+    it, kept up to date as the list grows (each new token costs max_ngram dictionary writes)."""
+
+    def __init__(self, max_ngram: int) -> None:
+        self.starts: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram + 1)]
+        self.length = 0  # the list's length when last extended
+
+    def extend(self, ids: list[int]) -> None:
+        for end in range(max(self.length - 1, 0), len(ids) - 1):  # n-grams ending at `end` now have a successor
+            for n in range(1, min(len(self.starts) - 1, end + 1) + 1):
+                self.starts[n][tuple(ids[end - n + 1:end + 1])] = end - n + 1
+        self.length = len(ids)
 
 
 class NgramDrafter:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's last
     n tokens, trying n = max_ngram first and down to min_ngram. Costs no model: it pays where text
-    repeats (code edits, quoted tool output, retrieved passages echoed back)."""
+    repeats (code edits, quoted tool output, retrieved passages echoed back). Each sequence's n-gram
+    index lives in its `draft_state` and grows with it, so a step costs the same at any length."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def propose(self, token_ids: list[int], limit: int) -> list[int]:
-        if limit <= 0 or len(token_ids) < 2:
+    def propose(self, seq: Sequence, limit: int) -> list[int]:
+        ids = seq.token_ids
+        index = seq.draft_state
+        if not isinstance(index, NgramIndex) or index.length > len(ids):  # a stopped sequence can shrink
+            index = seq.draft_state = NgramIndex(self.max_ngram)
+        index.extend(ids)
+        if limit <= 0:
             return []
-        ids = np.asarray(token_ids, dtype=np.int64)
         for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
-            # windows start at 0 .. len - 1 - n: each has a token after it, and none is the suffix itself
-            hits = np.flatnonzero((sliding_window_view(ids[:-1], n) == ids[-n:]).all(axis=1))
-            if hits.size:
-                follows = int(hits[-1]) + n
-                return ids[follows:follows + limit].tolist()
+            start = index.starts[n].get(tuple(ids[len(ids) - n:]))
+            if start is not None:
+                return ids[start + n:start + n + limit]
         return []
 
 

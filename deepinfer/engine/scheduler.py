@@ -201,7 +201,7 @@ class Scheduler:
         limit = 0
         while limit < min(self.draft_tokens, budget - 1) and not self.rules.full(seq, length + limit + 1):
             limit += 1
-        return self.drafter.propose(seq.token_ids, limit)[:limit] if limit else []
+        return self.drafter.propose(seq, limit)[:limit] if limit else []
 
     @staticmethod
     def _commit(chunks: list[ScheduledChunk]) -> None:

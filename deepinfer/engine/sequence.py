@@ -51,6 +51,7 @@ class Sequence:
     error_kind: str | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None
+    draft_state: object | None = None  # the scheduler's drafter's memory of this sequence (`engine.drafter`)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
