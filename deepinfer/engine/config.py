@@ -68,8 +68,8 @@ class EngineConfig:
     speculation: str = _setting("off", "speculative decoding: off, or ngram (draft the tokens that followed the "
                                 "latest earlier occurrence of a sequence's last tokens); the model verifies a "
                                 "sequence's drafts in one step and keeps each only where it equals the token it "
-                                "samples there, so outputs are the same bits either way; runs with synchronous "
-                                "scheduling", choices=SPECULATION)
+                                "samples there, so with batch_invariant numerics outputs are the same bits either "
+                                "way; runs with synchronous scheduling", choices=SPECULATION)
     draft_tokens: int = _setting(5, "with speculation: most draft tokens one sequence verifies per step")
     seed: int = _setting(0, "seed from which unseeded requests derive theirs")
     unseeded_seeds: str = _setting("request_order", "how unseeded requests get a seed: request_order (the engine's "
