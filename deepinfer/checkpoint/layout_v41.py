@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from deepinfer.checkpoint.layout import FP4, FP8, FP32, SCALE, WEIGHT, TensorSpec
+from deepinfer.checkpoint.layout import FP4, FP8, FP32, MTP_PREFIX, SCALE, WEIGHT, TensorSpec
 from deepinfer.config_v41 import DRAFT_ROLE, FULL, REINDEX, LayerRole, V41Config, draft_config
 from kernels.quant import QuantizedWeight, fp8_block_encode, mxfp4_encode
 
@@ -32,7 +32,6 @@ _QUANTIZED = re.compile(r"(?:layers\.\d+\.(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|in
                         r"|ffn\.(?:shared_experts|experts\.\d+)\.w[123]|engram\.(?:embed|wkv))"
                         r"|mtp\.\d+\.(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b)|ffn\.(?:shared_experts|experts\.\d+)\.w[123]"
                         r"|main_proj))\.weight")
-DRAFT_PREFIX = "mtp."
 ROW_GROUP = 32
 
 
@@ -157,7 +156,7 @@ def is_optional(name: str) -> bool:
 def is_draft_tensor(name: str) -> bool:
     """One of the DSpark draft layers' tensors that `expected_tensors_v41(include_mtp=True)` lists (their
     routers' image-token biases stay optional, as the backbone's do)."""
-    return name.startswith(DRAFT_PREFIX) and not name.endswith(OPTIONAL_SUFFIXES)
+    return name.startswith(MTP_PREFIX) and not name.endswith(OPTIONAL_SUFFIXES)
 
 
 def _draft_layers(c: V41Config) -> dict[str, TensorSpec]:
@@ -169,7 +168,7 @@ def _draft_layers(c: V41Config) -> dict[str, TensorSpec]:
     h, rank, draft = c.hidden_size, c.dspark_markov_rank, draft_config(c)
     out = {}
     for k in range(layers):
-        p = f"{DRAFT_PREFIX}{k}."
+        p = f"{MTP_PREFIX}{k}."
         out.update(_block(p, draft, DRAFT_ROLE, c.num_hidden_layers + k))
         if k == 0:
             out[p + "main_proj.weight"] = TensorSpec((h, len(c.dspark_target_layer_ids) * h), WEIGHT)
