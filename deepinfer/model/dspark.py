@@ -1,4 +1,5 @@
-"""The DSpark draft model of DeepSeek-V4.1 (`mtp.{k}.*`): a block drafter, not wired into the engine yet.
+"""The DSpark draft model of DeepSeek-V4.1 (`mtp.{k}.*`): a block drafter (`deepinfer.engine.draft_runner`
+runs it inside engine steps).
 
 After the target has produced token t_n (from its hidden state at n - 1), one draft block proposes the
 `dspark_block_size` (B) tokens at n + 1 .. n + B in a single pass of the draft layers:
@@ -36,12 +37,12 @@ from deepinfer.model.transformer_v41 import Block41, DeepseekV41
 from kernels import Ops
 
 PRE_NORM, POST_NORM = "pre_norm", "post_norm"  # which hidden state the confidence head reads
-Choose = Callable[[torch.Tensor, int], torch.Tensor]  # (slot's logits [vocab] fp32, slot) -> token id, 0-d
+Choose = Callable[[torch.Tensor, int], torch.Tensor]  # (slot's logits [S, vocab] fp32, slot) -> token ids [S]
 
 
 def greedy(logits: torch.Tensor, slot: int) -> torch.Tensor:
-    """The first highest-scoring token (ties to the lowest id)."""
-    return torch.argmax(logits)
+    """Each row's first highest-scoring token (ties to the lowest id)."""
+    return torch.argmax(logits, dim=-1)
 
 
 def target_features(streams_at: dict[int, torch.Tensor], layer_ids: list[int], ops: Ops) -> torch.Tensor:
@@ -95,34 +96,36 @@ class DraftBlock(Block41):
             self.confidence_head = ConfidenceHead(h + rank, ops, device)
 
     def forward(
-        self, streams: torch.Tensor, pre: torch.Tensor, context_kv: torch.Tensor,
+        self, streams: torch.Tensor, pre: torch.Tensor, context_kv: torch.Tensor, context_valid: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor], input_ids: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block's streams [B, n, hidden] and carried `pre` [B, n] in and out; `context_kv` [C, head_dim]."""
+        """S blocks of B rows each, flattened: streams [S * B, n, hidden] and carried `pre` [S * B, n] in
+        and out; `context_kv` [S, C, head_dim] with `context_valid` [S, C] the keys each block reads."""
         attn_pre, post, comb = self.mix.coefficients(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
-        out = self._attend(self.attn_norm(self.ops.hyper_collapse(pre, streams)), context_kv, rope)
+        out = self._attend(self.attn_norm(self.ops.hyper_collapse(pre, streams)), context_kv, context_valid, rope)
         streams = self.ops.hyper_expand(post, comb, out, streams)
         ffn_pre, post, comb = self.mix.coefficients(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
         out = self.ffn(self.ffn_norm(self.ops.hyper_collapse(attn_pre, streams)), input_ids)
         return self.ops.hyper_expand(post, comb, out, streams), ffn_pre
 
-    def _attend(self, x: torch.Tensor, context_kv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
-                ) -> torch.Tensor:
-        """Sink attention of every block row over the context keys and all the block's keys."""
+    def _attend(self, x: torch.Tensor, context_kv: torch.Tensor, context_valid: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Sink attention of every block row over its block's context keys and all the block's own keys."""
         attn = self.attn
         _, q = attn.queries(x, rope)
-        keys = torch.cat([context_kv.to(x.dtype), attn.window_kv(x, rope)])
-        rows = x.shape[0]
-        valid = torch.ones(rows, keys.shape[0], dtype=torch.bool, device=x.device)
-        out = self.ops.sink_attention(q, keys.unsqueeze(0).expand(rows, -1, -1).contiguous(), valid, attn.attn_sink,
+        blocks, size = context_kv.shape[0], x.shape[0] // context_kv.shape[0]
+        own = attn.window_kv(x, rope).view(blocks, size, -1)
+        keys = torch.cat([context_kv.to(x.dtype), own], dim=1).repeat_interleave(size, dim=0)
+        valid = torch.cat([context_valid, torch.ones(blocks, size, dtype=torch.bool, device=x.device)], dim=1)
+        out = self.ops.sink_attention(q, keys.contiguous(), valid.repeat_interleave(size, dim=0), attn.attn_sink,
                                       attn.head_dim**-0.5)
         return attn.project_out(out, rope)
 
 
 @dataclass
 class BlockOutput:
-    """One draft block's backbone output: base logits U [B, vocab] fp32, the collapsed hidden h [B, hidden]
-    before and after the final norm."""
+    """Draft blocks' backbone output: base logits U [.., B, vocab] fp32, the collapsed hidden h
+    [.., B, hidden] before and after the final norm (a leading [S] for S blocks drafted at once)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor
@@ -131,8 +134,9 @@ class BlockOutput:
 
 @dataclass
 class Draft:
-    """The drafted tokens [B] (slot j: the token at n + 1 + j), each slot's Markov-corrected logits
-    [B, vocab] fp32 and confidence logits [B] fp32 (`confidence` is their sigmoid)."""
+    """The drafted tokens [.., B] (slot j: the token at n + 1 + j), each slot's Markov-corrected logits
+    [.., B, vocab] fp32 and confidence logits [.., B] fp32 (`confidence` is their sigmoid); a leading
+    [S] for S blocks drafted at once."""
 
     tokens: torch.Tensor
     logits: torch.Tensor
@@ -210,46 +214,69 @@ class DSpark(Decoder):
     def block(self, token: int | torch.Tensor, anchor: int, context_kv: torch.Tensor) -> BlockOutput:
         """The draft backbone on [token, noise, ...] at positions anchor .. anchor + B - 1, with the
         `context_kv` [layers, C, head_dim] of exactly `context_positions(anchor)`."""
-        config, ops = self.config, self.ops
         want = self.context_positions(anchor)
         if context_kv.shape[:2] != (len(self.mtp), len(want)):
             raise ValueError(f"a draft block at position {anchor} reads {len(want)} context rows "
                              f"(positions {want.start}..{want.stop - 1}) in each of {len(self.mtp)} layers, "
                              f"got context KV of shape {tuple(context_kv.shape)}")
         device = context_kv.device
-        size = config.dspark_block_size
-        ids = torch.full((size,), config.dspark_noise_token_id, dtype=torch.long, device=device)
-        ids[0] = token
+        out = self.blocks(torch.as_tensor([token], device=device), torch.tensor([anchor], device=device),
+                          context_kv.unsqueeze(1), torch.ones(1, len(want), dtype=torch.bool, device=device))
+        return BlockOutput(out.logits[0], out.hidden[0], out.normed[0])
+
+    @torch.inference_mode()
+    def blocks(self, tokens: torch.Tensor, anchors: torch.Tensor, context_kv: torch.Tensor,
+               context_valid: torch.Tensor) -> BlockOutput:
+        """S draft blocks at once: block s on [tokens[s], noise, ...] at positions anchors[s] .. anchors[s]
+        + B - 1, reading `context_kv` [layers, S, C, head_dim] where `context_valid` [S, C] holds.
+        Each block's rows go through the layers on their own, so a block's bits do not depend on the
+        others (with batch-invariant ops) as long as C is the same."""
+        config, ops = self.config, self.ops
+        count, size, device = tokens.shape[0], config.dspark_block_size, tokens.device
+        ids = torch.full((count, size), config.dspark_noise_token_id, dtype=torch.long, device=device)
+        ids[:, 0] = tokens
+        ids = ids.flatten()
         x = self.embed(ids)
         n = config.hc_mult
         streams = x.unsqueeze(1).expand(-1, n, -1).contiguous()
-        pre = torch.zeros(size, n, dtype=torch.float32, device=device)
+        pre = torch.zeros(count * size, n, dtype=torch.float32, device=device)
         pre[:, 0] = 1
-        rope = self.main_rope(torch.arange(anchor, anchor + size, device=device))
+        positions = (anchors.unsqueeze(1) + torch.arange(size, device=device)).flatten()
+        rope = self.main_rope(positions)
         for block, kv in zip(self.mtp, context_kv):
-            streams, pre = block(streams, pre, kv, rope, ids)
+            streams, pre = block(streams, pre, kv, context_valid, rope, ids)
         hidden = ops.hyper_collapse(pre, streams)
         normed = self.mtp[-1].norm(hidden)
-        return BlockOutput(self.logits(normed), hidden, normed)
+        return BlockOutput(self.logits(normed).view(count, size, -1), hidden.view(count, size, -1),
+                           normed.view(count, size, -1))
 
     @torch.inference_mode()
     def draft(self, out: BlockOutput, token: int | torch.Tensor, choose: Choose = greedy) -> Draft:
-        """The block's drafts chosen left to right with the Markov correction (`choose` picks each slot's
-        token from its logits; greedy by default), and each slot's confidence logit."""
+        """One block's drafts (`drafts` for a single block)."""
+        batched = BlockOutput(out.logits.unsqueeze(0), out.hidden.unsqueeze(0), out.normed.unsqueeze(0))
+        tokens = torch.as_tensor(token, dtype=torch.long, device=out.logits.device).view(1)
+        draft = self.drafts(batched, tokens, choose)
+        return Draft(draft.tokens[0], draft.logits[0], draft.confidence_logits[0])
+
+    @torch.inference_mode()
+    def drafts(self, out: BlockOutput, tokens: torch.Tensor, choose: Choose = greedy) -> Draft:
+        """The blocks' drafts chosen left to right with the Markov correction (`choose` picks each
+        slot's tokens [S] from its logits [S, vocab]; greedy by default), and each slot's confidence
+        logit; `tokens` [S] the blocks' first tokens."""
         last = self.mtp[-1]
-        prev = torch.as_tensor(token, dtype=torch.long, device=out.logits.device)
-        previous, tokens, logits = [], [], []
-        for slot in range(out.logits.shape[0]):
-            bias, _ = last.markov_head(prev.view(1))
-            row = out.logits[slot] + bias[0]
-            chosen = choose(row, slot)
+        prev = tokens
+        previous, chosen, logits = [], [], []
+        for slot in range(out.logits.shape[1]):
+            bias, _ = last.markov_head(prev)
+            row = out.logits[:, slot] + bias
+            pick = choose(row, slot)
             previous.append(prev)
-            tokens.append(chosen)
+            chosen.append(pick)
             logits.append(row)
-            prev = chosen
+            prev = pick
         hidden = out.hidden if self.confidence_input == PRE_NORM else out.normed
-        confidence = last.confidence_head(hidden, last.markov_head.embed(torch.stack(previous)))
-        return Draft(torch.stack(tokens), torch.stack(logits), confidence)
+        confidence = last.confidence_head(hidden, last.markov_head.embed(torch.stack(previous, dim=1)))
+        return Draft(torch.stack(chosen, dim=1), torch.stack(logits, dim=1), confidence)
 
     @torch.inference_mode()
     def propose(self, token: int | torch.Tensor, anchor: int, main_x: torch.Tensor,
