@@ -197,12 +197,18 @@ class DSpark(Decoder):
     @torch.inference_mode()
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """main_x = main_norm(main_proj(features)) [T, hidden]: what every draft layer's context KV is made of."""
+        return self._project(features)
+
+    def _project(self, features: torch.Tensor) -> torch.Tensor:
         first = self.mtp[0]
         return first.main_norm(first.main_proj(features))
 
     @torch.inference_mode()
     def context_kv(self, main_x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Each draft layer's KV [layers, T, head_dim] of the `main_x` rows at `positions` [T]."""
+        return self._context_kv(main_x, positions)
+
+    def _context_kv(self, main_x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         rope = self.main_rope(positions)
         return torch.stack([block.attn.window_kv(main_x, rope) for block in self.mtp])
 
@@ -231,6 +237,21 @@ class DSpark(Decoder):
         + B - 1, reading `context_kv` [layers, S, C, head_dim] where `context_valid` [S, C] holds.
         Each block's rows go through the layers on their own, so a block's bits do not depend on the
         others (with batch-invariant ops) as long as C is the same."""
+        return self._blocks(tokens, anchors, context_kv, context_valid)
+
+    def forward(self, tokens: torch.Tensor, anchors: torch.Tensor, features: torch.Tensor,
+                context_valid: torch.Tensor) -> BlockOutput:
+        """`blocks` straight from target features, with autograd (what `deepinfer.dspark_distill` trains):
+        block s reads the C positions anchors[s] - C .. anchors[s] - 1, whose features are features[s]
+        [C, 3 * hidden], where `context_valid` [S, C] holds (positions before 0 do not)."""
+        count, width = context_valid.shape
+        positions = anchors.unsqueeze(1) - width + torch.arange(width, device=anchors.device)
+        main_x = self._project(features.flatten(0, 1))
+        kv = self._context_kv(main_x, positions.clamp(min=0).flatten()).unflatten(1, (count, width))
+        return self._blocks(tokens, anchors, kv, context_valid)
+
+    def _blocks(self, tokens: torch.Tensor, anchors: torch.Tensor, context_kv: torch.Tensor,
+                context_valid: torch.Tensor) -> BlockOutput:
         config, ops = self.config, self.ops
         count, size, device = tokens.shape[0], config.dspark_block_size, tokens.device
         ids = torch.full((count, size), config.dspark_noise_token_id, dtype=torch.long, device=device)
@@ -247,8 +268,8 @@ class DSpark(Decoder):
             streams, pre = block(streams, pre, kv, context_valid, rope, ids)
         hidden = ops.hyper_collapse(pre, streams)
         normed = self.mtp[-1].norm(hidden)
-        return BlockOutput(self.logits(normed).view(count, size, -1), hidden.view(count, size, -1),
-                           normed.view(count, size, -1))
+        logits = self.head(normed).float()  # as `Decoder.logits`, which is inference-only
+        return BlockOutput(logits.view(count, size, -1), hidden.view(count, size, -1), normed.view(count, size, -1))
 
     @torch.inference_mode()
     def draft(self, out: BlockOutput, token: int | torch.Tensor, choose: Choose = greedy) -> Draft:
