@@ -44,6 +44,7 @@ from audit.streams import (
 MANIFEST = "manifest.json"
 STREAMS = "streams.parquet"
 ROOT = "root.json"
+STATS = "stats.json"  # the engine's own counters for a run (harness.run_writer): not covered by its roots
 PARTS = "parts"
 TIMING_COLUMNS = ("arrival_s", "first_token_s", "finish_s")
 NULLABLE_COLUMNS = frozenset({"text", "error_kind", "error", "first_token_s"})

@@ -228,6 +228,20 @@ def _groups_section(data: AuditData) -> list[Section]:
     return [Section(grouping.title, blocks)]
 
 
+def _engine_counters(data: AuditData) -> Section:
+    table = tables.engine_counters_table(data)
+    if table.is_empty():
+        return Section("Speculation and prefix cache", [Note("No configuration speculated or cached prefixes.")])
+    return Section("Speculation and prefix cache", [
+        Table(table),
+        Paragraph("From each run's stats.json, the engine's own account of its work: the certificate does not "
+                  "seal it (the roots cover outputs only). A draft is kept when it equals the token the target "
+                  "samples at its position; kept per verify is the mean accepted length of a step that verified "
+                  "drafts, tokens per forward that plus the token the target adds; prefix hits count prompt "
+                  "tokens whose cache rows were reused instead of computed."),
+    ])
+
+
 def build_document(data: AuditData) -> Document:
     """Assemble every section of the report from the loaded audit data."""
     counts = {c.name: data.summary(c.name) for c in data.configurations}
@@ -254,6 +268,7 @@ def build_document(data: AuditData) -> Document:
                 ),
             ],
         ),
+        _engine_counters(data),
         Section(
             "Invariance map",
             [Figure("invariance.png", figures.invariance_heatmap(data),

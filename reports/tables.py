@@ -129,6 +129,42 @@ def configurations_table(data: AuditData) -> pl.DataFrame:
     return pl.DataFrame(rows, schema={key: pl.String for key in rows[0]})
 
 
+def _count(stats: dict, key: str) -> int | None:
+    value = stats.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _share(part: int | None, whole: int | None) -> str:
+    return "–" if part is None or not whole else f"{part / whole:.1%}"
+
+
+def engine_counters_table(data: AuditData) -> pl.DataFrame:
+    """One row per configuration that speculated or cached prefixes, from its run's stats.json:
+    drafts made and kept, kept drafts per verify step (mean accepted length), tokens per target
+    forward of a verifying sequence, rollbacks, and the prompt tokens taken from the prefix cache."""
+    rows = []
+    for c in data.configurations:
+        stats = c.stats or {}
+        speculation = c.config.get("speculation", "off")
+        drafted, kept, verify = (_count(stats, k) for k in ("drafted", "drafts_kept", "verify_chunks"))
+        hits, looked_up = _count(stats, "prefix_hit_tokens"), _count(stats, "prefix_query_tokens")
+        if speculation == "off" and not looked_up:
+            continue
+        rows.append({
+            "configuration": c.name,
+            "speculation": cell(speculation),
+            "draft tokens": cell(c.config.get("draft_tokens")) if speculation != "off" else "–",
+            "drafted": cell(drafted),
+            "kept": cell(kept),
+            "acceptance": _share(kept, drafted),
+            "kept per verify": "–" if kept is None or not verify else f"{kept / verify:.2f}",
+            "tokens per forward": "–" if kept is None or not verify else f"{1 + kept / verify:.2f}",
+            "rollbacks": cell(_count(stats, "rollbacks")),
+            "prefix hits": "–" if not looked_up else f"{hits} of {looked_up} ({_share(hits, looked_up)})",
+        })
+    return pl.DataFrame(rows, schema={key: pl.String for key in rows[0]}) if rows else pl.DataFrame()
+
+
 def _token(row: dict, column: str) -> str:
     """A token at the divergence; a stream that already ended there shows as 'end'."""
     if row[column] is None and row["status"] == "diverged":

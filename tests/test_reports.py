@@ -326,3 +326,28 @@ def test_certificate_counts_that_disagree_with_the_runs_are_flagged(tmp_path):
     md = md_path.read_text(encoding="utf-8")
     assert "do not match its runs" in md
     assert "- batch-8: diverged is 3 in the certificate, 0 in the runs" in md
+
+
+def test_speculation_and_prefix_counters_come_from_each_runs_stats(tmp_path):
+    """A speculating configuration shows its drafts from its stats.json (acceptance, kept per verify
+    step, tokens per forward, rollbacks) and a prefix-cached one its hits; a missing or damaged
+    stats.json shows dashes, never made-up numbers; configurations that did neither are left out."""
+    configurations = [
+        ("reference", "reference", {"batch_size": 1, "numerics": "invariant", "speculation": "off"}, {}),
+        ("dspark", "variant", {"batch_size": 1, "numerics": "invariant", "speculation": "dspark",
+                               "draft_tokens": 5}, {}),
+        ("ngram", "variant", {"batch_size": 1, "numerics": "invariant", "speculation": "ngram",
+                              "draft_tokens": 3}, {}),
+    ]
+    out = _certify_folder(tmp_path, configurations)
+    (out / "runs" / "dspark" / "stats.json").write_text(json.dumps({
+        "sessions": 1, "wall_s": 1.0, "preemptions": 0, "drafted": 40, "drafts_kept": 30, "verify_chunks": 8,
+        "rollbacks": 5, "rollback_rows": 10, "prefix_hit_tokens": 90, "prefix_query_tokens": 100}))
+    (out / "runs" / "ngram" / "stats.json").write_text("{not json")
+    md = render_report(out)[0].read_text(encoding="utf-8")
+    section = md.split("## Speculation and prefix cache", 1)[1].split("\n## ", 1)[0]
+    assert _table_rows(section, "dspark") == [
+        ["dspark", "dspark", "5", "40", "30", "75.0%", "3.75", "4.75", "5", "90 of 100 (90.0%)"]]
+    assert _table_rows(section, "ngram") == [["ngram", "ngram", "3", "–", "–", "–", "–", "–", "–", "–"]]
+    assert _table_rows(section, "reference") == []
+    assert "the certificate does not seal it" in section
