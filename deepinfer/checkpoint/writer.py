@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import save_file
 
 from deepinfer.checkpoint.errors import CheckpointError
-from deepinfer.checkpoint.files import INDEX_NAME, deepinfer_home, weight_files
-from deepinfer.checkpoint.hashing import TensorHasher, store_hash
+from deepinfer.checkpoint.files import INDEX_NAME, WeightReader, deepinfer_home, read_headers, weight_files
+from deepinfer.checkpoint.hashing import TensorHasher, content_hash, store_hash
 from deepinfer.checkpoint.layout import weight_dtype_name
 from deepinfer.checkpoint.layout_v41 import released_format
 from deepinfer.checkpoint.presets import CONFIG_ONLY_PRESETS, preset_config
@@ -73,6 +73,40 @@ def write_weights(folder: Path, tensors: Mapping[str, torch.Tensor], max_shard_b
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (folder / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return hasher.hexdigest()
+
+
+def replace_tensors(folder: str | Path, tensors: Mapping[str, torch.Tensor]) -> str:
+    """Rewrite the checkpoint in `folder` with `tensors` in place of its stored tensors of the same
+    names, shapes and dtypes; every other tensor keeps its bytes. Returns the new content hash.
+
+    Each weight file holding one of them is written whole beside itself first (a hidden `.partial`
+    name, which `weight_files` never lists) and renamed over the original only once all are written:
+    an interruption before the renames leaves the checkpoint as it was, one between two renames
+    (several shards) leaves every file complete, so the checkpoint loads either way."""
+    folder = Path(folder)
+    files = weight_files(folder)
+    headers = read_headers(files)
+    for name, tensor in tensors.items():
+        if name not in headers:
+            raise CheckpointError(f"{folder}: has no tensor {name} to replace")
+        _, dtype, shape = headers[name]
+        new = (str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+        if new != (dtype, shape):
+            raise CheckpointError(f"{name}: stored as {dtype} {shape}, cannot replace it with {new[0]} {new[1]}")
+    written: dict[Path, Path] = {}
+    try:
+        for path in sorted({headers[name][0] for name in tensors}):
+            with WeightReader([path]) as reader:
+                stored = {name: reader.get(name) for name in reader.headers}
+            stored.update({name: tensors[name].detach().to("cpu").contiguous() for name in stored if name in tensors})
+            written[path] = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.partial")
+            save_file(stored, str(written[path]), metadata={"format": "pt"})
+        for path, partial in written.items():
+            os.replace(partial, path)
+    finally:
+        for partial in written.values():
+            partial.unlink(missing_ok=True)
+    return content_hash(folder, trust_cache=False)
 
 
 def create_checkpoint(preset: str, out: str | Path, seed: int, *, device: str | torch.device = "cpu",
