@@ -8,6 +8,7 @@ import json
 import signal
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -17,6 +18,7 @@ from deepinfer.checkpoint.layout_v41 import footprint
 from deepinfer.checkpoint.quantized_v4 import describe as describe_quantization
 from deepinfer.config import CSA, HCA, ModelConfig
 from deepinfer.config_v41 import V41Config
+from deepinfer.dspark_distill import RECORD_NAME, DistillSettings, distill
 from deepinfer.engine.config import add_engine_flags, config_from_flags
 from deepinfer.errors import DeepInferError
 
@@ -73,6 +75,7 @@ def build_parser(
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     _add_checkpoint(commands)
     _add_generate(commands)
+    _add_dspark(commands)
     for add in more_commands:
         add(commands)
     return parser
@@ -194,6 +197,63 @@ def _count(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.1f}{unit}"
     return str(n)
+
+
+def _add_dspark(commands: argparse._SubParsersAction) -> None:
+    group = commands.add_parser(
+        "dspark", help="train a V4.1 checkpoint's DSpark draft layers",
+        description="Work on the DSpark draft layers (mtp.*) of a V4.1 checkpoint.",
+    )
+    sub = group.add_subparsers(title="dspark commands", metavar="ACTION", required=True)
+    defaults = DistillSettings()
+    distill_parser = sub.add_parser(
+        "distill", help="train the draft layers on the target's own generations, in place",
+        description="Self-distillation: the target continues prompts from the bundled corpus (greedy and "
+                    "sampled), and the draft layers and confidence head learn to draft its tokens from its "
+                    "features; the target stays frozen. The trained tensors replace the checkpoint's mtp.* "
+                    "tensors in their stored formats (nothing else changes; an interrupted run leaves the "
+                    f"checkpoint as it was) and the run's record goes to {RECORD_NAME} in the folder. Prints "
+                    "the acceptance of the greedy drafts on held-out generations before and after. The same "
+                    "command on the same checkpoint writes the same bits.",
+    )
+    distill_parser.add_argument("--model", required=True,
+                                help="V4.1 checkpoint folder with DSpark draft layers (changed in place)")
+    numbers = (("--steps", int, "optimizer steps"), ("--seed", int, "seed of the prompts, sampling and blocks"),
+               ("--lr", float, "peak AdamW learning rate"), ("--batch", int, "draft blocks per step"),
+               ("--prompts", int, "training prompts (half continued greedily, half sampled)"),
+               ("--held-out", int, "held-out prompts for the acceptance measurement"),
+               ("--max-tokens", int, "tokens the target generates per prompt"),
+               ("--threads", int, "CPU threads (the bits depend on it)"))
+    for flag, kind, text in numbers:
+        default = getattr(defaults, flag[2:].replace("-", "_"))
+        distill_parser.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})")
+    distill_parser.add_argument("--device", default=defaults.device,
+                                help=f"where the target runs and the draft trains, e.g. cuda (default: {defaults.device})")
+    distill_parser.add_argument("--no-progress", dest="progress", action="store_false",
+                                help="no progress (default: a bar on a terminal, a status line every 10 s when piped)")
+    distill_parser.set_defaults(run=_cmd_dspark_distill)
+
+
+def _cmd_dspark_distill(args: argparse.Namespace) -> int:
+    settings = DistillSettings(steps=args.steps, seed=args.seed, lr=args.lr, batch=args.batch, prompts=args.prompts,
+                               held_out=args.held_out, max_tokens=args.max_tokens, device=args.device,
+                               threads=args.threads)
+    start = time.monotonic()
+    record = distill(args.model, settings, progress=args.progress)
+    loss = record["loss"]
+    print(f"{args.model}: distilled the DSpark draft layers in {settings.steps} steps "
+          f"({time.monotonic() - start:.0f} s), loss {loss[0]['loss']:.3f} -> {loss[-1]['loss']:.3f}")
+    print("held-out acceptance of the greedy drafts: per slot, the share of blocks whose drafts held through it "
+          "(mean accepted length)")
+    for kind in ("greedy", "sampled"):
+        line = "  ".join(f"{when} {_acceptance(record['acceptance'][when][kind])}" for when in ("before", "after"))
+        print(f"  {kind + ' continuations':<22} {line}")
+    print(f"content hash {record['content_hash']['after']}; record {Path(args.model) / RECORD_NAME}")
+    return 0
+
+
+def _acceptance(measured: dict) -> str:
+    return " ".join(f"{share:.3f}" for share in measured["per_slot"]) + f" ({measured['mean_accepted']:.3f})"
 
 
 def _add_generate(commands: argparse._SubParsersAction) -> None:
