@@ -139,24 +139,34 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Write the step's cache rows (window KV, compressed entries), then attend, the queries in
         row chunks whose gathered keys fit `READ_BUDGET_BYTES`."""
-        tokens = x.shape[0]
-        cos, sin = rope
-        q_residual = self.q_norm(self.wq_a(x))
-        q = self.wq_b(q_residual).view(tokens, self.n_heads, self.head_dim)
-        q = self.ops.rotary(self.ops.unweighted_rms_norm(q, self.eps), cos, sin)
-        kv = self.ops.rotary(self.norm(self.wkv(x)), cos, sin)
-
+        q_residual, q = self.queries(x, rope)
         window = cache["window"]
-        window[addresses.window_write] = kv.to(window.dtype)
+        window[addresses.window_write] = self.window_kv(x, rope).to(window.dtype)
         step = None
         if self.layer_type != SLIDING:
             step = addresses.compressors[POOL_PREFIX[self.layer_type]]
             self._compress(x, step, cache, compress_rope)
         parts = [self._attend(rows, q, x, q_residual, rope, addresses, step, cache)
-                 for rows in query_chunks(tokens, self._row_bytes(addresses, step))]
-        out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        out = self.ops.rotary(out, cos, -sin)
-        grouped = self.ops.grouped_linear(out.reshape(tokens, self.o_groups, -1), self.wo_a.weight, self.o_groups)
+                 for rows in query_chunks(x.shape[0], self._row_bytes(addresses, step))]
+        return self.project_out(parts[0] if len(parts) == 1 else torch.cat(parts), rope)
+
+    def queries(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the query latent `q_norm(wq_a(x))` [T, q_lora_rank], the normed, RoPE'd queries [T, heads,
+        head_dim]); public, with `window_kv` and `project_out`, for attention over keys held outside
+        the paged cache (the MTP block's drafting steps)."""
+        q_residual = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_residual).view(x.shape[0], self.n_heads, self.head_dim)
+        return q_residual, self.ops.rotary(self.ops.unweighted_rms_norm(q, self.eps), *rope)
+
+    def window_kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The window KV [T, head_dim] of `x`'s tokens (in the compute dtype)."""
+        return self.ops.rotary(self.norm(self.wkv(x)), *rope)
+
+    def project_out(self, out: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The attention output [T, heads, head_dim] with its RoPE undone, through the grouped `wo_a`
+        and `wo_b`."""
+        out = self.ops.rotary(out, rope[0], -rope[1])
+        grouped = self.ops.grouped_linear(out.reshape(out.shape[0], self.o_groups, -1), self.wo_a.weight, self.o_groups)
         return self.wo_b(grouped.flatten(1))
 
     def _compress(self, x: torch.Tensor, step: CompressorAddresses, cache: dict[str, torch.Tensor],

@@ -22,7 +22,6 @@ After the target has produced token t_n (from its hidden state at n - 1), one dr
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,17 +31,11 @@ from deepinfer.config_v41 import V41Config, draft_config
 from deepinfer.model.csa2 import CacheFormats
 from deepinfer.model.layers import Linear, RMSNorm
 from deepinfer.model.rope import RotaryTable
-from deepinfer.model.transformer import Decoder
-from deepinfer.model.transformer_v41 import Block41, DeepseekV41
+from deepinfer.model.transformer import Choose, DraftDecoder, greedy
+from deepinfer.model.transformer_v41 import Block41
 from kernels import Ops
 
 PRE_NORM, POST_NORM = "pre_norm", "post_norm"  # which hidden state the confidence head reads
-Choose = Callable[[torch.Tensor, int], torch.Tensor]  # (slot's logits [S, vocab] fp32, slot) -> token ids [S]
-
-
-def greedy(logits: torch.Tensor, slot: int) -> torch.Tensor:
-    """Each row's first highest-scoring token (ties to the lowest id)."""
-    return torch.argmax(logits, dim=-1)
 
 
 def target_features(streams_at: dict[int, torch.Tensor], layer_ids: list[int], ops: Ops) -> torch.Tensor:
@@ -147,7 +140,7 @@ class Draft:
         return torch.sigmoid(self.confidence_logits)
 
 
-class DSpark(Decoder):
+class DSpark(DraftDecoder):
     """The draft layers of a V4.1 config with draft layers (`V41Config.num_draft_layers`), parameters
     named as the checkpoint's `mtp.*` tensors (`Decoder.load_tensors`, from
     `checkpoint.loader.load_draft_tensors`); the embedding and head are the target's (`share`).
@@ -170,24 +163,6 @@ class DSpark(Decoder):
                                  for k in range(config.num_draft_layers))
         self.main_rope = RotaryTable(config, ops, "main")
         self.compress_rope = self.main_rope  # no compressed layers: `load_tensors` moves the one table
-        self._shared: tuple[nn.Embedding, Linear] | None = None
-
-    def share(self, target: DeepseekV41) -> None:
-        """Use `target`'s embedding and head (the checkpoint stores them once, for the target)."""
-        self._shared = (target.embed, target.head)
-
-    @property
-    def embed(self) -> nn.Embedding:
-        return self._target_part(0)
-
-    @property
-    def head(self) -> Linear:
-        return self._target_part(1)
-
-    def _target_part(self, index: int) -> nn.Module:
-        if self._shared is None:
-            raise RuntimeError("DSpark.share(target) first: the draft uses the target's embedding and head")
-        return self._shared[index]
 
     @torch.inference_mode()
     def features(self, streams_at: dict[int, torch.Tensor]) -> torch.Tensor:

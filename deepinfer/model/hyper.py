@@ -55,6 +55,14 @@ class HyperHead(nn.Module):
         self.hc_scale = empty(1, dtype=torch.float32, device=device)
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        flat = self.ops.unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
-        pre = self.ops.sigmoid(self.ops.linear(flat, self.hc_fn) * self.hc_scale + self.hc_base) + self.eps
-        return self.ops.hyper_collapse(pre, streams)
+        return head_collapse(self.ops, streams, (self.hc_fn, self.hc_base, self.hc_scale), self.eps, self.norm_eps)
+
+
+def head_collapse(ops: Ops, streams: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                  eps: float, norm_eps: float) -> torch.Tensor:
+    """The final collapse of streams [T, n, hidden] with (fn, base, scale) [n, n * hidden], [n], [1]: a
+    function, since the MTP block holds its own under other names (`hc_head_fn`, ...)."""
+    fn, base, scale = weights
+    flat = ops.unweighted_rms_norm(streams.flatten(1).float(), norm_eps)
+    pre = ops.sigmoid(ops.linear(flat, fn) * scale + base) + eps
+    return ops.hyper_collapse(pre, streams)

@@ -6,6 +6,8 @@ writes), so loading is a name-for-name copy except for the routed experts, which
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -42,8 +44,14 @@ class Block(nn.Module):
         self, streams: torch.Tensor, input_ids: torch.Tensor, addresses: CacheAddresses,
         cache: dict[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor], compress_rope: RotaryTable,
     ) -> torch.Tensor:
+        return self.mixed(streams, input_ids, lambda x: self.attn(x, addresses, cache, rope, compress_rope))
+
+    def mixed(self, streams: torch.Tensor, input_ids: torch.Tensor,
+              attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The block with its attention given as a function of the normed attention input [T, hidden]:
+        the MTP block's drafting steps attend over keys they hold themselves, not the paged cache."""
         post, comb, x = self.mix(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
-        attended = self.attn(self.attn_norm(x), addresses, cache, rope, compress_rope)
+        attended = attend(self.attn_norm(x))
         streams = self.ops.hyper_expand(post, comb, attended, streams)
         post, comb, x = self.mix(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
         return self.ops.hyper_expand(post, comb, self.ffn(self.ffn_norm(x), input_ids), streams)
@@ -61,8 +69,9 @@ class Backbone(nn.Module):
 
 class Decoder(nn.Module):
     """What both model families share: fp32 logits from `head`, and loading checkpoint tensors by name.
-    Subclasses set `ops`, `config`, `head`, `main_rope` and `compress_rope`; a model with Engram sets
-    `engram_tokens` (`deepinfer.model.engram.EngramTokens`), which the runner turns into step inputs."""
+    Subclasses set `ops`, `config`, `embed`, `head`, `main_rope` and `compress_rope`; a model with
+    Engram sets `engram_tokens` (`deepinfer.model.engram.EngramTokens`), which the runner turns into
+    step inputs."""
 
     engram_tokens = None
     engram_on_host = False  # V4.1 with its Engram tables in host memory: the runner reads them
@@ -124,6 +133,39 @@ def _stack(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | Quanti
     return QuantizedWeight.stack(parts) if isinstance(parts[0], QuantizedWeight) else torch.stack(parts)
 
 
+Choose = Callable[[torch.Tensor, int], torch.Tensor]  # (a draft slot's logits [S, vocab] fp32, slot) -> ids [S]
+
+
+def greedy(logits: torch.Tensor, slot: int) -> torch.Tensor:
+    """Each row's first highest-scoring token (ties to the lowest id)."""
+    return torch.argmax(logits, dim=-1)
+
+
+class DraftDecoder(Decoder):
+    """A draft model (V4's MTP block, V4.1's DSpark): it runs on its target's embedding and head (a
+    checkpoint stores them once, for the target), which `share` hands it."""
+
+    _shared: tuple[nn.Embedding, Linear] | None = None
+
+    def share(self, target: Decoder) -> None:
+        """Use `target`'s embedding and head."""
+        self._shared = (target.embed, target.head)
+
+    @property
+    def embed(self) -> nn.Embedding:
+        return self._target_part(0)
+
+    @property
+    def head(self) -> Linear:
+        return self._target_part(1)
+
+    def _target_part(self, index: int) -> nn.Module:
+        if self._shared is None:
+            raise RuntimeError(f"{type(self).__name__}.share(target) first: the draft uses the target's "
+                               "embedding and head")
+        return self._shared[index]
+
+
 class DeepseekV4(Decoder):
     """Stateless over the paged caches it is handed: `forward` returns the hidden states of the rows
     the step samples or scores, `logits` turns hidden states into fp32 logits."""
@@ -138,6 +180,10 @@ class DeepseekV4(Decoder):
         self.main_rope = RotaryTable(config, ops, "main")
         self.compress_rope = RotaryTable(config, ops, "compress")
         self.pools = self.pool_specs()
+
+    @property
+    def embed(self) -> nn.Embedding:
+        return self.model.embed_tokens
 
     def pool_specs(self) -> list[PoolSpec]:
         """The cache pools: every layer's window, and per compressed layer type (CSA, HCA) a state and
@@ -156,10 +202,14 @@ class DeepseekV4(Decoder):
         return specs
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch, caches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    def forward(self, batch: StepBatch, caches: list[dict[str, torch.Tensor]],
+                streams_at: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """Runs every token of the step through the layers (writing their cache rows) and returns the
         final hidden states [R, hidden] of the rows listed in `batch.sample_index` (all when None).
-        Shapes follow the batch's buckets only, and nothing is read back to the host."""
+        Shapes follow the batch's buckets only, and nothing is read back to the host. Given
+        `streams_at`, it also receives under key `num_hidden_layers` the final streams [T, n, hidden]
+        of every token, before `hc_head` (what the MTP block reads, `deepinfer.model.mtp`; keys are the
+        layer the streams enter, as in `DeepseekV41.forward`). Reading them changes nothing else."""
         addresses = CacheAddresses.of(batch, self.pools)
         x = self.model.embed_tokens(batch.input_ids)
         streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
@@ -167,6 +217,8 @@ class DeepseekV4(Decoder):
         for block, cache in zip(self.model.layers, caches):
             rope = ropes["main" if block.attn.layer_type == SLIDING else "compress"]
             streams = block(streams, batch.input_ids, addresses, cache, rope, self.compress_rope)
+        if streams_at is not None:
+            streams_at[self.config.num_hidden_layers] = streams
         if batch.sample_index is not None:
             streams = streams[batch.sample_index]
         return self.model.norm(self.model.hc_head(streams))
