@@ -4,7 +4,7 @@ from deepinfer.checkpoint.errors import CheckpointError
 from deepinfer.checkpoint.hashing import content_hash
 from deepinfer.checkpoint.layout import TensorSpec, expected_tensors, parameter_counts
 from deepinfer.checkpoint.loader import (
-    Checkpoint, CheckpointInfo, inspect_checkpoint, load_checkpoint, load_draft_tensors,
+    Checkpoint, CheckpointInfo, inspect_checkpoint, load_checkpoint, load_draft_tensors, load_mtp_tensors,
 )
 from deepinfer.checkpoint.presets import CONFIG_ONLY_PRESETS, PRESETS, preset_config
 from deepinfer.checkpoint.random_init import random_tensors
@@ -14,5 +14,5 @@ __all__ = [
     "CONFIG_ONLY_PRESETS", "DEFAULT_PRESET", "MODEL_HELP", "PRESETS", "Checkpoint", "CheckpointError",
     "CheckpointInfo", "TensorSpec",
     "content_hash", "create_checkpoint", "default_checkpoint", "expected_tensors", "inspect_checkpoint",
-    "load_checkpoint", "load_draft_tensors", "parameter_counts", "preset_config", "random_tensors", "write_weights",
+    "load_checkpoint", "load_draft_tensors", "load_mtp_tensors", "parameter_counts", "preset_config", "random_tensors", "write_weights",
 ]

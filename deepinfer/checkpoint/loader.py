@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,14 +73,29 @@ def load_draft_tensors(folder: str | Path, device: str | torch.device = "cpu", *
     decoded as `load_checkpoint` decodes the backbone (`quantized_as` likewise); what
     `deepinfer.model.dspark.DSpark.load_tensors` takes. The target's embedding and head are not among
     them (the draft shares the target's)."""
+    return _draft_tensors(folder, device, quantized_as, "DSpark draft layers",
+                          lambda config: isinstance(config, V41Config) and config.num_draft_layers > 0)
+
+
+def load_mtp_tensors(folder: str | Path, device: str | torch.device = "cpu", *,
+                     quantized_as: torch.dtype | None = None) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """A V4 checkpoint's MTP block (`mtp.*`), read, validated and decoded as `load_draft_tensors` reads
+    V4.1's draft layers; what `deepinfer.model.mtp.MTP.load_tensors` takes."""
+    return _draft_tensors(folder, device, quantized_as, "MTP block",
+                          lambda config: isinstance(config, ModelConfig) and config.num_nextn_predict_layers > 0)
+
+
+def _draft_tensors(folder: str | Path, device: str | torch.device, quantized_as: torch.dtype | None, what: str,
+                   has_draft: Callable[[ModelConfig | V41Config], bool]) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """The `mtp.*` tensors of a checkpoint whose config `has_draft` (`what` names them in errors)."""
     folder = _existing(folder)
     config = load_config(folder)
-    if not isinstance(config, V41Config) or not config.num_draft_layers:
-        raise CheckpointError(f"{folder}: the config has no DSpark draft layers")
+    if not has_draft(config):
+        raise CheckpointError(f"{folder}: the config has no {what}")
     with WeightReader(weight_files(folder), device) as reader:
         has_mtp, _ = check_tensors(config, reader.headers)
         if not has_mtp:
-            raise CheckpointError(f"{folder}: the checkpoint has no DSpark draft layers (mtp.* tensors)")
+            raise CheckpointError(f"{folder}: the checkpoint has no {what} (mtp.* tensors)")
         tensors = {name: reader.get(name) for name in sorted(reader.headers) if is_draft_tensor(name)}
     return weights_in_memory(config, tensors, quantized_as)
 
