@@ -19,12 +19,18 @@ block; freed entries point at the null block (block 0 of every pool, never hande
 The compressed-entry pools grow with max_model_len (one row per compression window, kept for the
 life of the sequence), so a model's full context can need far more memory than its weights:
 `default_max_model_len` is the one rule that caps the engine's default context to what fits.
+
+Blocks are reference-counted: a block may sit in several sequences' tables and be pinned by prefix
+cache entries (`deepinfer.engine.prefix`); it returns to its pool's free list when the last holder
+drops it. A sequence never writes into a block it shares: the one shared block it would write into
+(the last, partly filled block of a cached prefix's compressed rows) is copied first.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -92,10 +98,13 @@ def default_max_model_len(specs: list[PoolSpec], max_position_embeddings: int, m
 @dataclass
 class BlockTables:
     """One sequence's block tables, one per pool; `released[pool]`: how many leading entries have been
-    handed back (set to the null block), so a step looks only at what became releasable since."""
+    handed back (set to the null block), so a step looks only at what became releasable since;
+    `copy_on_write`: pools whose last block the sequence shares but will write rows into, so its next
+    `CacheManager.grow` gives it a copy of its own first."""
 
     tables: dict[str, list[int]] = field(default_factory=dict)
     released: dict[str, int] = field(default_factory=dict)
+    copy_on_write: set[str] = field(default_factory=set)
 
     def table(self, pool: str) -> list[int]:
         return self.tables.setdefault(pool, [])
@@ -109,7 +118,7 @@ class CacheManager:
     pool that cannot hold one sequence could never finish it). Pools differ in rows per token, so one
     small `num_blocks` squeezes every pool whose one-sequence need is below it (forcing preemption)
     and leaves the others one sequence's worth. `self.num_blocks` records what each pool got, not
-    counting its null block."""
+    counting its null block; `self.refs[pool][block]` how many tables and prefix entries hold it."""
 
     def __init__(
         self,
@@ -127,6 +136,7 @@ class CacheManager:
         self.specs = {spec.name: spec for spec in specs}
         self.storage: dict[str, torch.Tensor] = {}
         self.free_blocks: dict[str, list[int]] = {}
+        self.refs: dict[str, list[int]] = {}
         self.num_blocks: dict[str, int] = {}
         for spec in self.specs.values():
             one_seq = spec.max_blocks_per_seq(max_model_len, max_step_tokens, block_size)
@@ -136,6 +146,7 @@ class CacheManager:
                 len(spec.layers), (count + 1) * block_size, spec.width, dtype=dtype, device=device
             )
             self.free_blocks[spec.name] = [b for b in range(count, -1, -1) if b != NULL_BLOCK]
+            self.refs[spec.name] = [0] * (count + 1)
         self.layer_views = self._layer_views()
 
     def _layer_views(self) -> list[dict[str, torch.Tensor]]:
@@ -147,10 +158,11 @@ class CacheManager:
         return views
 
     def _growth(self, blocks: BlockTables, end: int) -> dict[str, int]:
+        """New blocks per pool that tokens up to `end` need, copies of shared blocks included."""
         growth = {}
         for name, spec in self.specs.items():
             wanted = math.ceil(spec.rows_for(end) / self.block_size)
-            growth[name] = max(0, wanted - len(blocks.table(name)))
+            growth[name] = max(0, wanted - len(blocks.table(name))) + (name in blocks.copy_on_write)
         return growth
 
     def can_grow(self, blocks: BlockTables, end: int, reserve: int = 0) -> bool:
@@ -159,26 +171,69 @@ class CacheManager:
         return all(n + reserve <= len(self.free_blocks[name]) for name, n in self._growth(blocks, end).items())
 
     def grow(self, blocks: BlockTables, end: int) -> None:
+        """Give tokens up to `end` rows, after replacing each shared block the sequence will write into
+        (`copy_on_write`) with a copy of its own."""
+        for name in blocks.copy_on_write:
+            table = blocks.table(name)
+            shared, table[-1] = table[-1], self.copy_block(name, table[-1])
+            self.drop(name, [shared])
+        blocks.copy_on_write.clear()
         for name, n in self._growth(blocks, end).items():
-            free = self.free_blocks[name]
-            blocks.table(name).extend(free.pop() for _ in range(n))
+            blocks.table(name).extend(self._take(name) for _ in range(n))
+
+    def _take(self, pool: str) -> int:
+        block = self.free_blocks[pool].pop()
+        self.refs[pool][block] = 1
+        return block
+
+    def hold(self, pool: str, blocks: list[int]) -> None:
+        """One more holder (a table or a prefix entry) for each of `blocks` (null blocks are skipped)."""
+        refs = self.refs[pool]
+        for block in blocks:
+            if block != NULL_BLOCK:
+                refs[block] += 1
+
+    def drop(self, pool: str, blocks: Iterable[int]) -> None:
+        """One holder fewer for each of `blocks`; a block nothing holds any more is free again."""
+        refs, free = self.refs[pool], self.free_blocks[pool]
+        for block in blocks:
+            if block != NULL_BLOCK:
+                refs[block] -= 1
+                if refs[block] == 0:
+                    free.append(block)
+
+    def copy_block(self, pool: str, block: int) -> int:
+        """A new block (one holder) holding a copy of `block`'s rows, copied on the pool's device in
+        stream order, so after every queued step's writes to `block` and before any later step's."""
+        new, size, rows = self._take(pool), self.block_size, self.storage[pool]
+        rows[:, new * size:(new + 1) * size] = rows[:, block * size:(block + 1) * size]
+        return new
+
+    def adopt(self, blocks: BlockTables, tables: dict[str, list[int]], copy_on_write: set[str]) -> None:
+        """Give a sequence without blocks `tables` it shares with their other holders (a cached
+        prefix): leading null entries count as released, and the last block of each pool in
+        `copy_on_write` is copied at its next `grow`, before it writes there."""
+        for name, table in tables.items():
+            self.hold(name, table)
+            blocks.tables[name] = list(table)
+            blocks.released[name] = next((i for i, b in enumerate(table) if b != NULL_BLOCK), len(table))
+        blocks.copy_on_write = set(copy_on_write)
 
     def release_behind(self, blocks: BlockTables, next_pos: int) -> None:
-        """Free blocks that no step starting at `next_pos` can read again."""
+        """Drop the blocks that no step starting at `next_pos` can read again."""
         for name, spec in self.specs.items():
             table, start = blocks.table(name), blocks.released.get(name, 0)
             stop = min(spec.first_kept_row(next_pos) // self.block_size, len(table))
-            for i in range(start, stop):
-                if table[i] != NULL_BLOCK:
-                    self.free_blocks[name].append(table[i])
-                    table[i] = NULL_BLOCK
+            self.drop(name, table[start:stop])
+            table[start:stop] = [NULL_BLOCK] * max(0, stop - start)
             blocks.released[name] = max(start, stop)
 
     def free(self, blocks: BlockTables) -> None:
         for name, table in blocks.tables.items():
-            self.free_blocks[name].extend(b for b in reversed(table) if b != NULL_BLOCK)
+            self.drop(name, reversed(table))
         blocks.tables.clear()
         blocks.released.clear()
+        blocks.copy_on_write.clear()
 
     def num_free(self) -> dict[str, int]:
         return {name: len(free) for name, free in self.free_blocks.items()}
