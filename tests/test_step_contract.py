@@ -128,4 +128,6 @@ def test_non_finite_logits_end_only_the_request_they_reach():
     assert (got[0], got[2]) == (want[0], want[2])
     assert got[1].finish_reason == "error" and got[1].token_ids == []
     assert got[1].error == "non-finite logits at position 16"
+    poisoned.reset_prefix_cache()
+    clean.reset_prefix_cache()
     assert poisoned.scheduler.cache.num_free() == clean.scheduler.cache.num_free()  # its blocks were freed

@@ -45,6 +45,12 @@ class EngineConfig:
     block_size: int = _setting(16, "tokens per cache block")
     enable_chunked_prefill: bool = _setting(True, "split long prompts over steps", off=(
         "--no-chunked-prefill", "never split a prompt over steps (the step budget grows to max_model_len)"))
+    prefix_caching: bool = _setting(True, "keep the cache rows of computed prompt and output blocks and start "
+                                          "requests that begin with the same tokens after them; with "
+                                          "batch_invariant numerics the outputs are the same bits either way "
+                                          "(fast numerics promises no bits, with or without it); cached rows "
+                                          "give way to running requests when blocks run short", off=(
+        "--no-prefix-caching", "compute every request's prompt in full, keeping no rows after a request"))
     cache_qdq: bool = _setting(True, "V4.1: keep the caches in the release's formats (FP8 window KV, NVFP4 "
                                      "compressed KV, MXFP4 indexer queries and keys), as its reference does; "
                                      "V4 has none", off=(
@@ -83,7 +89,7 @@ class EngineConfig:
                 _check_positive(name, getattr(self, name))
         if self.seed is None or isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise DeepInferError(f"seed must be an integer, got {self.seed!r}")
-        for name in ("enable_chunked_prefill", "cache_qdq", "cuda_graphs", "async_scheduling"):
+        for name in ("enable_chunked_prefill", "prefix_caching", "cache_qdq", "cuda_graphs", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise DeepInferError(f"{name} must be true or false, got {getattr(self, name)!r}")
         _check_choice("numerics", self.numerics, NUMERICS)

@@ -27,6 +27,7 @@ from deepinfer.engine.cache import CacheManager, cache_memory, default_max_model
 from deepinfer.engine.config import DTYPES, EngineConfig, parse_device
 from deepinfer.engine.drafter import build_drafter
 from deepinfer.engine.output import OutputProcessor
+from deepinfer.engine.prefix import PrefixCache
 from deepinfer.engine.runner import ModelRunner, RunnerOutput
 from deepinfer.engine.scheduler import Scheduler, SchedulerOutput
 from deepinfer.engine.sequence import Sequence
@@ -163,6 +164,7 @@ class LLM:
             self.cache, self.output, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, chunked_prefill=config.enable_chunked_prefill,
             drafter=build_drafter(config.speculation), draft_tokens=config.draft_tokens,
+            prefix=PrefixCache(self.cache) if config.prefix_caching else None,
         )
         self.runner = ModelRunner(self.model, self.cache, self.device, cuda_graphs=config.cuda_graphs)
         self.async_scheduling = config.async_scheduling
@@ -268,6 +270,11 @@ class LLM:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix, freeing the blocks only the prefix cache held (requests in
+        flight keep theirs): the next requests compute their prompts in full."""
+        self.scheduler.reset_prefix_cache()
 
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the requests whose finish it read (with async scheduling, those

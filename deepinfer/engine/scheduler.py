@@ -6,6 +6,12 @@ unfinished prefill takes the next chunk), then waiting sequences are admitted wh
 the most recently admitted sequence is preempted: its blocks are freed and it goes back to the
 front of the queue to be recomputed from its tokens (prompt plus what it has generated).
 
+With a prefix cache (`deepinfer.engine.prefix`), `update` caches each sequence's computed whole
+blocks, and admission starts a sequence (a preempted one too) at its longest cached prefix. A
+waiting sequence whose next block a running sequence is computing waits for it (later ones may be
+admitted meanwhile), so requests that arrive together compute a shared prefix once. When blocks run
+short, least recently used prefix entries are evicted before anyone is preempted.
+
 A step is `schedule() -> SchedulerOutput`, then the runner, then `update(SchedulerOutput,
 StepResult)`. The scheduler owns every change to a queued `Sequence`: `schedule()` admits and
 preempts (status, blocks) and commits the step (computed and scored counts, a placeholder for each
@@ -34,8 +40,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from deepinfer.engine.cache import CacheManager
+from deepinfer.engine.cache import BlockTables, CacheManager
 from deepinfer.engine.drafter import Drafter
+from deepinfer.engine.prefix import PrefixCache
 from deepinfer.engine.sequence import Sequence, Status, is_placeholder, placeholder
 
 
@@ -127,8 +134,10 @@ class Scheduler:
     def __init__(
         self, cache: CacheManager, rules: StopRules, *, max_num_seqs: int, max_num_batched_tokens: int,
         chunked_prefill: bool, drafter: Drafter | None = None, draft_tokens: int = 0,
+        prefix: PrefixCache | None = None,
     ) -> None:
         self.cache = cache
+        self.prefix = prefix
         self.rules = rules
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
@@ -137,6 +146,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_prefix_query_tokens = 0  # tokens of the sequences admitted while prefix caching is on
+        self.num_prefix_hit_tokens = 0  # of those, the ones whose rows came from the prefix cache
+        self.num_prefix_hits = 0  # admissions that took a cached prefix
         self.num_drafted = 0  # draft tokens verified
         self.num_draft_kept = 0  # of those, the ones that held
         self.num_verify_chunks = 0  # chunks that carried drafts
@@ -157,9 +169,9 @@ class Scheduler:
             if n == 0:
                 continue
             drafts = self._drafts(seq, n, budget)
-            if not self.cache.can_grow(seq.blocks, seq.num_computed + n + len(drafts)):
+            if not self._fits(seq.blocks, seq.num_computed + n + len(drafts)):
                 drafts = []  # drafts never cost another sequence its blocks
-            while not self.cache.can_grow(seq.blocks, seq.num_computed + n):
+            while not self._fits(seq.blocks, seq.num_computed + n):
                 self._preempt(self.running[-1])
                 if seq.status is not Status.RUNNING:
                     break
@@ -168,22 +180,78 @@ class Scheduler:
             self.cache.grow(seq.blocks, seq.num_computed + n + len(drafts))
             chunks.append(self._chunk(seq, seq.num_computed, n, drafts))
             budget -= n + len(drafts)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        index = 0  # waiting sequences before it wait for a prefix a running sequence is computing
+        while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[index]
+            if self.rules.full(seq, len(seq.token_ids)):
+                break
+            if not self._take_prefix(seq):
+                index += 1
+                continue
             n = self._chunk_len(seq, budget)
             # Leave a block per pool for each running sequence, so admitting a newcomer does not
             # force a preemption (and a re-admission, and another preemption) on the next step.
-            if (n == 0 or self.rules.full(seq, len(seq.token_ids))
-                    or not self.cache.can_grow(seq.blocks, n, reserve=len(self.running))):
+            if n == 0 or not self._fits(seq.blocks, seq.num_computed + n, reserve=len(self.running)):
+                self.cache.free(seq.blocks)
+                seq.num_computed = 0
                 break
-            self.waiting.popleft()
+            del self.waiting[index]
             seq.status = Status.RUNNING
             self.running.append(seq)
-            self.cache.grow(seq.blocks, n)
-            chunks.append(self._chunk(seq, 0, n, []))
+            self._count_prefix(seq)
+            self.cache.grow(seq.blocks, seq.num_computed + n)
+            chunks.append(self._chunk(seq, seq.num_computed, n, []))
             budget -= n
         self._commit(chunks)
         return SchedulerOutput(chunks)
+
+    def _take_prefix(self, seq: Sequence) -> bool:
+        """Start a waiting sequence at its longest cached prefix, sharing that prefix's blocks; or
+        return False, changing nothing, while a running sequence is computing the next block it could
+        take. A sequence asking for prompt logprobs takes at most the positions it
+        has already scored (none, unless it is recomputed after a preemption); every sequence computes
+        at least its last token, whose logits it samples from."""
+        if self.prefix is None:
+            return True
+        limit = len(seq.token_ids) - 1
+        if seq.params.prompt_logprobs:
+            limit = min(limit, seq.num_scored)
+        entry = self.prefix.lookup(seq, limit)
+        start = entry.length if entry is not None else 0
+        if self.prefix.computing(seq, start, limit, self.running):
+            return False
+        if entry is not None:
+            self.cache.adopt(seq.blocks, *self.prefix.tables(entry))
+            seq.num_computed = start
+        seq.num_cached = start
+        return True
+
+    def _count_prefix(self, seq: Sequence) -> None:
+        """Count an admitted sequence's tokens and the ones it took from the prefix cache."""
+        if self.prefix is not None:
+            self.num_prefix_query_tokens += len(seq.token_ids)
+            self.num_prefix_hit_tokens += seq.num_computed
+            self.num_prefix_hits += seq.num_computed > 0
+
+    def _fits(self, blocks: BlockTables, end: int, reserve: int = 0) -> bool:
+        """Whether tokens up to `end` can be given rows leaving `reserve` blocks free in every pool,
+        evicting least recently used prefix entries as far as that takes (never anyone's blocks)."""
+        while not self.cache.can_grow(blocks, end, reserve):
+            if self.prefix is None or not self.prefix.evict():
+                return False
+        return True
+
+    def _offer_prefix(self, seq: Sequence) -> None:
+        """Cache the rows of `seq`'s computed whole blocks (not the last token's of a finished sequence:
+        a draft there may have been rejected after its row was written)."""
+        if self.prefix is not None:
+            end = min(seq.num_computed, len(seq.token_ids) - 1)
+            seq.num_cached = max(seq.num_cached, self.prefix.offer(seq, end))
+
+    def reset_prefix_cache(self) -> None:
+        """Evict every cached prefix (sequences keep the blocks they took)."""
+        if self.prefix is not None:
+            self.prefix.clear()
 
     @staticmethod
     def _chunk(seq: Sequence, start: int, n: int, drafts: list[int]) -> ScheduledChunk:
@@ -268,9 +336,11 @@ class Scheduler:
                 self._resolve(seq, chunk, result, row, now)
             if seq.status is Status.FINISHED:
                 (self.running if seq in self.running else self.waiting).remove(seq)
+                self._offer_prefix(seq)
                 self.cache.free(seq.blocks)
                 finished.append(seq)
             elif seq.status is Status.RUNNING:
+                self._offer_prefix(seq)
                 self.cache.release_behind(seq.blocks, seq.num_computed)
         return finished
 

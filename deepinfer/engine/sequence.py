@@ -52,6 +52,8 @@ class Sequence:
     num_preemptions: int = 0
     first_token_time: float | None = None
     draft_state: object | None = None  # the scheduler's drafter's memory of this sequence (`engine.drafter`)
+    prefix_keys: list[bytes] = field(default_factory=list)  # its token blocks' keys, as far as computed (`engine.prefix`)
+    num_cached: int = 0  # leading tokens whose rows it took from or offered to the prefix cache
 
     def __post_init__(self) -> None:
         if not self.token_ids:
