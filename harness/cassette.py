@@ -46,11 +46,13 @@ _HEADER_KEYS = {"format", "mode", "run_seed", "traces", "errors", "prefill", "ma
 
 @dataclass
 class ReplayReport:
-    """Per-episode results (malformed lines included, as `line-N`) and what the replay prefilled."""
+    """Per-episode results (malformed lines included, as `line-N`), what the replay prefilled, and
+    how many prompt tokens the engine's prefix cache supplied (None: prefix caching was off)."""
 
     mode: str
     results: list[EpisodeResult]
     prefill: PrefillCost
+    prefix_hit_tokens: int | None = None
 
     def counts(self) -> dict[str, int]:
         found = Counter(r.status for r in self.results)
@@ -59,9 +61,12 @@ class ReplayReport:
     def summary(self) -> str:
         counts = ", ".join(f"{n} {status.replace('_', ' ')}" for status, n in self.counts().items())
         cost = self.prefill
+        cache = ("prefix caching is off" if self.prefix_hit_tokens is None else
+                 f"the prefix cache supplied {self.prefix_hit_tokens} of the "
+                 f"{cost.prompt_tokens - cost.unique_tokens} repeated")
         return (f"{len(self.results)} entries ({self.mode}): {counts}\n"
                 f"prefill: {cost.prompt_tokens} prompt tokens for {cost.unique_tokens} distinct prefix tokens "
-                f"({cost.ratio:.2f}x: there is no prefix cache)")
+                f"({cost.ratio:.2f}x; {cache})")
 
 
 @dataclass
@@ -84,7 +89,7 @@ def record_cassette(llm: LLM, traces: str | Path, out: str | Path, *, mode: str,
     if out.exists():
         raise DeepInferError(f"{out}: exists (a cassette is never overwritten)")
     episodes, errors = load_traces(traces)
-    runs = replay(llm, episodes, mode, run_seed)
+    runs, hits = _replay_counting_hits(llm, episodes, mode, run_seed)
     results = [against_trace(run, llm) for run in runs]
     recorded = [replace(run.episode, recording=Recording([t.record for t in run.turns], result.outcome()))
                 for run, result in zip(runs, results)]
@@ -105,7 +110,15 @@ def record_cassette(llm: LLM, traces: str | Path, out: str | Path, *, mode: str,
     atomic_write(out, "".join(lines).encode("utf-8"))
     ordered = sorted([(e.line, r) for e, r in zip(episodes, results)] + [(e.line, _malformed(e)) for e in errors],
                      key=lambda item: item[0])
-    return ReplayReport(mode, [r for _, r in ordered], cost)
+    return ReplayReport(mode, [r for _, r in ordered], cost, hits)
+
+
+def _replay_counting_hits(llm: LLM, episodes: list[Episode], mode: str, run_seed: int
+                          ) -> tuple[list[EpisodeRun], int | None]:
+    """`replay`, and the prompt tokens the prefix cache supplied meanwhile (None when it is off)."""
+    before = llm.scheduler.num_prefix_hit_tokens
+    runs = replay(llm, episodes, mode, run_seed)
+    return runs, None if llm.scheduler.prefix is None else llm.scheduler.num_prefix_hit_tokens - before
 
 
 def read_cassette(path: str | Path) -> Cassette:
@@ -129,13 +142,13 @@ def verify_cassette(llm: LLM, cassette: Cassette) -> ReplayReport:
     if llm.model_id != recorded_with:
         raise DeepInferError(f"{cassette.path}: recorded with checkpoint {recorded_with}, "
                              f"but the engine has {llm.model_id}")
-    runs = replay(llm, cassette.episodes, cassette.mode, cassette.header["run_seed"])
+    runs, hits = _replay_counting_hits(llm, cassette.episodes, cassette.mode, cassette.header["run_seed"])
     found = [(e.line, _verify_episode(run, llm)) for e, run in zip(cassette.episodes, runs)]
     found += [(e.line, EpisodeResult(f"line-{e.line}", "error", detail=e.message)) for e in cassette.errors]
     malformed = [EpisodeResult(f"line-{e['line']}", "malformed", detail=e["message"])
                  for e in cassette.header["errors"]]
     return ReplayReport(cassette.mode, malformed + [r for _, r in sorted(found, key=lambda item: item[0])],
-                        prefill_cost(runs))
+                        prefill_cost(runs), hits)
 
 
 def cassette_engine(cassette: Cassette, model: str | None = None, **overrides: str | None) -> LLM:

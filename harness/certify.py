@@ -89,6 +89,8 @@ def _run_configurations(model: str | Path | None, suite: Suite, sweep: Sweep, ou
                    progress=progress)
         if progress and variant.engine.speculation != "off":
             print(f"  {speculation_summary(read_stats(out_dir / RUNS / variant.name))}", file=sys.stderr, flush=True)
+        if progress and variant.engine.prefix_caching:
+            print(f"  {prefix_summary(read_stats(out_dir / RUNS / variant.name))}", file=sys.stderr, flush=True)
         entries.append({"name": variant.name, "role": role, "config": variant.to_dict(),
                         "run": f"{RUNS}/{variant.name}"})
     return entries
@@ -102,6 +104,13 @@ def speculation_summary(stats: dict) -> str:
         return "speculation: no drafts were proposed, so this configuration ran as plain decoding"
     return (f"speculation: {kept} of {drafted} drafts kept ({kept / drafted:.0%}), "
             f"{1 + kept / chunks:.2f} tokens per step with drafts")
+
+
+def prefix_summary(stats: dict) -> str:
+    """How much of a run's prompt computing the prefix cache saved (from its `stats.json`)."""
+    hit, query = stats["prefix_hit_tokens"], stats["prefix_query_tokens"]
+    share = f" ({hit / query:.0%})" if query else ""
+    return f"prefix cache: {hit} of {query} tokens of admitted requests taken from cached prefixes{share}"
 
 
 def _rerun_block(model: str | Path | None, suite: Suite, out_dir: Path, run_seed: int, sweep: Sweep) -> dict:

@@ -2,8 +2,8 @@
 
 A request's result is its token ids plus the IEEE-754 bits of every returned logprob (chosen and
 top-k). The determinism contract says these must not change with batch size, arrival order,
-staggered arrival, chunked-prefill size, preemption or speculative decoding; `run_matrix` measures
-whether they do.
+staggered arrival, chunked-prefill size, preemption, speculative decoding or prefix caching (off,
+or hot: every prompt already cached); `run_matrix` measures whether they do.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ STANDARD_VARIANTS = (
     Variant.of("chunk-off", enable_chunked_prefill=False),
     Variant.of("preemption", max_num_batched_tokens=64, num_cache_blocks=14),
     Variant.of("speculation", speculation="ngram"),
+    Variant.of("prefix-cold", prefix_caching=False),
+    Variant.of("prefix-hot", warm=True),
 )
 
 

@@ -14,8 +14,9 @@ itself (`against_trace`: teacher-forced turns are compared token by token with t
 assistant turns; free-running episodes report how they ended) or against a recording of an earlier
 replay (`against_recording`: the first turn, token and top-2 margins where the two differ).
 
-The engine has no prefix cache, so every turn's prompt is prefilled in full although it extends the
-previous turn's prompt; `prefill_cost` measures what that costs.
+Every turn's prompt extends the previous turn's prompt; `prefill_cost` measures how much of the
+prefill repeats, and the engine's prefix cache (on by default) computes each shared prefix once:
+the turns are submitted together, and a turn waits while another computes the blocks it shares.
 
 Progress (deepinfer.progress; `progress=False` silences it) counts teacher-forced turns and
 free-running episodes as they finish: a bar on a terminal, a status line every 10 s when piped.

@@ -6,7 +6,8 @@ and `DeepInferLM` (the requests lm-eval sends, harness/lm_eval_model.py) both go
     RUN/parts/, RUN/streams.parquet, RUN/root.json
                           the rows (audit.store.RunStore: part files as rows come, merged at the end)
     RUN/stats.json        with `stats`: engine statistics summed over the sessions that wrote the run
-                          (sessions, wall_s, preemptions; timing is never hashed)
+                          (sessions, wall_s, preemptions, speculation's drafts, prompt tokens the
+                          prefix cache was asked for and supplied; timing is never hashed)
 
 A resumed run (`open_run(..., resume=True)`) must have the same manifest, except the fields that may
 differ between sessions (the checkpoint's path); a damaged stats.json stops it before any work.
@@ -36,6 +37,8 @@ STATS_FILE = "stats.json"
 _STATS_KEYS = ("sessions", "wall_s", "preemptions")
 # speculation's counters (engine.scheduler.Scheduler): runs recorded before they existed lack them
 _SPECULATION_KEYS = ("drafted", "drafts_kept", "verify_chunks")
+# the prefix cache's counters (stats key: `engine.scheduler.Scheduler` attribute); older runs read as 0
+_PREFIX_KEYS = {"prefix_hit_tokens": "num_prefix_hit_tokens", "prefix_query_tokens": "num_prefix_query_tokens"}
 _RESUMED_SECTIONS = ("checkpoint", "suite", "variant", "engine", "seeds")  # what a resumed run must share
 
 
@@ -133,6 +136,8 @@ class RunWriter:
             stats["sessions"] += 1
             stats["wall_s"] += time.perf_counter() - self._started
             stats["preemptions"] += self.llm.scheduler.num_preemptions
+            for key, counter in _PREFIX_KEYS.items():
+                stats[key] += getattr(self.llm.scheduler, counter)
             stats["drafted"] += self.llm.scheduler.num_drafted
             stats["drafts_kept"] += self.llm.scheduler.num_draft_kept
             stats["verify_chunks"] += self.llm.scheduler.num_verify_chunks
@@ -144,7 +149,8 @@ def read_stats(run_dir: Path) -> dict:
     """The engine statistics of earlier sessions of the run; a damaged file is a one-line AuditError."""
     path = Path(run_dir) / STATS_FILE
     if not path.exists():
-        return {"sessions": 0, "wall_s": 0.0, "preemptions": 0, **dict.fromkeys(_SPECULATION_KEYS, 0)}
+        return {"sessions": 0, "wall_s": 0.0, "preemptions": 0,
+                **dict.fromkeys((*_SPECULATION_KEYS, *_PREFIX_KEYS), 0)}
     try:
         stats = json.loads(path.read_bytes())
     except (OSError, ValueError):
@@ -154,7 +160,7 @@ def read_stats(run_dir: Path) -> dict:
     if not numbers:
         raise AuditError(f"{path}: not the run's statistics (a JSON object with sessions, wall_s and preemptions); "
                          "delete it to resume")
-    return {**dict.fromkeys(_SPECULATION_KEYS, 0), **stats}
+    return {**dict.fromkeys((*_SPECULATION_KEYS, *_PREFIX_KEYS), 0), **stats}
 
 
 def _check_same_run(run_dir: Path, stored: dict, wanted: dict) -> None:

@@ -38,7 +38,15 @@ def arrival_order(count: int, variant: Variant) -> list[int]:
 
 def serve(llm: LLM, jobs: list[tuple[list[int], SamplingParams]], variant: Variant) -> Iterator[Finished]:
     """Submit `jobs` (prompt ids, params) in the variant's order and yield each as it finishes.
-    With `stagger=k`, k requests start together and one more joins every k engine steps."""
+    With `stagger=k`, k requests start together and one more joins every k engine steps. With
+    `warm`, the jobs are served once first, their outputs dropped."""
+    if variant.warm:
+        for _ in _serve(llm, jobs, variant):
+            pass
+    yield from _serve(llm, jobs, variant)
+
+
+def _serve(llm: LLM, jobs: list[tuple[list[int], SamplingParams]], variant: Variant) -> Iterator[Finished]:
     start = time.perf_counter()
     pending = arrival_order(len(jobs), variant)
     index_of: dict[int, int] = {}

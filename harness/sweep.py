@@ -22,7 +22,7 @@ from deepinfer.engine.config import EngineConfig, parse_device, resolve_device
 from deepinfer.errors import DeepInferError
 
 ROLES = ("reference", "variant", "control")
-RUN_FIELDS = ("shuffle", "stagger", "threads")
+RUN_FIELDS = ("shuffle", "stagger", "threads", "warm")
 # The run seed comes from the suite, so a configuration does not set the engine's seed.
 ENGINE_FIELDS = tuple(f.name for f in fields(EngineConfig) if f.name != "seed")
 
@@ -32,14 +32,17 @@ class Variant:
     """One configuration of a sweep: a name, an `EngineConfig`, and how requests reach the engine.
     `stagger=k` starts with k requests and admits one more every k steps, so requests join while
     others decode; `shuffle` submits in a seeded random order; `threads` sets PyTorch's CPU thread
-    count for the run (None: the process's). In files and certificates a configuration is one flat
-    object: `name`, the engine settings and the run fields."""
+    count for the run (None: the process's); `warm` serves every request once, unrecorded, before
+    the pass that counts, in the same engine (with prefix caching, each request then finds its own
+    prompt's blocks cached). In files and certificates a configuration is one flat object: `name`,
+    the engine settings and the run fields."""
 
     name: str
     engine: EngineConfig = field(default_factory=EngineConfig)
     shuffle: bool = False
     stagger: int = 0
     threads: int | None = None
+    warm: bool = False
 
     @classmethod
     def of(cls, name: str, **settings) -> "Variant":
@@ -89,7 +92,8 @@ class Sweep:
 def default_sweep(dtype: str | None = None, device: str | None = None) -> Sweep:
     """The sweep `make certify` runs: batch sizes 1/8/32, shuffled, staggered, chunk 32, forced
     preemption, each step read before the next is scheduled (the others schedule asynchronously),
-    speculative decoding with prompt-lookup drafts, on CPU one thread, on CUDA every step run
+    speculative decoding with prompt-lookup drafts, the prefix cache off (cold) and hot (the suite
+    served twice in one engine, the second pass recorded), on CPU one thread, on CUDA every step run
     eagerly (the others replay decode steps from CUDA graphs), and a `fast` numerics control. The
     preemption variant's 12 blocks per cache pool (raised to one sequence's worth where that is more,
     see `CacheManager`) hold under two sequences' sliding-window rows at a 64-token step whatever
@@ -106,6 +110,8 @@ def default_sweep(dtype: str | None = None, device: str | None = None) -> Sweep:
         reference.derive("preemption", max_num_batched_tokens=64, num_cache_blocks=12),
         reference.derive("sync-steps", async_scheduling=False),
         reference.derive("speculation", speculation="ngram"),
+        reference.derive("prefix-cold", prefix_caching=False),
+        reference.derive("prefix-hot", warm=True),
     )
     if parse_device(reference.engine.device).type == "cpu":
         variants += (reference.derive("threads-1", threads=1),)
@@ -153,7 +159,7 @@ def _variant(entry: object, base: Variant | None, where: str) -> Variant:
 def variant_from_dict(entry: dict, where: str, base: Variant | None = None) -> Variant:
     """A configuration from its flat object (fields left out take `base`'s values, else the defaults),
     checked as `check_variant` does."""
-    types = {"name": "str", "shuffle": "bool", "stagger": "int", "threads": "int | None"}
+    types = {"name": "str", "shuffle": "bool", "stagger": "int", "threads": "int | None", "warm": "bool"}
     types.update({f.name: f.type for f in fields(EngineConfig) if f.name in ENGINE_FIELDS})
     unknown = set(entry) - set(types)
     if unknown:

@@ -193,6 +193,7 @@ class ScriptedEngine:
     max_model_len = VARIANT.engine.max_model_len
     max_num_batched_tokens = VARIANT.engine.max_num_batched_tokens
     cache = SimpleNamespace(num_blocks={})
+    scheduler = SimpleNamespace(prefix=None, num_prefix_hit_tokens=0)  # no prefix cache to report on
 
     def __init__(self, tokenizer: TextTokenizer, script: dict[str, list[str]]) -> None:
         self.tokenizer = tokenizer
