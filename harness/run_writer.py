@@ -23,7 +23,7 @@ from pathlib import Path
 from audit.errors import AuditError
 from audit.files import atomic_write, json_bytes
 from audit.manifest import build_manifest
-from audit.store import MANIFEST, ROOT, RunStore, make_row, read_run
+from audit.store import MANIFEST, ROOT, STATS, RunStore, make_row, read_run
 from deepinfer import LLM
 from deepinfer.errors import DeepInferError
 from harness.environment import engine_version, environment_fingerprint, git_state
@@ -33,10 +33,12 @@ __all__ = ["FLUSH_ROWS", "FLUSH_SECONDS", "STATS_FILE", "RunWriter", "completed_
 
 FLUSH_ROWS = 16
 FLUSH_SECONDS = 2.0
-STATS_FILE = "stats.json"
+STATS_FILE = STATS
 _STATS_KEYS = ("sessions", "wall_s", "preemptions")
-# speculation's counters (engine.scheduler.Scheduler): runs recorded before they existed lack them
-_SPECULATION_KEYS = ("drafted", "drafts_kept", "verify_chunks")
+# the scheduler's counters added with speculation (stats key: `engine.scheduler.Scheduler` attribute);
+# runs recorded before they existed lack them and read as 0
+_SPECULATION_KEYS = {"drafted": "num_drafted", "drafts_kept": "num_draft_kept", "verify_chunks": "num_verify_chunks",
+                     "rollbacks": "num_rollbacks", "rollback_rows": "num_rollback_rows"}
 # the prefix cache's counters (stats key: `engine.scheduler.Scheduler` attribute); older runs read as 0
 _PREFIX_KEYS = {"prefix_hit_tokens": "num_prefix_hit_tokens", "prefix_query_tokens": "num_prefix_query_tokens"}
 _RESUMED_SECTIONS = ("checkpoint", "suite", "variant", "engine", "seeds")  # what a resumed run must share
@@ -138,9 +140,8 @@ class RunWriter:
             stats["preemptions"] += self.llm.scheduler.num_preemptions
             for key, counter in _PREFIX_KEYS.items():
                 stats[key] += getattr(self.llm.scheduler, counter)
-            stats["drafted"] += self.llm.scheduler.num_drafted
-            stats["drafts_kept"] += self.llm.scheduler.num_draft_kept
-            stats["verify_chunks"] += self.llm.scheduler.num_verify_chunks
+            for key, counter in _SPECULATION_KEYS.items():
+                stats[key] += getattr(self.llm.scheduler, counter)
             atomic_write(self.path / STATS_FILE, json_bytes(stats))
         return self.store.finalize()
 

@@ -71,12 +71,17 @@ class EngineConfig:
                                             "stops costs one discarded step); off with engram_tables=host, whose "
                                             "rows are gathered from the tokens of the step before", off=(
         "--no-async-scheduling", "read each step's results before scheduling the next"))
-    speculation: str = _setting("off", "speculative decoding: off, or ngram (draft the tokens that followed the "
-                                "latest earlier occurrence of a sequence's last tokens); the model verifies a "
-                                "sequence's drafts in one step and keeps each only where it equals the token it "
-                                "samples there, so with batch_invariant numerics outputs are the same bits either "
-                                "way; runs with synchronous scheduling", choices=SPECULATION)
+    speculation: str = _setting("off", "speculative decoding: off, ngram (draft the tokens that followed the "
+                                "latest earlier occurrence of a sequence's last tokens), dspark (V4.1: the "
+                                "checkpoint's DSpark draft layers draft a block per step) or mtp (V4: the "
+                                "checkpoint's MTP block drafts draft_tokens tokens one after another); the model "
+                                "verifies a sequence's drafts in one step and keeps each only where it equals the "
+                                "token it samples there, so with batch_invariant numerics outputs are the same bits "
+                                "either way; runs with synchronous scheduling", choices=SPECULATION)
     draft_tokens: int = _setting(5, "with speculation: most draft tokens one sequence verifies per step")
+    draft_confidence: float = _setting(0.0, "with speculation=dspark or mtp: verify a sequence's drafts only as far "
+                                       "as the draft's confidence head gives all of them at least this chance to hold "
+                                       "(0 to 1; 0: always draft_tokens)")
     seed: int = _setting(0, "seed from which unseeded requests derive theirs")
     unseeded_seeds: str = _setting("request_order", "how unseeded requests get a seed: request_order (the engine's "
                                    "request counter) or content (a hash of the request)", choices=UNSEEDED_SEEDS)
@@ -97,6 +102,9 @@ class EngineConfig:
         _check_choice("weight_storage", self.weight_storage, WEIGHT_STORAGE)
         _check_choice("engram_tables", self.engram_tables, ENGRAM_TABLES)
         _check_choice("speculation", self.speculation, SPECULATION)
+        if isinstance(self.draft_confidence, bool) or not isinstance(self.draft_confidence, (int, float)) \
+                or not 0 <= self.draft_confidence <= 1:
+            raise DeepInferError(f"draft_confidence must be a number from 0 to 1, got {self.draft_confidence!r}")
         if isinstance(self.dtype, torch.dtype):  # accepted from Python callers, recorded by name
             names = [name for name, dtype in DTYPES.items() if dtype == self.dtype]
             if not names:
@@ -179,7 +187,8 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
         elif f.name == "seed":
             parser.add_argument("--run-seed", dest="run_seed", type=int, default=f.default, help=help_text)
         else:
-            kind = int if f.type.startswith("int") else str  # values are checked by EngineConfig: one-line errors
+            # values are checked by EngineConfig: one-line errors
+            kind = int if f.type.startswith("int") else float if f.type.startswith("float") else str
             choices = f.metadata.get("choices")
             parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default,
                                 help=help_text + (f"; one of {', '.join(choices)}" if choices else ""))

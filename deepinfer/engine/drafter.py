@@ -11,11 +11,13 @@ speculation on or off, greedy or sampled.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from deepinfer.engine.sequence import Sequence
 
-SPECULATION = ("off", "ngram")
+SPECULATION = ("off", "ngram", "dspark", "mtp")
+DEVICE_SPECULATION = ("dspark", "mtp")  # drafted on the device by the checkpoint's draft layers
 
 
 class Drafter(Protocol):
@@ -63,6 +65,34 @@ class NgramDrafter:
         return []
 
 
+@dataclass
+class DeviceDraft:
+    """Drafts made on the device for a sequence of `length` tokens."""
+
+    length: int
+    tokens: list[int]
+
+
+class DeviceDrafter:
+    """The host half of drafting on the device (`dspark`, `mtp`): each step drafts after every sampling
+    chunk (`deepinfer.engine.draft_runner`, which also picks how many to verify from the drafter's
+    confidence); the next `schedule()` proposes those drafts if the sequence still ends where they were
+    made (it may have stopped, or been preempted and recomputed: then it has none, and decodes one token)."""
+
+    def observe(self, seq: Sequence, drafts: list[int]) -> None:
+        """Take the drafts the runner made on the device to follow `seq.token_ids` as they are now
+        (`Scheduler.update` calls it once a step's tokens are applied)."""
+        seq.draft_state = DeviceDraft(len(seq.token_ids), drafts)
+
+    def propose(self, seq: Sequence, limit: int) -> list[int]:
+        state = seq.draft_state
+        if not isinstance(state, DeviceDraft) or state.length != len(seq.token_ids):
+            return []
+        return state.tokens[:limit]
+
+
 def build_drafter(speculation: str) -> Drafter | None:
-    """The drafter an `EngineConfig.speculation` names (None for off)."""
-    return NgramDrafter() if speculation == "ngram" else None
+    """The drafter an `EngineConfig.speculation` names (None for off; the model drafters' host half)."""
+    if speculation == "off":
+        return None
+    return NgramDrafter() if speculation == "ngram" else DeviceDrafter()

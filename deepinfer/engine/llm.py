@@ -17,15 +17,17 @@ import torch
 
 import kernels
 from kernels.cpu_isa import CpuIsaError, check_cpu_isa
-from deepinfer.checkpoint import default_checkpoint, load_checkpoint, preset_config
+from deepinfer.checkpoint import CheckpointError, default_checkpoint, load_checkpoint, preset_config
 from deepinfer.checkpoint.layout import weight_dtype_name
-from deepinfer.checkpoint.loader import stored_formats, weights_in_memory
+from deepinfer.checkpoint.layout_v41 import is_draft_tensor
+from deepinfer.checkpoint.loader import load_draft_tensors, load_mtp_tensors, stored_formats, weights_in_memory
 from deepinfer.checkpoint.random_init import stored_random_tensors
 from deepinfer.config import ModelConfig
 from deepinfer.config_v41 import V41Config
 from deepinfer.engine.cache import CacheManager, cache_memory, default_max_model_len, step_budget
 from deepinfer.engine.config import DTYPES, EngineConfig, parse_device
-from deepinfer.engine.drafter import build_drafter
+from deepinfer.engine.draft_runner import device_drafts, draft_pools
+from deepinfer.engine.drafter import DEVICE_SPECULATION, build_drafter
 from deepinfer.engine.output import OutputProcessor
 from deepinfer.engine.prefix import PrefixCache
 from deepinfer.engine.runner import ModelRunner, RunnerOutput
@@ -33,6 +35,8 @@ from deepinfer.engine.scheduler import Scheduler, SchedulerOutput
 from deepinfer.engine.sequence import Sequence
 from deepinfer.errors import DeepInferError
 from deepinfer.model import DeepseekV41, build_model
+from deepinfer.model.dspark import DSpark
+from deepinfer.model.mtp import MTP
 from deepinfer.outputs import RequestOutput
 from deepinfer.recipe.chat import ChatFormatError, encode_messages, parse_completion
 from deepinfer.recipe.tokenizer import TextTokenizer, build_tokenizer
@@ -105,6 +109,8 @@ class LLM:
                 raise DeepInferError(str(err)) from None
         quantized_as = self.dtype if config.keeps_weights_quantized else None
         self.weight_storage = "quantized" if quantized_as is not None else "decoded"
+        self._source, self._quantized_as, self._load_seed = model, quantized_as, config.seed
+        self._draft_models: dict[str, DSpark | MTP] = {}  # by speculation, once an engine speculates with it
         model_config, tensors, self.tokenizer, self.model_id, self.stored_formats = self._load(model, quantized_as, config.seed)
         self.config: ModelConfig | V41Config = model_config
         self._check_max_model_len(config)  # before the weights load, so a bad setting fails fast
@@ -129,7 +135,7 @@ class LLM:
                                  f"({getattr(self._requested, changed[0])!r}); load the model again to change it")
         other = object.__new__(LLM)
         for name in ("device", "dtype", "numerics", "weight_storage", "tokenizer", "model_id", "stored_formats",
-                     "config", "model"):
+                     "config", "model", "_source", "_quantized_as", "_load_seed", "_draft_models"):
             setattr(other, name, getattr(self, name))
         other._start_engine(config)
         return other
@@ -148,6 +154,10 @@ class LLM:
         if config.speculation != "off":  # a sequence's drafts follow its last token, which must be known
             config = replace(config, async_scheduling=False)
         self._check_max_model_len(config)
+        draft = None
+        if config.speculation in DEVICE_SPECULATION:
+            draft = self._draft_model(config.speculation, config.cache_qdq)
+        self.pools = draft_pools(self.model.pools, draft) if draft is not None else self.model.pools
         if config.max_model_len is None:
             config = replace(config, max_model_len=self._default_max_model_len(config))
         self.engine_config = config
@@ -155,7 +165,7 @@ class LLM:
         self.max_num_batched_tokens = step_budget(config.max_num_batched_tokens, self.max_model_len,
                                                   config.enable_chunked_prefill)
         self.cache = CacheManager(
-            self.model.pools, max_num_seqs=config.max_num_seqs,
+            self.pools, max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len, max_step_tokens=self.max_num_batched_tokens,
             num_blocks=config.num_cache_blocks, block_size=config.block_size, dtype=self.dtype, device=self.device,
         )
@@ -166,7 +176,10 @@ class LLM:
             drafter=build_drafter(config.speculation), draft_tokens=config.draft_tokens,
             prefix=PrefixCache(self.cache) if config.prefix_caching else None,
         )
-        self.runner = ModelRunner(self.model, self.cache, self.device, cuda_graphs=config.cuda_graphs)
+        drafts = None
+        if draft is not None:
+            drafts = device_drafts(draft, self.cache, config.draft_tokens, config.draft_confidence)
+        self.runner = ModelRunner(self.model, self.cache, self.device, cuda_graphs=config.cuda_graphs, drafts=drafts)
         self.async_scheduling = config.async_scheduling
         self._in_flight: tuple[SchedulerOutput, RunnerOutput] | None = None
         self._next_id = 0
@@ -181,7 +194,7 @@ class LLM:
         weights = itertools.chain(self.model.parameters(), self.model.buffers())
         weight_bytes = sum(t.numel() * t.element_size() for t in weights)
         return default_max_model_len(
-            self.model.pools, self.config.max_position_embeddings,
+            self.pools, self.config.max_position_embeddings,
             cache_memory(self.device, weight_bytes), max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, chunked_prefill=config.enable_chunked_prefill,
             block_size=config.block_size, itemsize=self.dtype.itemsize,
@@ -203,6 +216,48 @@ class LLM:
         checkpoint = load_checkpoint(folder, device=self.device, quantized_as=quantized_as)
         tokenizer = TextTokenizer.from_folder(folder) if checkpoint.tokenizer_path else None
         return checkpoint.config, checkpoint.tensors, tokenizer, checkpoint.content_hash, checkpoint.formats
+
+    def _draft_model(self, speculation: str, cache_qdq: bool) -> DSpark | MTP:
+        """The checkpoint's draft layers that `speculation` runs (V4.1's DSpark layers, V4's MTP block),
+        loaded once per model (engines from `with_engine` share them)."""
+        if speculation not in self._draft_models:
+            draft = self._new_draft(speculation, cache_qdq)
+            draft.load_tensors(self._draft_tensors(speculation), self.device)
+            draft.share(self.model)
+            self._draft_models[speculation] = draft
+        return self._draft_models[speculation]
+
+    def _new_draft(self, speculation: str, cache_qdq: bool) -> DSpark | MTP:
+        """The draft model `speculation` runs, its weights not loaded; refused for a checkpoint without it."""
+        config = self.config
+        if speculation == "dspark":
+            if not isinstance(config, V41Config) or not config.num_draft_layers:
+                raise DeepInferError("speculation=dspark needs a V4.1 checkpoint with DSpark draft layers "
+                                     f"(mtp.*); {self.model_id} has none")
+            return DSpark(config, self.model.ops, self.dtype, self.device, cache_qdq=cache_qdq)
+        if isinstance(config, V41Config):
+            raise DeepInferError(f"speculation=mtp runs a V4 checkpoint's MTP block; {self.model_id} is V4.1 "
+                                 "(its draft layers run with speculation=dspark)")
+        if not config.num_nextn_predict_layers:
+            raise DeepInferError(f"speculation=mtp needs a V4 checkpoint with an MTP block (mtp.*); "
+                                 f"{self.model_id} has none")
+        return MTP(config, self.model.ops, self.dtype, self.device)
+
+    def _draft_tensors(self, speculation: str) -> dict:
+        """The draft layers' tensors as `weights_in_memory` gives them (a preset's seeded like its backbone)."""
+        source, quantized_as = self._source, self._quantized_as
+        if isinstance(source, str) and source.startswith(PRESET_PREFIX):
+            config = self.config
+            dtype = self.dtype if config.quantization_config is None else DTYPES[weight_dtype_name(config) or "float32"]
+            stored = stored_random_tensors(config, self._load_seed, dtype, device=self.device, include_mtp=True)
+            tensors = {name: stored[name] for name in stored if is_draft_tensor(name)}
+            return weights_in_memory(config, tensors, quantized_as)
+        load = load_draft_tensors if speculation == "dspark" else load_mtp_tensors
+        try:
+            return load(Path(source) if source is not None else default_checkpoint(), self.device,
+                        quantized_as=quantized_as)
+        except CheckpointError as err:
+            raise DeepInferError(str(err)) from None
 
     # requests in -------------------------------------------------------------------------------
 

@@ -5,11 +5,14 @@ the sampler, logprobs and top-k run there, and the `RunnerOutput` holds device t
 to the host is queued right behind them. `RunnerOutput.result` waits for that copy (the step's only
 sync), which can be after the next step is queued (async scheduling): that step's inputs may hold
 placeholders for tokens this one samples, resolved on the device from its `token_ids`.
-With CUDA graphs on, a decode step's forward is replayed from the graph of its shape.
+With CUDA graphs on, a decode step's forward (speculation's verify steps too) is replayed from the
+graph of its shape.
 
 A chunk with draft tokens is sampled at its last token and at each draft (each row with its own
 position's noise), and the device counts how many drafts equal the token drawn before them: those
-and the token drawn after the last of them are what the chunk yields.
+and the token drawn after the last of them are what the chunk yields. With a model drafter
+(`deepinfer.engine.draft_runner`), the step then drafts the next tokens of every sampling chunk on
+the device, and they come down with the step's results.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 
 from deepinfer.config import ModelConfig
 from deepinfer.engine.cache import CacheManager
+from deepinfer.engine.draft_runner import DeviceDrafts, DraftInputs
 from deepinfer.engine.graph import StepGraph
 from deepinfer.engine.sampler import SamplingBatch, sample, top_logprobs
 from deepinfer.engine.scheduler import ScheduledChunk, SchedulerOutput, StepResult
@@ -41,7 +45,9 @@ class RunnerOutput:
     finite [S, 1 + k]: whether each column's logits were all finite; hidden [R, hidden]: the last
     hidden states of the R sampled rows (each chunk's last token and drafts, in order: a drafter's
     input); top_ids / top_logprobs [S, 1 + k, K]: the K most likely tokens when any row asked for logprobs;
-    prompt_logprobs [P] and prompt_top_ids / prompt_top_logprobs [P, Kp] when any chunk scored.
+    prompt_logprobs [P] and prompt_top_ids / prompt_top_logprobs [P, Kp] when any chunk scored;
+    with a model drafter, drafts [S, B] after each chunk's last kept token and num_drafts [S], how
+    many of them the drafter would have verified.
     """
 
     token_ids: torch.Tensor
@@ -54,6 +60,8 @@ class RunnerOutput:
     prompt_logprobs: torch.Tensor | None = None
     prompt_top_ids: torch.Tensor | None = None
     prompt_top_logprobs: torch.Tensor | None = None
+    drafts: torch.Tensor | None = None
+    num_drafts: torch.Tensor | None = None
     download: Download | None = field(default=None, repr=False)
 
     def send_to_host(self) -> None:
@@ -84,23 +92,30 @@ class RunnerOutput:
         def counted(name: str) -> list[list]:
             return [values[:count] for values, count in zip(host[name], counts)]
 
+        drafts = None
+        if "drafts" in host:
+            drafts = [values[:count] for values, count in zip(host["drafts"], host["num_drafts"])]
         return StepResult(tokens=counted("token_ids"), logprobs=counted("logprobs"), top=top,
-                          finite=counted("finite"), prompt_logprobs=prompt_logprobs, prompt_top=prompt_top)
+                          finite=counted("finite"), prompt_logprobs=prompt_logprobs, prompt_top=prompt_top,
+                          drafts=drafts)
 
 
 class ModelRunner:
     def __init__(self, model: DeepseekV4, cache: CacheManager, device: torch.device | str,
-                 cuda_graphs: bool = False) -> None:
+                 cuda_graphs: bool = False, drafts: DeviceDrafts | None = None) -> None:
         self.model = model
+        self.drafts = drafts
         self.ops = model.ops
         self.config: ModelConfig = model.config
         self.cache = cache
         self.device = torch.device(device)
         # decode steps replay graphs captured per step shape, sharing one memory pool (one replay at a
-        # time); fast numerics cannot be captured: its expert routing reads counts on the host
+        # time); fast numerics cannot be captured: its expert routing reads counts on the host; a
+        # model drafter's steps run eagerly (the graphs do not hand over the draft's features)
         self.graphs: dict[tuple, StepGraph] | None = None
         self.compressed_ids: torch.Tensor | None = None  # Engram's compressed id of each token, on the device
-        if cuda_graphs and self.device.type == "cuda" and self.ops.numerics == "batch_invariant":
+        if (cuda_graphs and self.device.type == "cuda" and self.ops.numerics == "batch_invariant"
+                and drafts is None):
             self.graphs, self.graph_pool = {}, torch.cuda.graph_pool_handle()
 
     def execute(self, scheduled: SchedulerOutput, in_flight: RunnerOutput | None = None) -> RunnerOutput:
@@ -108,7 +123,8 @@ class ModelRunner:
         prompt positions asked for; nothing is read back to the host. `in_flight`: the output of
         the step before, whose sampled tokens this step's placeholders stand for."""
         chunks, sampling = scheduled.chunks, scheduled.sampling
-        graphed = self.graphs is not None and all(c.num_tokens == 1 and not c.scored for c in chunks)
+        # decode steps, and verify steps (a sequence's last token and its drafts), are graphed
+        graphed = self.graphs is not None and all(c.num_tokens == 1 + c.num_draft and not c.scored for c in chunks)
         host_batch, rows = self.build_batch(chunks, graph_bucket if graphed else bucket)
         rows.update(SamplingBatch.host_tensors([(c.seq.params, c.seq.seed, c.draws_at + j)
                                                 for c in sampling for j in range(1 + c.num_draft)]))
@@ -118,7 +134,11 @@ class ModelRunner:
                 raise RuntimeError("a step takes placeholder tokens as input but no step is in flight")
             self._resolve_placeholders(batch, in_flight.token_ids[:, 0])
         params = SamplingBatch.from_tensors(rows)
-        hidden = self._replay(batch) if graphed else self.model(batch, self.cache.layer_views)
+        streams_at: dict[int, torch.Tensor] = {}
+        if self.drafts is None:
+            hidden = self._replay(batch) if graphed else self.model(batch, self.cache.layer_views)
+        else:
+            hidden = self.model(batch, self.cache.layer_views, streams_at=streams_at)
         sampled_hidden = hidden[rows["sample_rows"]]
         logits = self.model.logits(sampled_hidden)
         logprobs = self.ops.log_softmax(logits)
@@ -144,6 +164,12 @@ class ModelRunner:
             out.prompt_logprobs = prompt.gather(1, rows["score_targets"].unsqueeze(1)).squeeze(1)
             kp = max(max(c.seq.params.logprobs or 0, 1) for c in scoring)
             out.prompt_top_ids, out.prompt_top_logprobs = top_logprobs(prompt, kp)
+        if self.drafts is not None:
+            next_ids = rows["next_ids"].index_put((batch.sample_index[rows["sample_rows"]],), drawn)
+            drafted = self.drafts.run(DraftInputs(batch, streams_at, next_ids, rows["sample_chunks"], rows["draws_at"],
+                                                  token_ids, out.num_accepted, params.rows(columns[:, 0]), greedy_only))
+            if drafted is not None:
+                out.drafts, out.num_drafts = drafted
         out.send_to_host()
         return out
 
@@ -174,13 +200,17 @@ class ModelRunner:
         The model returns, per chunk, its scored positions' rows, then its sampled rows (its last
         token's and each draft's). `verify_columns` [S, 1 + k] lays the sampled rows out per sampling
         chunk (a chunk with fewer drafts repeats its first row) and `drafts` [S, k] holds the drafts
-        (-1, which no token equals, past a chunk's own)."""
+        (-1, which no token equals, past a chunk's own); `sample_chunks` [S] and `draws_at` [S] give
+        each sampling chunk's row in the batch and the index of the first token it draws; `next_ids`
+        [T] the token after each of the step's tokens where the host knows it (-1 at sampled rows, 0
+        for padding; a model drafter's input: such drafters run with synchronous scheduling, so every
+        token before a sampled row is known)."""
         num_tokens = sum(chunk.num_tokens for chunk in chunks)
         ids, positions, query_start = [], [], []
         sample_index, sample_rows, score_rows, score_targets = [], [], [], []
         width = max((chunk.num_draft for chunk in chunks), default=0)
-        verify_columns, drafts = [], []
-        for chunk in chunks:  # Python lists, one tensor each at the end: a step has hundreds of chunks
+        verify_columns, drafts, sample_chunks, draws_at, next_ids = [], [], [], [], []
+        for index, chunk in enumerate(chunks):  # Python lists, one tensor each at the end: a step has hundreds
             seq = chunk.seq
             query_start.append(len(ids))
             score_rows.extend(range(len(sample_index), len(sample_index) + len(chunk.scored)))
@@ -188,6 +218,8 @@ class ModelRunner:
             sample_index.extend(len(ids) + p - chunk.start for p in chunk.scored)
             ids.extend(chunk.input_ids)
             positions.extend(range(chunk.start, chunk.end))
+            known = seq.token_ids[chunk.start + 1:chunk.draws_at if chunk.samples else chunk.end + 1]
+            next_ids.extend(known + [-1] * (chunk.num_tokens - len(known)))
             if chunk.samples:
                 first = len(sample_rows)
                 for row in range(len(ids) - 1 - chunk.num_draft, len(ids)):
@@ -195,6 +227,8 @@ class ModelRunner:
                     sample_index.append(row)
                 verify_columns.append([first + j if j <= chunk.num_draft else first for j in range(width + 1)])
                 drafts.append(chunk.draft_ids + [-1] * (width - chunk.num_draft))
+                sample_chunks.append(index)
+                draws_at.append(chunk.draws_at)
         seq_rows = bucket(len(chunks))
         padding = [0] * (bucket(num_tokens) - num_tokens)
         query_start += [num_tokens] * (seq_rows + 1 - len(chunks))
@@ -213,7 +247,8 @@ class ModelRunner:
             if self.model.engram_on_host:
                 batch.engram_memory = self.model.engram_memory(batch)
         rows = {name: torch.tensor(values, dtype=torch.long) for name, values in
-                (("sample_rows", sample_rows), ("score_rows", score_rows), ("score_targets", score_targets))}
+                (("sample_rows", sample_rows), ("score_rows", score_rows), ("score_targets", score_targets),
+                 ("sample_chunks", sample_chunks), ("draws_at", draws_at), ("next_ids", next_ids + padding))}
         rows["verify_columns"] = torch.tensor(verify_columns, dtype=torch.long).reshape(len(drafts), width + 1)
         rows["drafts"] = torch.tensor(drafts, dtype=torch.long).reshape(len(drafts), width)
         return batch, rows

@@ -12,7 +12,7 @@ over the batch and never reads anything back to the host.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -84,6 +84,10 @@ class SamplingBatch:
         longs, floats = tensors["sampling_longs"], tensors["sampling_floats"]
         return cls(temperature=floats[:, 0], top_k=longs[:, 0], top_p=floats[:, 1], min_p=floats[:, 2],
                    seed_low=longs[:, 1], seed_high=longs[:, 2], position=longs[:, 3])
+
+    def rows(self, index: torch.Tensor) -> "SamplingBatch":
+        """The settings of rows `index`."""
+        return SamplingBatch(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
     @classmethod
     def of(cls, params: SamplingParams, seed: int, position: int) -> "SamplingBatch":

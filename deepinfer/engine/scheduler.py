@@ -29,8 +29,12 @@ outputs are the same with and without it.
 With a drafter (speculative decoding), a decoding sequence's chunk also carries draft tokens: the
 runner samples the target's token at each drafted position, and `update` keeps the tokens up to
 and including the first one that differs from its draft, then takes the computed count back to the
-kept tokens (cache rows past it are rewritten before anything reads them). Drafts need the
-sequence's last token, so speculation runs with synchronous scheduling.
+kept tokens. That is the whole rollback: every cache row (window KV, compressor state, compressed
+entries, indexer keys, the draft's context) is keyed by its absolute position and depends only on
+the tokens up to it, so the rows the failed drafts wrote (at most k) are rewritten by the steps
+that compute those positions again before anything reads them, and nothing before the rollback
+point is ever recomputed (replayed). Drafts need the sequence's last token, so speculation runs
+with synchronous scheduling.
 """
 
 from __future__ import annotations
@@ -102,7 +106,8 @@ class StepResult:
     """What the host reads of a runner's output (see `ModelRunner.execute`), per sampling chunk in
     order: the tokens it drew that count (the sampled token, and after each draft that held the
     token drawn after it), each one's logprob, top logprobs (when asked for) and whether its logits
-    were finite; per scoring chunk the prompt logprobs and top logprobs of its `scored` positions."""
+    were finite; per scoring chunk the prompt logprobs and top logprobs of its `scored` positions;
+    with a model drafter, per sampling chunk the tokens it drafted to follow the ones it drew."""
 
     tokens: list[list[int]]
     logprobs: list[list[float]]
@@ -110,6 +115,7 @@ class StepResult:
     finite: list[list[bool]]
     prompt_logprobs: list[list[float]]
     prompt_top: list[list[list[tuple[int, float]]]]
+    drafts: list[list[int]] | None = None
 
 
 def scored_positions(seq: Sequence, start: int, end: int) -> range:
@@ -152,6 +158,8 @@ class Scheduler:
         self.num_drafted = 0  # draft tokens verified
         self.num_draft_kept = 0  # of those, the ones that held
         self.num_verify_chunks = 0  # chunks that carried drafts
+        self.num_rollbacks = 0  # verify chunks with a draft that failed
+        self.num_rollback_rows = 0  # cache rows those wrote past the kept tokens (rewritten later, never replayed)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -334,6 +342,8 @@ class Scheduler:
                 seq.prompt_top_logprobs.extend(prompt[1])
             if row is not None:
                 self._resolve(seq, chunk, result, row, now)
+                if result.drafts is not None and seq.status is Status.RUNNING:
+                    self.drafter.observe(seq, result.drafts[row])
             if seq.status is Status.FINISHED:
                 (self.running if seq in self.running else self.waiting).remove(seq)
                 self._offer_prefix(seq)
@@ -376,3 +386,5 @@ class Scheduler:
                 return
         if chunk.num_draft:
             seq.num_computed = index + len(drawn) - 1
+            self.num_rollbacks += seq.num_computed < chunk.end
+            self.num_rollback_rows += chunk.end - seq.num_computed

@@ -189,13 +189,10 @@ class CacheAddresses:
     def of(cls, batch: StepBatch, pools: list[PoolSpec]) -> "CacheAddresses":
         """The addresses of every pool in `pools` (a model's `pool_specs()`); compressors are keyed by
         their pools' prefix."""
-        tokens = batch.positions.shape[0]
-        index = torch.arange(tokens, device=batch.positions.device)
-        real = index < batch.query_start[-1]
         rows_of = batch.query_start.shape[0] - 1
-        seq = (torch.searchsorted(batch.query_start, index, right=True) - 1).clamp(0, rows_of - 1)
         pos = batch.positions
-        paged = _Paged(batch, seq, real)
+        paged = Paged.of(batch)
+        seq = paged.seq
         window = next(spec.window for spec in pools if spec.kind == "window")
         read = pos.unsqueeze(1) - window + 1 + torch.arange(window, device=pos.device)
         addresses = cls(
@@ -209,12 +206,20 @@ class CacheAddresses:
         return addresses
 
 
-class _Paged:
-    """Slot arithmetic over one step's block tables."""
+class Paged:
+    """Slot arithmetic over one step's block tables: `seq` [T] each token's sequence row, `real` [T]
+    whether it is a real token (not padding)."""
 
     def __init__(self, batch: StepBatch, seq: torch.Tensor, real: torch.Tensor) -> None:
         self.batch, self.seq, self.real = batch, seq, real
         self.null_slot = NULL_BLOCK * batch.block_size
+
+    @classmethod
+    def of(cls, batch: StepBatch) -> "Paged":
+        index = torch.arange(batch.positions.shape[0], device=batch.positions.device)
+        rows_of = batch.query_start.shape[0] - 1
+        seq = (torch.searchsorted(batch.query_start, index, right=True) - 1).clamp(0, rows_of - 1)
+        return cls(batch, seq, index < batch.query_start[-1])
 
     def slots(self, pool: str, seq: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Physical rows of logical `rows` of sequence rows `seq` (broadcast). Rows outside the table
@@ -230,7 +235,7 @@ class _Paged:
         return torch.where(keep, self.slots(pool, self.seq, rows), self.null_slot)
 
 
-def _compressor_addresses(paged: _Paged, entries: PoolSpec, rows_of: int) -> CompressorAddresses:
+def _compressor_addresses(paged: Paged, entries: PoolSpec, rows_of: int) -> CompressorAddresses:
     """Addresses of one compressor (its entries pool, and its state pool when it has one)."""
     state, ratio, overlap = f"{entries.prefix}_state", entries.ratio, entries.overlap
     pos = paged.batch.positions
