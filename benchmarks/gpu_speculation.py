@@ -1,12 +1,20 @@
 """Speculative decoding on a CUDA device: outputs bitwise equal to plain decoding, and what it buys.
 
     python benchmarks/gpu_speculation.py --preset small --dtype bfloat16 --out results.json
+    python benchmarks/gpu_speculation.py --preset flash-4l --speed-batches 1,16 --out results.json
 
 Runs the standard request set (greedy and seeded sampling, logprobs) without speculation, then with
 drafts taken from those outputs (`harness.invariance.ReferenceDrafter`: every `--wrong-every`-th
-position wrong, so steps keep some drafts and reject others) at 1, 3 and 5 drafts per step, and
-with prompt-lookup drafts; per configuration the requests whose token ids or logprob bits differ
-from plain decoding (there must be none), drafts made and kept, engine steps and wall time.
+position wrong, so steps keep some drafts and reject others) at 1, 3 and 5 drafts per step, with
+prompt-lookup drafts, and for a V4.1 preset with its DSpark draft layers (random weights: they
+rarely hold); each configuration runs twice in one engine, so the second run takes its prompts
+from the prefix cache (cold, then hot). Per run: the requests whose token ids or logprob bits
+differ from plain decoding (there must be none), drafts made and kept, engine steps and wall time.
+
+With `--speed-batches`, decode speed with and without speculation: B greedy requests of 128 new
+tokens each, plain decoding (CUDA graphs and async scheduling) against drafts from an oracle that
+knows the outputs and is wrong at every `--wrong-every`-th position (and one that is never wrong):
+generated tokens per second, steps, and the share of drafts kept.
 """
 
 from __future__ import annotations
@@ -17,24 +25,30 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
-from deepinfer import LLM, EngineConfig
+from deepinfer import LLM, EngineConfig, SamplingParams
 from deepinfer.checkpoint import preset_config
 from harness.invariance import ReferenceDrafter, signature, standard_requests
+
+
+def synchronize(llm: LLM) -> None:
+    if llm.device.type == "cuda":
+        torch.cuda.synchronize(llm.device)
 
 
 def run(llm: LLM, requests) -> tuple[list, int, float]:
     """(signatures in request order, engine steps, seconds)."""
     ids = [llm.add_request(r.prompt, r.params) for r in requests]
     outputs, steps = {}, 0
-    torch.cuda.synchronize()
+    synchronize(llm)
     start = time.perf_counter()
     while llm.has_unfinished():
         outputs.update((out.request_id, out) for out in llm.step())
         steps += 1
-    torch.cuda.synchronize()
+    synchronize(llm)
     return [signature(outputs[i]) for i in ids], steps, time.perf_counter() - start
 
 
@@ -44,33 +58,77 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--wrong-every", type=int, default=4, help="every n-th drafted position is wrong")
+    parser.add_argument("--speed-batches", default="", help="comma-separated batch sizes for the speed runs")
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script on small presets")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     requests = standard_requests(preset_config(args.preset).vocab_size, count=args.requests)
-    llm = LLM(f"preset:{args.preset}", EngineConfig(device="cuda", dtype=args.dtype))
-    run(llm, requests)  # warm-up: kernels compiled and decode graphs captured outside the timed runs
+    llm = LLM(f"preset:{args.preset}", EngineConfig(device=args.device, dtype=args.dtype))
+    cold, _, _ = run(llm, requests)  # warm-up: kernels compiled and decode graphs captured outside the timed runs
     reference, steps, seconds = run(llm, requests)
     streams = [r.prompt + list(sig[0]) for r, sig in zip(requests, reference)]
     command = " ".join(a if a != args.out else Path(args.out).name for a in sys.argv)
-    report = {"command": f"python {command}", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    device = torch.cuda.get_device_name() if llm.device.type == "cuda" else "cpu"
+    report = {"command": f"python {command}", "device": device, "torch": torch.__version__,
               "preset": args.preset, "dtype": args.dtype, "requests": len(requests),
-              "runs": [{"speculation": "off", "steps": steps, "seconds": round(seconds, 3)}]}
-    drafters = [(f"reference-{k}", k, ReferenceDrafter(streams, args.wrong_every)) for k in (1, 3, 5)]
-    for name, k, drafter in drafters + [("ngram-5", 5, None)]:
-        spec = llm.with_engine(replace(llm.engine_config, speculation="ngram", draft_tokens=k))
+              "runs": [{"speculation": "off", "prefix_cache": "cold", "diverged":
+                        [i for i, (a, b) in enumerate(zip(reference, cold)) if a != b]},
+                       {"speculation": "off", "prefix_cache": "hot", "steps": steps, "seconds": round(seconds, 3)}]}
+    drafters = [(f"reference-{k}", "ngram", k, ReferenceDrafter(streams, args.wrong_every)) for k in (1, 3, 5)]
+    drafters.append(("ngram-5", "ngram", 5, None))
+    if getattr(llm.config, "num_draft_layers", 0):
+        drafters += [(f"dspark-{k}", "dspark", k, None) for k in (1, 3, 5)]
+    for name, speculation, k, drafter in drafters:
+        spec = llm.with_engine(replace(llm.engine_config, speculation=speculation, draft_tokens=k))
         if drafter is not None:
             spec.scheduler.drafter = drafter
-        run(spec, requests)  # warm-up, as for the reference
-        drafted, kept = spec.scheduler.num_drafted, spec.scheduler.num_draft_kept
-        got, steps, seconds = run(spec, requests)
-        diverged = [i for i, (a, b) in enumerate(zip(reference, got)) if a != b]
-        report["runs"].append({"speculation": name, "draft_tokens": k, "diverged": diverged, "steps": steps,
-                               "seconds": round(seconds, 3), "drafted": spec.scheduler.num_drafted - drafted,
-                               "kept": spec.scheduler.num_draft_kept - kept})
-        print(json.dumps(report["runs"][-1]), flush=True)
+        for cache in ("cold", "hot"):  # the first run fills the prefix cache, the second reads it
+            scheduler = spec.scheduler
+            drafted, kept, hits = scheduler.num_drafted, scheduler.num_draft_kept, prefix_hits(scheduler)
+            got, steps, seconds = run(spec, requests)
+            diverged = [i for i, (a, b) in enumerate(zip(reference, got)) if a != b]
+            report["runs"].append({"speculation": name, "draft_tokens": k, "prefix_cache": cache,
+                                   "prefix_hit_tokens": prefix_hits(scheduler) - hits, "diverged": diverged,
+                                   "steps": steps, "seconds": round(seconds, 3),
+                                   "drafted": scheduler.num_drafted - drafted, "kept": scheduler.num_draft_kept - kept})
+            print(json.dumps(report["runs"][-1]), flush=True)
     report["bitwise_equal"] = all(not r.get("diverged") for r in report["runs"])
-    Path(args.out).write_text(json.dumps(report, indent=1))
     print("bitwise equal with speculation on and off:", report["bitwise_equal"], flush=True)
+    batches = [int(b) for b in args.speed_batches.split(",") if b]
+    report["speed"] = [row for batch in batches for row in speed(llm, batch, args.wrong_every)]
+    Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+def prefix_hits(scheduler) -> int:
+    return getattr(scheduler, "num_prefix_hit_tokens", 0)
+
+
+def speed(llm: LLM, batch: int, wrong_every: int) -> list[dict]:
+    """Decode tokens per second of `batch` greedy requests, plain and with oracle drafts."""
+    vocab = llm.config.vocab_size
+    prompts = [[(31 * i + 7 * j) % (vocab - 2) + 1 for j in range(64)] for i in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    requests = [SimpleNamespace(prompt=prompt, params=params) for prompt in prompts]
+    run(llm, requests)  # warm-up: graphs for this batch captured, prompts cached
+    reference, steps, seconds = run(llm, requests)
+    tokens = sum(len(sig[0]) for sig in reference)
+    rows = [{"batch": batch, "speculation": "off", "steps": steps, "seconds": round(seconds, 3),
+             "tokens_per_s": round(tokens / seconds, 1)}]
+    streams = [prompt + list(sig[0]) for prompt, sig in zip(prompts, reference)]
+    for k in (3, 5):
+        for every in (wrong_every, 10**9):
+            spec = llm.with_engine(replace(llm.engine_config, speculation="ngram", draft_tokens=k))
+            spec.scheduler.drafter = ReferenceDrafter(streams, every)
+            run(spec, requests)
+            drafted, kept = spec.scheduler.num_drafted, spec.scheduler.num_draft_kept
+            got, steps, seconds = run(spec, requests)
+            kept_share = (spec.scheduler.num_draft_kept - kept) / max(spec.scheduler.num_drafted - drafted, 1)
+            rows.append({"batch": batch, "speculation": f"oracle-{k}", "wrong_every": every if every < 10**9 else None,
+                         "steps": steps, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
+                         "drafts_kept": round(kept_share, 3), "speedup": round(rows[0]["seconds"] / seconds, 3),
+                         "bitwise_equal": got == reference})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 if __name__ == "__main__":
