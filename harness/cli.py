@@ -181,7 +181,7 @@ def _certify_sweep(args: argparse.Namespace):
     any work); those flags set only the default sweep."""
     from dataclasses import replace
 
-    from harness.sweep import Sweep, check_variant, default_sweep, load_sweep
+    from harness.sweep import Sweep, check_variant, checkpoint_drafter, default_sweep, load_sweep
 
     given = [flag for flag in ("dtype", "device", "threads") if getattr(args, flag) is not None]
     if args.sweep:
@@ -189,8 +189,9 @@ def _certify_sweep(args: argparse.Namespace):
             raise DeepInferError(f"--{given[0]} sets the default sweep only: with --sweep, give {given[0]} in the "
                                  "sweep file's configurations")
         return load_sweep(args.sweep)
+    drafter = checkpoint_drafter(args.model)
     try:
-        sweep = default_sweep(args.dtype, args.device)
+        sweep = default_sweep(args.dtype, args.device, drafter)
     except DeepInferError as err:
         raise DeepInferError(f"flags: {err}") from None
     if args.threads is not None:

@@ -18,7 +18,10 @@ from pathlib import Path
 
 import torch
 
+from deepinfer.checkpoint import default_checkpoint, inspect_checkpoint, preset_config
+from deepinfer.config_v41 import V41Config
 from deepinfer.engine.config import EngineConfig, parse_device, resolve_device
+from deepinfer.engine.llm import PRESET_PREFIX
 from deepinfer.errors import DeepInferError
 
 ROLES = ("reference", "variant", "control")
@@ -89,10 +92,28 @@ class Sweep:
                 "controls": [v.to_dict() for v in self.controls]}
 
 
-def default_sweep(dtype: str | None = None, device: str | None = None) -> Sweep:
+def checkpoint_drafter(model: str | Path | None) -> str | None:
+    """The `speculation` that runs `model`'s own draft model: `dspark` for V4.1 draft layers, `mtp` for a
+    V4 MTP block; None when it has none (a folder is asked whether it stores them, reading headers only).
+    `model` as `LLM` takes it: a folder, `preset:NAME` or None for the default checkpoint."""
+    if isinstance(model, str) and model.startswith(PRESET_PREFIX):
+        config, stored = preset_config(model[len(PRESET_PREFIX):]), True
+    else:
+        info = inspect_checkpoint(model if model is not None else default_checkpoint())
+        config, stored = info.config, info.has_mtp
+    if not stored:
+        return None
+    if isinstance(config, V41Config):
+        return "dspark" if config.num_draft_layers else None
+    return "mtp" if config.num_nextn_predict_layers else None
+
+
+def default_sweep(dtype: str | None = None, device: str | None = None, drafter: str | None = None) -> Sweep:
     """The sweep `make certify` runs: batch sizes 1/8/32, shuffled, staggered, chunk 32, forced
     preemption, each step read before the next is scheduled (the others schedule asynchronously),
-    speculative decoding with prompt-lookup drafts, the prefix cache off (cold) and hot (the suite
+    speculative decoding with prompt-lookup drafts and, given the checkpoint's `drafter`
+    (`checkpoint_drafter`), with its own draft model (3 drafts, verified while its confidence head gives
+    them at least a 5 % chance together), the prefix cache off (cold) and hot (the suite
     served twice in one engine, the second pass recorded), on CPU one thread, on CUDA every step run
     eagerly (the others replay decode steps from CUDA graphs), and a `fast` numerics control. The
     preemption variant's 12 blocks per cache pool (raised to one sequence's worth where that is more,
@@ -113,6 +134,8 @@ def default_sweep(dtype: str | None = None, device: str | None = None) -> Sweep:
         reference.derive("prefix-cold", prefix_caching=False),
         reference.derive("prefix-hot", warm=True),
     )
+    if drafter is not None:
+        variants += (reference.derive("draft-model", speculation=drafter, draft_tokens=3, draft_confidence=0.05),)
     if parse_device(reference.engine.device).type == "cpu":
         variants += (reference.derive("threads-1", threads=1),)
     else:

@@ -18,7 +18,7 @@ from deepinfer import LLM
 from deepinfer.errors import DeepInferError
 from harness.record import record_run
 from harness.suites import KINDS, TOP_LOGPROBS, Suite, SuiteKind, load_suite, register_kind, request_seed
-from harness.sweep import Variant, check_variant, default_sweep, load_sweep
+from harness.sweep import Variant, check_variant, checkpoint_drafter, default_sweep, load_sweep
 
 
 def write_lines(path, rows) -> str:
@@ -96,6 +96,10 @@ def test_default_sweep_covers_the_contract() -> None:
     assert sweep.reference.engine.speculation == "off" and variants["speculation"].engine.speculation == "ngram"
     assert [c.engine.numerics for c in sweep.controls] == ["fast"]
     assert all(v.engine.numerics == "batch_invariant" for v in (sweep.reference, *sweep.variants))
+    assert "draft-model" not in variants  # only for a checkpoint with a draft model:
+    for model, drafter in (("preset:tiny", "mtp"), ("preset:v41-tiny", "dspark")):
+        own = {v.name: v for v in default_sweep(drafter=checkpoint_drafter(model)).variants}["draft-model"].engine
+        assert (own.speculation, own.draft_tokens, own.draft_confidence) == (drafter, 3, 0.05)
     on_cuda = {v.name: v for v in default_sweep(device="cuda").variants}
     assert "threads-1" not in on_cuda and "threads-1" in variants  # GPU kernels: no CPU threads
     assert not on_cuda["graphs-off"].engine.cuda_graphs and "graphs-off" not in variants
@@ -228,3 +232,14 @@ def test_a_registered_kind_loads_its_specs(tmp_path, monkeypatch) -> None:
         register_kind(SuiteKind("traces", load_words))
     with pytest.raises(DeepInferError, match=r"\(known: native, traces, lm-eval, words\)$"):
         load_suite("foo:bar")
+
+
+def test_a_checkpoint_folder_says_whether_it_stores_its_draft_model(tiny_checkpoint, tmp_path) -> None:
+    """A folder is asked for its `mtp.*` tensors (headers only): without them the sweep has no draft-model
+    variant rather than one that would fail."""
+    from checkpoint_edits import copy_with
+
+    stripped = tmp_path / "stripped"
+    copy_with(tiny_checkpoint, stripped, lambda t: [t.pop(n) for n in [n for n in t if n.startswith("mtp.")]])
+    assert checkpoint_drafter(tiny_checkpoint) in ("dspark", "mtp")
+    assert checkpoint_drafter(stripped) is None
