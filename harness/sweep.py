@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from deepinfer.checkpoint import default_checkpoint, inspect_checkpoint, preset_config
+from deepinfer.checkpoint import CheckpointError, default_checkpoint, inspect_checkpoint, preset_config
 from deepinfer.config_v41 import V41Config
 from deepinfer.engine.config import EngineConfig, parse_device, resolve_device
 from deepinfer.engine.llm import PRESET_PREFIX
@@ -94,12 +94,16 @@ class Sweep:
 
 def checkpoint_drafter(model: str | Path | None) -> str | None:
     """The `speculation` that runs `model`'s own draft model: `dspark` for V4.1 draft layers, `mtp` for a
-    V4 MTP block; None when it has none (a folder is asked whether it stores them, reading headers only).
+    V4 MTP block; None when it has none (a folder is asked whether it stores them, reading headers only)
+    or cannot be inspected (loading it for the first run says why, after the checks that come first).
     `model` as `LLM` takes it: a folder, `preset:NAME` or None for the default checkpoint."""
     if isinstance(model, str) and model.startswith(PRESET_PREFIX):
         config, stored = preset_config(model[len(PRESET_PREFIX):]), True
     else:
-        info = inspect_checkpoint(model if model is not None else default_checkpoint())
+        try:
+            info = inspect_checkpoint(model if model is not None else default_checkpoint())
+        except CheckpointError:
+            return None
         config, stored = info.config, info.has_mtp
     if not stored:
         return None
@@ -228,4 +232,6 @@ def _fits(annotation: str, value: object) -> bool:
         return "None" in annotation
     if annotation.startswith("int"):
         return isinstance(value, int) and not isinstance(value, bool)
+    if annotation.startswith("float"):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
     return isinstance(value, str)

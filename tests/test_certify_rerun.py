@@ -288,7 +288,8 @@ def test_default_sweep_flags_with_a_sweep_file(capsys, tmp_path, flags):
 def test_threads_apply_to_the_default_sweep_except_its_threads_1_variant():
     from harness.cli import _certify_sweep
 
-    sweep = _certify_sweep(SimpleNamespace(sweep=None, dtype=None, device=None, threads=2 if os.cpu_count() > 1 else 1))
+    sweep = _certify_sweep(SimpleNamespace(sweep=None, dtype=None, device=None, model="preset:tiny",
+                                           threads=2 if os.cpu_count() > 1 else 1))
     threads = {variant.name: variant.threads for _, variant in sweep.configurations()}
     assert threads.pop("threads-1") == 1 and set(threads.values()) == {min(2, os.cpu_count())}
 

@@ -145,6 +145,9 @@ def test_a_variant_leaves_the_budget_and_length_to_the_engine() -> None:
     ({"name": "x", "max_num_seqs": 0}, "sweep.json: variants[0]: max_num_seqs must be a positive integer, got 0"),
     ({"name": "x", "max_num_seqs": "8"}, "sweep.json: variants[0]: 'max_num_seqs' must be int, got '8'"),
     ({"name": "x", "device": "tpu"}, "sweep.json: variants[0]: unknown device 'tpu' (expected cpu, cuda or cuda:N)"),
+    ({"name": "x", "draft_confidence": "high"}, "sweep.json: variants[0]: 'draft_confidence' must be float, got 'high'"),
+    ({"name": "x", "draft_confidence": 2}, "sweep.json: variants[0]: draft_confidence must be a number from 0 to 1, "
+                                           "got 2"),
 ])
 def test_bad_engine_settings_in_a_sweep_file_are_one_line_errors(tmp_path, monkeypatch, entry, message) -> None:
     monkeypatch.chdir(tmp_path)
