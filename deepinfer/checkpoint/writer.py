@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from deepinfer.checkpoint.errors import CheckpointError
 from deepinfer.checkpoint.files import INDEX_NAME, WeightReader, deepinfer_home, read_headers, weight_files
 from deepinfer.checkpoint.hashing import TensorHasher, content_hash, store_hash
-from deepinfer.checkpoint.layout import weight_dtype_name
+from deepinfer.checkpoint.layout import expected_tensors, weight_dtype_name
 from deepinfer.checkpoint.layout_v41 import released_format
 from deepinfer.checkpoint.presets import CONFIG_ONLY_PRESETS, preset_config
 from deepinfer.config_v41 import V41Config
@@ -158,17 +158,21 @@ def create_checkpoint(preset: str, out: str | Path, seed: int, *, device: str | 
 
 
 def default_checkpoint_path() -> Path:
-    """Where the embedded default lives (it may not exist yet)."""
-    config_json = json.dumps(released_format(preset_config(DEFAULT_PRESET)).to_dict(), sort_keys=True)
-    return deepinfer_home() / f"{DEFAULT_PRESET}-seed0-{hashlib.sha256(config_json.encode()).hexdigest()[:12]}"
+    """Where the embedded default lives (it may not exist yet): named by a digest of its config and of the
+    tensors the writer writes for it, so a default built before its layout changed (before its draft
+    layers were written, say) is not taken for the current one."""
+    config = released_format(preset_config(DEFAULT_PRESET))
+    key = json.dumps({"config": config.to_dict(), "tensors": sorted(expected_tensors(config, include_mtp=True))},
+                     sort_keys=True)
+    return deepinfer_home() / f"{DEFAULT_PRESET}-seed0-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
 def default_checkpoint() -> Path:
     """The embedded default: the `DEFAULT_PRESET` preset in the release's formats (FP8 dense weights,
     MXFP4 experts), seed 0, created once under `$DEEPINFER_HOME`.
 
-    The folder name carries a digest of the preset's config, so a release that changes the preset
-    builds a fresh default instead of reusing a stale one. Concurrent first calls each build a
+    The folder name carries a digest of the preset's config and layout (`default_checkpoint_path`), so a
+    release that changes either builds a fresh default instead of reusing a stale one. Concurrent first calls each build a
     private copy; the first rename wins and the others use it.
     """
     target = default_checkpoint_path()
