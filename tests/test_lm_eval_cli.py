@@ -109,7 +109,7 @@ def test_batch_size_auto_is_one_error_line(runs):
     ({"device": "cpu"}, {"device": "cuda:0"}, "device given twice: 'cpu' in model_args, 'cuda:0' from lm-eval "
                                               "(--device, default cuda:0); give it once"),
     ({"pretrained": "gpt2"}, {}, "unknown model_args pretrained (known: async_scheduling, batch_size, block_size, cache_qdq, cuda_graphs, "
-                                 "device, draft_tokens, dtype, enable_chunked_prefill, engram_tables, max_model_len, "
+                                 "device, draft_confidence, draft_tokens, dtype, enable_chunked_prefill, engram_tables, max_model_len, "
                                  "max_num_batched_tokens, model, num_cache_blocks, numerics, prefix_caching, run_dir, "
                                  "run_seed, speculation, "
                                  "suite, unseeded_seeds, weight_storage)"),
