@@ -203,8 +203,8 @@ class ModelRunner:
         (-1, which no token equals, past a chunk's own); `sample_chunks` [S] and `draws_at` [S] give
         each sampling chunk's row in the batch and the index of the first token it draws; `next_ids`
         [T] the token after each of the step's tokens where the host knows it (-1 at sampled rows, 0
-        for padding; a model drafter's input: such drafters run with synchronous scheduling, so every
-        token before a sampled row is known)."""
+        for padding; a model drafter's input, made only for one: such drafters run with synchronous
+        scheduling, so every token before a sampled row is known)."""
         num_tokens = sum(chunk.num_tokens for chunk in chunks)
         ids, positions, query_start = [], [], []
         sample_index, sample_rows, score_rows, score_targets = [], [], [], []
@@ -218,8 +218,9 @@ class ModelRunner:
             sample_index.extend(len(ids) + p - chunk.start for p in chunk.scored)
             ids.extend(chunk.input_ids)
             positions.extend(range(chunk.start, chunk.end))
-            known = seq.token_ids[chunk.start + 1:chunk.draws_at if chunk.samples else chunk.end + 1]
-            next_ids.extend(known + [-1] * (chunk.num_tokens - len(known)))
+            if self.drafts is not None:
+                known = seq.token_ids[chunk.start + 1:chunk.draws_at if chunk.samples else chunk.end + 1]
+                next_ids.extend(known + [-1] * (chunk.num_tokens - len(known)))
             if chunk.samples:
                 first = len(sample_rows)
                 for row in range(len(ids) - 1 - chunk.num_draft, len(ids)):
@@ -248,7 +249,9 @@ class ModelRunner:
                 batch.engram_memory = self.model.engram_memory(batch)
         rows = {name: torch.tensor(values, dtype=torch.long) for name, values in
                 (("sample_rows", sample_rows), ("score_rows", score_rows), ("score_targets", score_targets),
-                 ("sample_chunks", sample_chunks), ("draws_at", draws_at), ("next_ids", next_ids + padding))}
+                 ("sample_chunks", sample_chunks), ("draws_at", draws_at))}
+        if self.drafts is not None:
+            rows["next_ids"] = torch.tensor(next_ids + padding, dtype=torch.long)
         rows["verify_columns"] = torch.tensor(verify_columns, dtype=torch.long).reshape(len(drafts), width + 1)
         rows["drafts"] = torch.tensor(drafts, dtype=torch.long).reshape(len(drafts), width)
         return batch, rows
