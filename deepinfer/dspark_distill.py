@@ -8,16 +8,17 @@ This trains them on the target's own generations and writes them back into the c
    odd ones; the prompts from the corpus's last fifth are held out for the measurement;
 2. features: one forward over each whole sequence hands out the streams entering the target layers
    `dspark_target_layer_ids` (`DeepseekV41.forward(..., streams_at=...)`), the draft's context at every
-   position;
+   position, and the target's final hidden states, whose logits are the distributions it drew from;
 3. training (`train`): the target stays frozen (the embedding and head the draft shares included);
    every `mtp.*` tensor is trained with AdamW through `DSpark.forward` in plain PyTorch ops
    (`kernels.bind("fast")`: the engine's batch-invariant CUDA kernels have no backward). A block is
    anchored at a generated position n: input [t_n, noise ...] at n .., context the features of the
-   sliding window before n, labels t_{n+1} .. t_{n+B}. Slot j's loss is the cross-entropy of its
-   Markov-corrected logits given the true previous token t_{n+j} (teacher forcing: what the draft sees
-   when the slots before it held), weighted by exp(-j / SLOT_DECAY) since a slot only counts when all
-   before it hold. On sampled sequences the label is a sample of the target's distribution, so the
-   expected loss is the cross-entropy against that distribution, without storing it. The selection
+   sliding window before n, labels t_{n+1} .. t_{n+B}. Slot j's loss is the KL divergence from the
+   target's distribution at position n + j to the draft's Markov-corrected one given the true previous
+   token t_{n+j} (teacher forcing: what the draft sees when the slots before it held), weighted by
+   exp(-j / SLOT_DECAY) since a slot only counts when all before it hold. The whole distribution
+   teaches more per block than the one token drawn from it (the cross-entropy against that token has
+   the same expectation on sampled sequences, with more noise). The selection
    biases of the routers get no gradient (top-k is not differentiable) and keep their values;
 4. measurement (`acceptance`): on the held-out generations, with the drafter before and after, each
    block's greedy drafts through the engine's inference path (`DSpark.blocks` then `DSpark.drafts`, as
@@ -117,15 +118,17 @@ class DistillSettings:
 
 @dataclass
 class Generations:
-    """The target's sequences, prompt then continuation: token ids [N, L] and the draft's context features
-    [N, L, 3 * hidden] at every position, on the device; `greedy` [N] says how each was continued."""
+    """The target's sequences, prompt then continuation: token ids [N, L], the draft's context features
+    [N, L, 3 * hidden] and the target's final hidden states [N, L, hidden] at every position, on the
+    device; `greedy` [N] says how each was continued."""
 
     tokens: torch.Tensor
     features: torch.Tensor
+    final: torch.Tensor
     greedy: torch.Tensor
 
     def rows(self, index: slice) -> Generations:
-        return Generations(self.tokens[index], self.features[index], self.greedy[index])
+        return Generations(self.tokens[index], self.features[index], self.final[index], self.greedy[index])
 
 
 def distill(folder: str | Path, settings: DistillSettings = DistillSettings(), progress: bool = False) -> dict:
@@ -202,7 +205,7 @@ def generate(llm: LLM, settings: DistillSettings) -> Generations:
     sequences = [prompt + output.token_ids for prompt, output in zip(prompts, llm.generate(prompts, params))]
     device = llm.device
     greedy = torch.tensor([i % 2 == 0 for i in range(len(prompts))], device=device)
-    return Generations(torch.tensor(sequences, device=device), _features(llm, sequences), greedy)
+    return Generations(torch.tensor(sequences, device=device), *_features(llm, sequences), greedy)
 
 
 def _windows(tokens: list[int], count: int, generator: torch.Generator) -> list[list[int]]:
@@ -214,14 +217,14 @@ def _windows(tokens: list[int], count: int, generator: torch.Generator) -> list[
     return [tokens[start:start + PROMPT_TOKENS] for start in starts]
 
 
-def _features(llm: LLM, sequences: list[list[int]]) -> torch.Tensor:
-    """[N, L, 3 * hidden]: the draft's features at every position of equally long sequences, from one
-    forward over whole sequences (FEATURE_TOKENS tokens at a time), as ordinary tensors (autograd cannot
-    save the inference-mode forward's)."""
+def _features(llm: LLM, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft's features [N, L, 3 * hidden] and the target's final hidden states [N, L, hidden] at
+    every position of equally long sequences, from one forward over whole sequences (FEATURE_TOKENS
+    tokens at a time), as ordinary fp32 tensors (autograd cannot save the inference-mode forward's)."""
     model: DeepseekV41 = llm.model
     length = len(sequences[0])
     per_forward = max(1, FEATURE_TOKENS // length)
-    parts = []
+    parts, finals = [], []
     for start in range(0, len(sequences), per_forward):
         group = sequences[start:start + per_forward]
         cache = CacheManager(model.pools, max_num_seqs=len(group), max_model_len=length,
@@ -236,10 +239,11 @@ def _features(llm: LLM, sequences: list[list[int]]) -> torch.Tensor:
         host.sample_index = None
         batch, _ = host.to(llm.device)
         streams: dict[int, torch.Tensor] = {}
-        model(batch, cache.layer_views, streams_at=streams)
+        final = model(batch, cache.layer_views, streams_at=streams)
         features = target_features(streams, model.config.dspark_target_layer_ids, model.ops)
         parts.append(features[:length * len(group)].float().view(len(group), length, -1))
-    return torch.cat(parts).clone()
+        finals.append(final[:length * len(group)].float().view(len(group), length, -1))
+    return torch.cat(parts).clone(), torch.cat(finals).clone()
 
 
 # -- training -------------------------------------------------------------------------------------------------
@@ -347,8 +351,10 @@ def _losses(draft: DSpark, data: Generations, picked: torch.Tensor) -> tuple[tor
     last = draft.mtp[-1]
     bias, embedding = last.markov_head(previous)
     logits = out.logits + bias
+    with torch.no_grad():
+        teacher = draft.head(data.final[seq.unsqueeze(1), slots[:, :-1]]).float().log_softmax(dim=-1)
     weights = torch.exp(-torch.arange(size, device=logits.device) / SLOT_DECAY)
-    token_loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+    token_loss = F.kl_div(logits.log_softmax(dim=-1), teacher, log_target=True, reduction="none").sum(dim=-1)
     token_loss = (token_loss * weights).sum(dim=1).mean() / weights.sum()
     hidden = out.hidden if draft.confidence_input == PRE_NORM else out.normed
     confidence = last.confidence_head(hidden.detach(), embedding.detach())
