@@ -34,6 +34,41 @@ class SamplingParamsError(DeepInferError, ValueError):
     pass
 
 
+STRUCTURED_KINDS = ("regex", "json_schema", "choice", "grammar")
+GRAMMAR_SYNTAXES = ("lark", "ebnf")
+
+
+def structured_problem(value: object) -> str | None:
+    """What is wrong with the shape of a `structured` constraint (compiling it is the engine's job), or
+    None: one of {"regex": str}, {"json_schema": dict | JSON text}, {"choice": [str, ...]},
+    {"grammar": str, "syntax": "lark" | "ebnf"}."""
+    if not isinstance(value, dict):
+        return f"must be an object, got {type(value).__name__}"
+    kinds = [key for key in STRUCTURED_KINDS if key in value]
+    if len(kinds) != 1:
+        return f"needs exactly one of {', '.join(STRUCTURED_KINDS)}, got {sorted(value) or 'none'}"
+    kind, allowed = kinds[0], {kinds[0], "syntax"} if kinds[0] == "grammar" else {kinds[0]}
+    if extra := sorted(set(value) - allowed):
+        return f"has unknown keys {extra} for a {kind} constraint"
+    spec = value[kind]
+    if kind in ("regex", "grammar") and (not isinstance(spec, str) or not spec):
+        return f"{kind} must be a non-empty string"
+    if kind == "grammar" and value.get("syntax") not in GRAMMAR_SYNTAXES:
+        return f"grammar needs syntax {' or '.join(GRAMMAR_SYNTAXES)}, got {value.get('syntax')!r}"
+    if kind == "choice" and (not isinstance(spec, list) or not spec
+                             or not all(isinstance(c, str) and c for c in spec)):
+        return "choice must be a non-empty list of non-empty strings"
+    if kind == "json_schema":
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as err:
+                return f"json_schema is not valid JSON: {err}"
+        if not isinstance(spec, (dict, bool)):
+            return f"json_schema must be an object (or its JSON text), got {type(spec).__name__}"
+    return None
+
+
 @dataclass
 class SamplingParams:
     """temperature 0 means greedy. `seed` keys the counter-based sampling noise; requests without
@@ -41,7 +76,9 @@ class SamplingParams:
     `unseeded_seeds`), reported back in the output.
     `logprobs=k` returns, per generated token, the chosen token's logprob and the k most likely.
     `prompt_logprobs=True` also scores the prompt: the logprob of every prompt token after the first
-    given the tokens before it, with the max(k, 1) most likely tokens there (what evaluations need)."""
+    given the tokens before it, with the max(k, 1) most likely tokens there (what evaluations need).
+    `structured` constrains the output to a regex, JSON Schema, choice or grammar
+    (`deepinfer.engine.structured`); logprobs stay those of the unconstrained distribution."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -54,6 +91,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     prompt_logprobs: bool = False
+    structured: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,6 +129,8 @@ class SamplingParams:
             fail(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
         if not isinstance(self.prompt_logprobs, bool):
             fail(f"prompt_logprobs must be true or false, got {self.prompt_logprobs!r}")
+        if self.structured is not None and (problem := structured_problem(self.structured)):
+            fail(f"structured {problem}")
 
     def to_dict(self, *, skip_defaults: bool = False) -> dict:
         """All fields; with `skip_defaults`, only those that differ from their defaults. Stream hashes

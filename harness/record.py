@@ -48,6 +48,7 @@ def _record_run(model: str | Path | None, suite: Suite, variant: Variant, run_di
         params = item.params(run_seed)
         try:
             prompt = item.prompt_ids(llm)
+            llm.check_params(params)  # a constraint that does not compile refuses its request alone
         except DeepInferError as err:
             writer.refused(index, item.request_id, item.row_params(params), err)
             refused += 1

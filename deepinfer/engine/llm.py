@@ -33,6 +33,7 @@ from deepinfer.engine.prefix import PrefixCache
 from deepinfer.engine.runner import ModelRunner, RunnerOutput
 from deepinfer.engine.scheduler import Scheduler, SchedulerOutput
 from deepinfer.engine.sequence import Sequence
+from deepinfer.engine.structured import Matcher, StructuredCompiler
 from deepinfer.errors import DeepInferError
 from deepinfer.model import DeepseekV41, build_model
 from deepinfer.model.dspark import DSpark
@@ -111,6 +112,7 @@ class LLM:
         self.weight_storage = "quantized" if quantized_as is not None else "decoded"
         self._source, self._quantized_as, self._load_seed = model, quantized_as, config.seed
         self._draft_models: dict[str, DSpark | MTP] = {}  # by speculation, once an engine speculates with it
+        self._structured: StructuredCompiler | None = None  # once a request is constrained
         model_config, tensors, self.tokenizer, self.model_id, self.stored_formats = self._load(model, quantized_as, config.seed)
         self.config: ModelConfig | V41Config = model_config
         self._check_max_model_len(config)  # before the weights load, so a bad setting fails fast
@@ -135,7 +137,7 @@ class LLM:
                                  f"({getattr(self._requested, changed[0])!r}); load the model again to change it")
         other = object.__new__(LLM)
         for name in ("device", "dtype", "numerics", "weight_storage", "tokenizer", "model_id", "stored_formats",
-                     "config", "model", "_source", "_quantized_as", "_load_seed", "_draft_models"):
+                     "config", "model", "_source", "_quantized_as", "_load_seed", "_draft_models", "_structured"):
             setattr(other, name, getattr(self, name))
         other._start_engine(config)
         return other
@@ -292,7 +294,9 @@ class LLM:
             )
         return ids
 
-    def _check_params(self, params: SamplingParams | None) -> SamplingParams:
+    def check_params(self, params: SamplingParams | None) -> SamplingParams:
+        """`params` (None: the defaults) once they are known to fit this engine; a request's
+        `structured` constraint is compiled (and cached) here, so a bad one fails at submission."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -302,17 +306,29 @@ class LLM:
                                f"{self.max_model_len}")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; use stop_token_ids with this checkpoint")
+        if params.structured is not None:
+            self._matcher(params)
         return params
+
+    def _matcher(self, params: SamplingParams) -> Matcher | None:
+        """A fresh matcher of the request's `structured` constraint (None without one)."""
+        if params.structured is None:
+            return None
+        if self.tokenizer is None:
+            raise RequestError("structured outputs need a tokenizer: this checkpoint has no tokenizer.json")
+        if self._structured is None:
+            self._structured = StructuredCompiler(self.tokenizer)
+        return self._structured.matcher(params.structured)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
         """Queue one request; it joins the running batch at the next `step()`."""
-        return self._enqueue(self.encode(prompt), self._check_params(params))
+        return self._enqueue(self.encode(prompt), self.check_params(params))
 
     def _enqueue(self, ids: list[int], params: SamplingParams) -> int:
         request_id = self._next_id
         self._next_id += 1
         seed = params.seed if params.seed is not None else self._unseeded_seed(request_id, ids, params)
-        self.scheduler.add(Sequence(request_id, ids, params, seed))
+        self.scheduler.add(Sequence(request_id, ids, params, seed, grammar=self._matcher(params)))
         return request_id
 
     def _unseeded_seed(self, request_id: int, ids: list[int], params: SamplingParams) -> int:
@@ -370,7 +386,7 @@ class LLM:
         if len(per_prompt) != len(prompts):
             raise RequestError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
         encoded = [self.encode(p) for p in prompts]
-        checked = [self._check_params(sp) for sp in per_prompt]
+        checked = [self.check_params(sp) for sp in per_prompt]
         ids = [self._enqueue(p, sp) for p, sp in zip(encoded, checked)]
         done: dict[int, RequestOutput] = {}
         while self.has_unfinished():

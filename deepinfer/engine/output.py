@@ -22,7 +22,8 @@ class OutputProcessor:
         "length", text cut at a stop string or None), or None to go on. Tokens from `length` on are
         placeholders of steps still in flight and are not looked at."""
         params, token = seq.params, seq.token_ids[length - 1]
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        ends = token in self.eos_token_ids and (not params.ignore_eos or seq.grammar is not None)  # a constraint's end
+        if ends or token in params.stop_token_ids:
             return "stop", None
         if params.stop:
             text = self.tokenizer.decode(seq.token_ids[len(seq.prompt_token_ids):length])

@@ -8,6 +8,10 @@ placeholders for tokens this one samples, resolved on the device from its `token
 With CUDA graphs on, a decode step's forward (speculation's verify steps too) is replayed from the
 graph of its shape.
 
+A request with a structured constraint samples only the tokens its constraint allows: the runner
+builds each sampled row's mask on the host while the device runs the step's forward, uploads it and
+applies it to the logits the sampler draws from (logprobs stay those of the unconstrained logits).
+
 A chunk with draft tokens is sampled at its last token and at each draft (each row with its own
 position's noise), and the device counts how many drafts equal the token drawn before them: those
 and the token drawn after the last of them are what the chunk yields. With a model drafter
@@ -29,9 +33,10 @@ from deepinfer.engine.draft_runner import DeviceDrafts, DraftInputs
 from deepinfer.engine.graph import StepGraph
 from deepinfer.engine.sampler import SamplingBatch, sample, top_logprobs
 from deepinfer.engine.scheduler import ScheduledChunk, SchedulerOutput, StepResult
+from deepinfer.engine.structured import allowed_tokens, step_masks
 from deepinfer.model import NULL_BLOCK, DeepseekV4, StepBatch, bucket
 from deepinfer.model.batch import graph_bucket
-from deepinfer.transfer import Download
+from deepinfer.transfer import Download, upload
 
 
 @dataclass
@@ -143,7 +148,9 @@ class ModelRunner:
         logits = self.model.logits(sampled_hidden)
         logprobs = self.ops.log_softmax(logits)
         greedy_only = all(c.seq.params.temperature == 0 for c in sampling)
-        drawn = sample(logits, params, self.ops, greedy_only=greedy_only)
+        allowed = self._allowed(sampling, in_flight)  # host work while the device runs the forward
+        constrained = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
+        drawn = sample(constrained, params, self.ops, greedy_only=greedy_only)
         columns = rows["verify_columns"]  # [S, 1 + k] rows of the R sampled ones
         token_ids = drawn[columns]
         held = (rows["drafts"] == token_ids[:, :-1]).long().cumprod(dim=1).sum(dim=1)
@@ -172,6 +179,24 @@ class ModelRunner:
                 out.drafts, out.num_drafts = drafted
         out.send_to_host()
         return out
+
+    def _allowed(self, sampling: list[ScheduledChunk], in_flight: RunnerOutput | None) -> torch.Tensor | None:
+        """bool [R, vocab]: the tokens each sampled row's structured constraint allows (None when no
+        chunk has one), from masks built on the host (`structured.step_masks`) and uploaded. A chunk
+        whose last token is still a placeholder reads it from the step in flight: the constraint is
+        taken past it to build the mask, and back (`Scheduler.update` advances it for good)."""
+        if not any(chunk.seq.grammar is not None for chunk in sampling):
+            return None
+        flight = None
+        rows = []
+        for chunk in sampling:
+            pending = []
+            if chunk.seq.grammar is not None and chunk.resolves_input:
+                flight = flight if flight is not None else in_flight.download.wait()["token_ids"]
+                pending = [int(flight[-1 - chunk.seq.token_ids[chunk.draws_at - 1], 0])]
+            rows.append((chunk.seq.grammar, pending, chunk.draft_ids))
+        masks = upload({"masks": step_masks(rows, self.config.vocab_size)}, self.device)["masks"]
+        return allowed_tokens(masks, self.config.vocab_size)
 
     def _resolve_placeholders(self, batch: StepBatch, sampled: torch.Tensor) -> None:
         """Put the tokens `sampled` by the step in flight in place of their placeholders in `batch`'s

@@ -35,6 +35,11 @@ the tokens up to it, so the rows the failed drafts wrote (at most k) are rewritt
 that compute those positions again before anything reads them, and nothing before the rollback
 point is ever recomputed (replayed). Drafts need the sequence's last token, so speculation runs
 with synchronous scheduling.
+
+A sequence with a structured constraint (`deepinfer.engine.structured`) holds a matcher, which
+`update` advances over every token it keeps (the runner only reads it to build masks, leaving it as
+it was); its drafts are cut before the first token the constraint forbids, so a draft row is masked
+exactly as the row would be had the drafts before it been sampled.
 """
 
 from __future__ import annotations
@@ -270,14 +275,18 @@ class Scheduler:
     def _drafts(self, seq: Sequence, n: int, budget: int) -> list[int]:
         """Draft tokens for a decoding sequence (its one uncomputed token known): as many as the
         drafter proposes up to `draft_tokens`, the step's budget, and the tokens the sequence may
-        still have (a draft past max_tokens or the context would be computed for nothing)."""
+        still have (a draft past max_tokens or the context would be computed for nothing), cut before
+        the first one its structured constraint forbids (it could not be kept)."""
         length = len(seq.token_ids)
         if self.drafter is None or n != 1 or seq.num_uncomputed != 1 or is_placeholder(seq.token_ids[-1]):
             return []
         limit = 0
         while limit < min(self.draft_tokens, budget - 1) and not self.rules.full(seq, length + limit + 1):
             limit += 1
-        return self.drafter.propose(seq, limit)[:limit] if limit else []
+        if not limit:
+            return []
+        drafts = self.drafter.propose(seq, limit)[:limit]
+        return drafts[:seq.grammar.allows(drafts)] if seq.grammar is not None else drafts
 
     @staticmethod
     def _commit(chunks: list[ScheduledChunk]) -> None:
@@ -374,6 +383,11 @@ class Scheduler:
                 seq.token_ids[index] = token
             else:
                 seq.token_ids.append(token)
+            if seq.grammar is not None and not seq.grammar.advance(token):
+                del seq.token_ids[index + j:]
+                seq.finish("error", error=f"token {token} at position {index + j} breaks the request's structured "
+                           f"constraint", error_kind="invalid_request")
+                return
             seq.logprobs.append(result.logprobs[row][j])
             if result.top[row] is not None:
                 seq.top_logprobs.append(result.top[row][j])

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from deepinfer.engine.cache import BlockTables
+from deepinfer.engine.structured import Matcher
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -54,6 +55,7 @@ class Sequence:
     draft_state: object | None = None  # the scheduler's drafter's memory of this sequence (`engine.drafter`)
     prefix_keys: list[bytes] = field(default_factory=list)  # its token blocks' keys, as far as computed (`engine.prefix`)
     num_cached: int = 0  # leading tokens whose rows it took from or offered to the prefix cache
+    grammar: Matcher | None = None  # its `structured` constraint after its known tokens (`engine.structured`)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

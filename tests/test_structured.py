@@ -1,0 +1,119 @@
+"""Structured outputs: every output of the shipped battery is valid on a random-weight model (the
+mask alone carries validity), greedy and sampled; a constraint that does not compile fails its request
+at submission in one line while the rest of the suite runs; the matchers' probes leave them as they
+were. Bitwise invariance with constrained and free rows mixed (batching, speculation) is the
+invariance matrix's job: its standard request set is part structured (`tests/test_invariance.py`)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from audit.store import read_run
+from deepinfer import LLM, SamplingParams
+from harness.cli import main
+from deepinfer.engine import structured
+from deepinfer.engine.structured import StructuredCompiler, StructuredError, allowed_tokens, mask_words, step_masks
+from deepinfer.sampling_params import SamplingParamsError
+from harness.structured_check import violation
+
+BATTERY = [json.loads(line) for line in
+           (Path(__file__).parent / "fixtures" / "structured" / "battery.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("preset:tiny", max_model_len=512)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_battery_output_is_valid(llm, temperature):
+    params = [SamplingParams(temperature=temperature, max_tokens=entry["max_tokens"], seed=i,
+                             structured=entry["structured"]) for i, entry in enumerate(BATTERY)]
+    outputs = llm.generate(["Answer in the requested format:"] * len(params), params)
+    failures = {entry["id"]: (output.finish_reason, output.text, violation(entry["structured"], output.text))
+                for entry, output in zip(BATTERY, outputs)
+                if output.finish_reason != "stop" or violation(entry["structured"], output.text) is not None}
+    assert not failures
+    assert len({output.text for output in outputs}) > len(BATTERY) // 2  # the model, not the mask, picks
+
+
+@pytest.mark.parametrize("constraint, message", [
+    ({"regex": "[a-"}, "invalid regex: unclosed character class"),
+    ({"json_schema": {"type": "foo"}}, "invalid JSON schema: Invalid type: foo"),
+    ({"grammar": "start: foo", "syntax": "lark"}, 'invalid grammar: at 1(8): unknown name: "foo"'),
+    ({"grammar": "root ::= foo", "syntax": "ebnf"}, "invalid EBNF grammar: "),
+])
+def test_a_constraint_that_does_not_compile_fails_at_submission_in_one_line(llm, constraint, message):
+    with pytest.raises(StructuredError) as raised:
+        llm.add_request("hi", SamplingParams(structured=constraint))
+    assert str(raised.value).startswith(message) and "\n" not in str(raised.value)
+    assert not llm.has_unfinished()
+
+
+@pytest.mark.parametrize("constraint, message", [
+    ("[0-9]+", "structured must be an object, got str"),
+    ({}, "structured needs exactly one of regex, json_schema, choice, grammar, got none"),
+    ({"regex": "a", "choice": ["a"]}, "structured needs exactly one of regex, json_schema, choice, grammar, "
+                                      "got ['choice', 'regex']"),
+    ({"grammar": "start: \"a\""}, "structured grammar needs syntax lark or ebnf, got None"),
+    ({"regex": "a", "syntax": "lark"}, "structured has unknown keys ['syntax'] for a regex constraint"),
+    ({"choice": []}, "structured choice must be a non-empty list of non-empty strings"),
+    ({"json_schema": "{oops"}, "structured json_schema is not valid JSON: Expecting property name enclosed in "
+                               "double quotes: line 1 column 2 (char 1)"),
+])
+def test_a_malformed_constraint_is_refused_by_the_params(constraint, message):
+    with pytest.raises(SamplingParamsError, match=f"^{re.escape('invalid sampling params: ' + message)}$"):
+        SamplingParams(structured=constraint)
+
+
+def test_a_suite_with_a_bad_constraint_runs_the_others_and_counts_it(tiny_checkpoint, tmp_path, capsys):
+    suite = tmp_path / "suite.jsonl"
+    rows = [("date", {"regex": "[0-9]{4}-[0-9]{2}"}), ("broken", {"regex": "(unclosed"}),
+            ("answer", {"choice": ["yes", "no"]})]
+    suite.write_text("".join(json.dumps({"id": name, "prompt": "Reply:", "sampling": {"max_tokens": 12,
+                                                                                        "structured": constraint}}) + "\n"
+                             for name, constraint in rows))
+    out = tmp_path / "run"
+    assert main(["audit", "run", "--model", str(tiny_checkpoint), "--suite", f"native:{suite}", "--out", str(out),
+                 "--no-progress"]) == 0
+    assert "3 requests, 1 errored (1 invalid request)" in capsys.readouterr().out
+    got = {row["request_id"]: row for row in read_run(out).streams.to_dicts()}
+    assert (got["broken"]["error_kind"], got["broken"]["error"]) == ("invalid_request", "invalid regex: unclosed group")
+    assert violation(rows[0][1], got["date"]["text"]) is None and got["answer"]["text"] in ("yes", "no")
+
+
+def test_a_constraint_compiles_once_per_tokenizer(llm, monkeypatch):
+    calls = []
+    compile_uncached = structured._compile_uncached
+    monkeypatch.setattr(structured, "_compile_uncached", lambda *args: calls.append(1) or compile_uncached(*args))
+    constraint = {"json_schema": {"type": "object", "properties": {"k": {"enum": ["x", "y"]}}, "required": ["k"]}}
+    as_text = {"json_schema": json.dumps(constraint["json_schema"])}
+    other = llm.with_engine(llm.engine_config)
+    for engine, given in ((llm, constraint), (other, as_text), (llm, constraint)):
+        engine.check_params(SamplingParams(structured=given))
+    assert len(calls) == 1
+
+
+def test_probing_a_row_mask_leaves_the_matcher_where_it_was(llm):
+    """A step's masks take each matcher past its pending token and drafts and back: the next mask,
+    and which tokens it allows, are as before."""
+    compiler = StructuredCompiler(llm.tokenizer)
+    for constraint in ({"regex": "[a-c]{2}[0-9]{1,2}"}, {"grammar": 'start: "ab" NUM\nNUM: /[0-9]{1,2}/', "syntax": "lark"}):
+        matcher = compiler.matcher(constraint)
+        tokens = llm.tokenize("ab1")
+        before = step_masks([(matcher, [], [])], llm.config.vocab_size)
+        masks = step_masks([(matcher, tokens[:1], tokens[1:]), (None, [], [5])], llm.config.vocab_size)
+        assert torch.equal(step_masks([(matcher, [], [])], llm.config.vocab_size), before)
+        allowed = allowed_tokens(masks, llm.config.vocab_size)
+        assert allowed.shape == (len(tokens) + 2, llm.config.vocab_size) and allowed[-2:].all()
+        for row, token in enumerate(tokens[1:]):
+            assert allowed[row, token]
+        assert allowed[len(tokens) - 1, llm.tokenizer.eos_id]  # "ab1" may end here (or take a digit)
+        assert not allowed[0, llm.tokenizer.eos_id]
+        assert matcher.allows(tokens + [llm.tokenizer.eos_id, tokens[0]]) == len(tokens) + 1
+        assert masks.shape[1] == mask_words(llm.config.vocab_size)
