@@ -2,8 +2,8 @@
 
 A request's result is its token ids plus the IEEE-754 bits of every returned logprob (chosen and
 top-k). The determinism contract says these must not change with batch size, arrival order,
-staggered arrival, chunked-prefill size, preemption, speculative decoding or prefix caching (off,
-or hot: every prompt already cached); `run_matrix` measures whether they do.
+staggered arrival, chunked-prefill size, preemption, speculative decoding (prompt lookup or the
+checkpoint's own draft model) or prefix caching (off, or hot: every prompt already cached); `run_matrix` measures whether they do.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from deepinfer import LLM, RequestOutput, SamplingParams
 from deepinfer.engine.sequence import Sequence
 from harness.serve import serve
-from harness.sweep import Variant
+from harness.sweep import Variant, checkpoint_drafter, draft_model_variants
 
 STANDARD_VARIANTS = (
     Variant.of("all-at-once"),
@@ -35,15 +35,38 @@ STANDARD_VARIANTS = (
 )
 
 
+def model_variants(model: str | Path | None) -> tuple[Variant, ...]:
+    """STANDARD_VARIANTS and, when `model` stores a draft model, speculation with it at 1, 3 and 5 drafts
+    and under a confidence threshold (`draft_model_variants`)."""
+    return STANDARD_VARIANTS + draft_model_variants(STANDARD_VARIANTS[0], checkpoint_drafter(model))
+
+
 @dataclass
 class Request:
     prompt: list[int]
     params: SamplingParams
 
 
+# constraints of the standard set's structured requests: outlines-core (regex, choice, a schema) and
+# llguidance (a schema with numeric bounds, a Lark grammar); each language is finite, so a random model
+# ends every output within a few dozen tokens
+STRUCTURED_SAMPLES = (
+    {"regex": r"[a-z]{2,6}( [a-z]{2,6}){0,3}\."},
+    {"json_schema": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                                      "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                                               "maxItems": 3}},
+                     "required": ["id", "tags"], "additionalProperties": False}},
+    {"choice": ["alpha", "beta", "gamma delta"]},
+    {"grammar": 'start: NAME "(" (NUM ("," NUM)~0..2)? ")"\nNAME: /[a-z]{1,5}/\nNUM: /[0-9]{1,3}/', "syntax": "lark"},
+    {"json_schema": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"}},
+                     "required": ["name", "ok"]}},
+)
+
+
 def standard_requests(vocab_size: int, count: int = 24, seed: int = 0, max_tokens: int = 24) -> list[Request]:
     """Mixed prompt lengths (short, past the tiny window, several compression windows), greedy and
-    seeded sampling at temperatures 0.7-1.0 with top-p / top-k / min-p, logprobs with top-2."""
+    seeded sampling at temperatures 0.7-1.0 with top-p / top-k / min-p, logprobs with top-2; every
+    fourth request structured (`STRUCTURED_SAMPLES` in turn), so constrained and free rows share batches."""
     rng = random.Random(seed)
     lengths = [1, 5, 17, 33, 48, 64, 97, 130, 160, 200, 250, 300]
     requests = []
@@ -57,6 +80,8 @@ def standard_requests(vocab_size: int, count: int = 24, seed: int = 0, max_token
                 top_k=rng.choice([0, 20, 50]), min_p=rng.choice([0.0, 0.05]), seed=1000 + i,
                 max_tokens=max_tokens, logprobs=2, ignore_eos=True,
             )
+        if i % 4 == 3:
+            params.structured = STRUCTURED_SAMPLES[i // 4 % len(STRUCTURED_SAMPLES)]
         requests.append(Request(prompt, params))
     return requests
 

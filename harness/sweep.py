@@ -112,14 +112,24 @@ def checkpoint_drafter(model: str | Path | None) -> str | None:
     return "mtp" if config.num_nextn_predict_layers else None
 
 
+def draft_model_variants(base: Variant, drafter: str | None) -> tuple[Variant, ...]:
+    """`base` speculating with the checkpoint's own draft model (`drafter`, from `checkpoint_drafter`;
+    none when it is None): 1, 3 and 5 drafts all verified, and 5 verified only as far as the confidence
+    head gives them at least a 5 % chance together, so the verified length changes from step to step."""
+    if drafter is None:
+        return ()
+    settings = (("draft-k1", 1, 0.0), ("draft-k3", 3, 0.0), ("draft-k5", 5, 0.0), ("draft-k5-confidence", 5, 0.05))
+    return tuple(base.derive(name, speculation=drafter, draft_tokens=k, draft_confidence=confidence)
+                 for name, k, confidence in settings)
+
+
 def default_sweep(dtype: str | None = None, device: str | None = None, drafter: str | None = None) -> Sweep:
     """The sweep `make certify` runs: batch sizes 1/8/32, shuffled, staggered, chunk 32, forced
     preemption, each step read before the next is scheduled (the others schedule asynchronously),
     speculative decoding with prompt-lookup drafts and, given the checkpoint's `drafter`
-    (`checkpoint_drafter`), with its own draft model (3 drafts, verified while its confidence head gives
-    them at least a 5 % chance together), the prefix cache off (cold) and hot (the suite
-    served twice in one engine, the second pass recorded), on CPU one thread, on CUDA every step run
-    eagerly (the others replay decode steps from CUDA graphs), and a `fast` numerics control. The
+    (`checkpoint_drafter`), with its own draft model (`draft_model_variants`), the prefix cache off
+    (cold) and hot (the suite served twice in one engine, the second pass recorded), on CPU one
+    thread, on CUDA every step run eagerly (the others replay decode steps from CUDA graphs), and a `fast` numerics control. The
     preemption variant's 12 blocks per cache pool (raised to one sequence's worth where that is more,
     see `CacheManager`) hold under two sequences' sliding-window rows at a 64-token step whatever
     max_model_len resolves to, so the requests must take turns. `dtype` and `device` (None: the
@@ -138,8 +148,7 @@ def default_sweep(dtype: str | None = None, device: str | None = None, drafter: 
         reference.derive("prefix-cold", prefix_caching=False),
         reference.derive("prefix-hot", warm=True),
     )
-    if drafter is not None:
-        variants += (reference.derive("draft-model", speculation=drafter, draft_tokens=3, draft_confidence=0.05),)
+    variants += draft_model_variants(reference, drafter)
     if parse_device(reference.engine.device).type == "cpu":
         variants += (reference.derive("threads-1", threads=1),)
     else:

@@ -96,10 +96,11 @@ def test_default_sweep_covers_the_contract() -> None:
     assert sweep.reference.engine.speculation == "off" and variants["speculation"].engine.speculation == "ngram"
     assert [c.engine.numerics for c in sweep.controls] == ["fast"]
     assert all(v.engine.numerics == "batch_invariant" for v in (sweep.reference, *sweep.variants))
-    assert "draft-model" not in variants  # only for a checkpoint with a draft model:
+    assert not any(name.startswith("draft-") for name in variants)  # only for a checkpoint with a draft model:
     for model, drafter in (("preset:tiny", "mtp"), ("preset:v41-tiny", "dspark")):
-        own = {v.name: v for v in default_sweep(drafter=checkpoint_drafter(model)).variants}["draft-model"].engine
-        assert (own.speculation, own.draft_tokens, own.draft_confidence) == (drafter, 3, 0.05)
+        own = [v.engine for v in default_sweep(drafter=checkpoint_drafter(model)).variants if v.name.startswith("draft-")]
+        assert [(e.speculation, e.draft_tokens, e.draft_confidence) for e in own] == [
+            (drafter, 1, 0.0), (drafter, 3, 0.0), (drafter, 5, 0.0), (drafter, 5, 0.05)]
     on_cuda = {v.name: v for v in default_sweep(device="cuda").variants}
     assert "threads-1" not in on_cuda and "threads-1" in variants  # GPU kernels: no CPU threads
     assert not on_cuda["graphs-off"].engine.cuda_graphs and "graphs-off" not in variants

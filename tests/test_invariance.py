@@ -1,13 +1,17 @@
 """The determinism contract on CPU: every request's token ids and logprob bits are the same
-whatever the batch size, arrival order, staggering, chunked-prefill size or preemption."""
+whatever the batch size, arrival order, staggering, chunked-prefill size, preemption, speculation
+(prompt lookup; the checkpoint's draft model at 1, 3 and 5 drafts and under a confidence threshold)
+or prefix caching (cold, hot)."""
 
 from __future__ import annotations
 
 import pytest
 
 from cpu_paths import bf16_refusal
-from harness.invariance import STANDARD_VARIANTS, run_matrix, standard_requests
+from harness.invariance import model_variants, run_matrix, standard_requests
 from harness.sweep import Variant
+
+DRAFT_MODEL = {"draft-k1", "draft-k3", "draft-k5", "draft-k5-confidence"}  # the checkpoint's own drafter (MTP, DSpark)
 
 
 @pytest.fixture(scope="module")
@@ -19,8 +23,10 @@ def requests():
 def test_batch_invariant_mode_is_bitwise_invariant(tiny_checkpoint, requests, dtype):
     if dtype == "bfloat16" and (refusal := bf16_refusal()):
         pytest.skip(f"the engine refuses bf16 on this CPU code path: {refusal}")
-    result = run_matrix(tiny_checkpoint, requests, STANDARD_VARIANTS, dtype=dtype, numerics="batch_invariant")
-    assert set(result.diverged) == {v.name for v in STANDARD_VARIANTS[1:]}
+    variants = model_variants(tiny_checkpoint)
+    assert DRAFT_MODEL <= {v.name for v in variants}
+    result = run_matrix(tiny_checkpoint, requests, variants, dtype=dtype, numerics="batch_invariant")
+    assert set(result.diverged) == {v.name for v in variants[1:]}
     assert result.invariant, f"{dtype}: requests diverged from {result.reference}: {result.diverged}"
 
 
@@ -42,8 +48,10 @@ def test_v41_is_bitwise_invariant(v41_requests, dtype):
     """The same matrix on V4.1 (every CSA2 role, Engram, the cache formats on)."""
     if dtype == "bfloat16" and (refusal := bf16_refusal()):
         pytest.skip(f"the engine refuses bf16 on this CPU code path: {refusal}")
-    result = run_matrix("preset:v41-tiny", v41_requests, STANDARD_VARIANTS, dtype=dtype, numerics="batch_invariant")
-    assert set(result.diverged) == {v.name for v in STANDARD_VARIANTS[1:]}
+    variants = model_variants("preset:v41-tiny")
+    assert DRAFT_MODEL <= {v.name for v in variants}
+    result = run_matrix("preset:v41-tiny", v41_requests, variants, dtype=dtype, numerics="batch_invariant")
+    assert set(result.diverged) == {v.name for v in variants[1:]}
     assert result.invariant, f"{dtype}: requests diverged from {result.reference}: {result.diverged}"
 
 
