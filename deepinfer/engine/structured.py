@@ -115,14 +115,14 @@ class Matcher:
 
 class _OutlinesMatcher(Matcher):
     def __init__(self, index: outlines_core.Index, eos: int) -> None:
-        self.guide = outlines_core.Guide(index, max_rollback=MAX_ROLLBACK)
+        self.index, self.guide = index, outlines_core.Guide(index, max_rollback=MAX_ROLLBACK)
         self.eos = eos
 
     def _may_end(self) -> bool:
-        return self.eos in self.guide.get_tokens()
+        return self.index.is_final_state(self.guide.get_state())
 
     def _take(self, token: int) -> bool:
-        if token not in self.guide.get_tokens():
+        if self.index.get_next_state(self.guide.get_state(), token) is None:  # not the guide's token list: O(vocab)
             return False
         self.guide.advance(token, return_tokens=False)
         return True

@@ -1,0 +1,204 @@
+"""What structured outputs cost: host time per token of each compiler's mask on a flash-sized
+vocabulary, and decode throughput with constrained rows against free ones at batch 1 and 32.
+
+    python benchmarks/structured.py --out results.json                     # masks, and decode on CPU (tiny)
+    python benchmarks/structured.py --device cuda --preset flash-4l --out results.json
+
+Masks: the bundled corpus trains at most ~4,000 tokens, so the mask timing uses a byte-level
+vocabulary of 129,280 tokens (Flash's size) made of the byte alphabet, the special tokens and seeded
+random words (with and without a leading space, letters, digits and punctuation, 2-12 characters).
+Each constraint is compiled by outlines-core and by llguidance where both can (the engine picks one,
+`deepinfer.engine.structured`), then walked for `--walk` tokens, each step taking a seeded random
+allowed token: `mask_us` is the time to write one row's bitmask, `advance_us` to take the token.
+
+Decode: the same prompts served twice with `LLM.generate`, free (ignore_eos, `--max-tokens`) and
+constrained (a regex and a JSON Schema that do not end before `--max-tokens`), interleaved `--repeats`
+times; tokens per second of each and their ratio. The preset's own tokenizer sets that vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.engine import structured
+from deepinfer.engine.structured import StructuredCompiler, mask_words
+from deepinfer.recipe.tokenizer import SPECIAL_TOKENS, TextTokenizer
+
+FLASH_VOCAB = 129280
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "tags", "city"],
+          "properties": {"name": {"type": "string", "maxLength": 40},
+                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 6},
+                         "city": {"enum": ["Lisbon", "Porto", "Faro", "Braga"]}}}
+MASK_CONSTRAINTS = {  # name: (constraint, compilers that can take it)
+    "regex-date-list": ({"regex": r"([0-9]{4}-[0-9]{2}-[0-9]{2}, ){0,20}[0-9]{4}-[0-9]{2}-[0-9]{2}"},
+                        ("outlines-core", "llguidance")),
+    "json-schema": ({"json_schema": SCHEMA}, ("outlines-core", "llguidance")),
+    "lark-arithmetic": ({"grammar": 'start: expr\nexpr: term (("+" | "-") term)~0..8\nterm: NUM | "(" NUM ("*" NUM)~0..3 ")"\n'
+                                    'NUM: /[0-9]{1,6}/', "syntax": "lark"}, ("llguidance",)),
+}
+DECODE_CONSTRAINTS = {"regex": {"regex": r"[a-z]{2,9}( [a-z]{2,9}){0,200}"},
+                      "json-schema": {"json_schema": {"type": "array", "maxItems": 200,
+                                                      "items": {"type": "string", "maxLength": 16}}}}
+
+
+def flash_sized_tokenizer(size: int = FLASH_VOCAB, seed: int = 0) -> TextTokenizer:
+    """A byte-level tokenizer of `size` tokens: specials, the byte alphabet, then seeded random words."""
+    rng = random.Random(seed)
+    byte_level = {byte: char for byte, char in zip(range(256), _byte_chars())}
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    letters = "etaoinshrdlucmfwypvbgkjqxz"
+    while len(vocab) < size:
+        kind = rng.random()
+        if kind < 0.8:
+            word = "".join(rng.choice(letters[:rng.randint(8, 26)]) for _ in range(rng.randint(2, 12)))
+            word = word.capitalize() if rng.random() < 0.2 else word
+        elif kind < 0.9:
+            word = "".join(rng.choice("0123456789") for _ in range(rng.randint(2, 4)))
+        else:
+            word = "".join(rng.choice("{}[]()<>:;,.\"'=+-*/_#") for _ in range(rng.randint(2, 3)))
+        text = (" " if rng.random() < 0.5 else "") + word
+        token = "".join(byte_level[b] for b in text.encode())
+        vocab.setdefault(token, len(vocab))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    return TextTokenizer(tokenizer)
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte-level map: the character standing for each byte 0..255."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[byte] = chr(byte)
+        else:
+            chars[byte] = chr(256 + extra)
+            extra += 1
+    return [chars[byte] for byte in range(256)]
+
+
+def _matcher(compiler: StructuredCompiler, constraint: dict, engine: str) -> structured.Matcher:
+    """`constraint` compiled by `engine` itself, not by the engine's routing (private helpers: this
+    compares the two compilers on the same constraint)."""
+    if engine == "llguidance":
+        if "grammar" in constraint:
+            grammar = structured.llguidance.LLMatcher.grammar_from_lark(constraint["grammar"])
+        elif "regex" in constraint:
+            grammar = structured.llguidance.LLMatcher.grammar_from_regex(constraint["regex"])
+        else:
+            grammar = structured.llguidance.LLMatcher.grammar_from_json_schema(
+                json.dumps(constraint["json_schema"]), defaults={"whitespace_flexible": False})
+        return structured._GuidanceMatcher(compiler.guidance, grammar)
+    regex = (constraint["regex"] if "regex" in constraint else
+             structured.outlines_core.json_schema.build_regex_from_schema(json.dumps(constraint["json_schema"]),
+                                                                         structured.JSON_WHITESPACE))
+    return structured._OutlinesMatcher(structured.outlines_core.Index(regex, structured._vocabulary(compiler)),
+                                       compiler.eos)
+
+
+def mask_times(walk: int, seed: int) -> dict:
+    start = time.perf_counter()
+    tokenizer = flash_sized_tokenizer()
+    compiler = StructuredCompiler(tokenizer)
+    structured._vocabulary(compiler)
+    setup_s = time.perf_counter() - start
+    words = mask_words(tokenizer.vocab_size)
+    results = {"vocab_size": tokenizer.vocab_size, "tokenizer_and_vocabulary_s": round(setup_s, 2), "constraints": {}}
+    for name, (constraint, engines) in MASK_CONSTRAINTS.items():
+        for engine in engines:
+            start = time.perf_counter()
+            matcher = _matcher(compiler, constraint, engine)
+            compile_ms = (time.perf_counter() - start) * 1e3
+            rng, row = random.Random(seed), torch.zeros(words, dtype=torch.int32)
+            masks, advances, taken = [], [], 0
+            while taken < walk:
+                start = time.perf_counter()
+                matcher.fill_mask(row)
+                masks.append(time.perf_counter() - start)
+                allowed = structured.allowed_tokens(row.unsqueeze(0), tokenizer.vocab_size)[0].nonzero().flatten().tolist()
+                choices = [t for t in allowed if t != compiler.eos] or allowed
+                token = rng.choice(choices)
+                start = time.perf_counter()
+                if not matcher.advance(token):
+                    raise AssertionError(f"{engine} refused a token its own mask allowed ({name})")
+                advances.append(time.perf_counter() - start)
+                taken += 1
+                if token == compiler.eos:
+                    matcher = _matcher(compiler, constraint, engine)
+            results["constraints"][f"{name}/{engine}"] = {
+                "compile_ms": round(compile_ms, 2), "tokens": taken,
+                "mask_us": _percentiles(masks), "advance_us": _percentiles(advances)}
+            print(name, engine, results["constraints"][f"{name}/{engine}"], flush=True)
+    return results
+
+
+def _percentiles(seconds: list[float]) -> dict:
+    values = sorted(s * 1e6 for s in seconds)
+    return {"p50": round(statistics.median(values), 1), "p99": round(values[min(len(values) - 1, int(0.99 * len(values)))], 1),
+            "mean": round(statistics.fmean(values), 1)}
+
+
+def decode_rates(preset: str, device: str, dtype: str, batches: list[int], max_tokens: int, repeats: int) -> dict:
+    llm = LLM(f"preset:{preset}", device=device, dtype=dtype, max_model_len=max_tokens + 64)
+    prompts = [llm.tokenize(f"Request {i}: list a few words.", add_bos=True) for i in range(max(batches))]
+    results = {}
+    for batch in batches:
+        runs = {"free": [], **{name: [] for name in DECODE_CONSTRAINTS}}
+        for _ in range(repeats + 1):  # the first round warms up (graphs, compile caches)
+            for name in runs:
+                params = [SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True,
+                                         structured=DECODE_CONSTRAINTS.get(name)) for i in range(batch)]
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                outputs = llm.generate(prompts[:batch], params)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                runs[name].append(sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - start))
+        rates = {name: round(statistics.median(values[1:]), 1) for name, values in runs.items()}
+        results[f"batch-{batch}"] = {"tokens_per_s": rates,
+                                     "slowdown": {name: round(rates["free"] / rates[name], 3) for name in DECODE_CONSTRAINTS}}
+        print(batch, results[f"batch-{batch}"], flush=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--walk", type=int, default=2000, help="tokens walked per constraint and compiler")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-masks", action="store_true")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    command = " ".join(arg if arg != args.out else Path(args.out).name for arg in sys.argv)  # no machine paths
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    report = {"command": f"python {command}", "device": device_name, "threads": torch.get_num_threads(),
+              "torch": torch.__version__, "outlines_core": structured.outlines_core.__version__ if hasattr(
+                  structured.outlines_core, "__version__") else None,
+              "llguidance": structured.llguidance.get_version()}
+    if not args.skip_masks:
+        report["masks"] = mask_times(args.walk, args.seed)
+    report["decode"] = {"preset": args.preset, "dtype": args.dtype, "max_tokens": args.max_tokens,
+                        **decode_rates(args.preset, args.device, args.dtype, args.batches, args.max_tokens, args.repeats)}
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
