@@ -242,6 +242,20 @@ def _engine_counters(data: AuditData) -> Section:
     ])
 
 
+def _structured(data: AuditData) -> list[Section]:
+    table = tables.structured_table(data)
+    if table.is_empty():
+        return []
+    return [Section("Structured outputs", [
+        Table(table),
+        Paragraph("Requests with a structured constraint (regex, JSON Schema, choice, Lark or EBNF grammar), "
+                  "each output checked against its constraint after the run (JSON Schemas with `jsonschema`, "
+                  "grammars re-parsed with `lark`): valid, invalid, cut (max_tokens or the context ran out "
+                  "before the constraint could end) or errored; validity counts all of them. The check is "
+                  "the report's, not sealed by the certificate."),
+    ])]
+
+
 def build_document(data: AuditData) -> Document:
     """Assemble every section of the report from the loaded audit data."""
     counts = {c.name: data.summary(c.name) for c in data.configurations}
@@ -269,6 +283,7 @@ def build_document(data: AuditData) -> Document:
             ],
         ),
         _engine_counters(data),
+        *_structured(data),
         Section(
             "Invariance map",
             [Figure("invariance.png", figures.invariance_heatmap(data),

@@ -6,6 +6,7 @@ import json
 
 import polars as pl
 
+from audit.structured_check import violation
 from reports.groups import Grouping, outcome_text
 from reports.load import AuditData, Configuration
 
@@ -162,6 +163,31 @@ def engine_counters_table(data: AuditData) -> pl.DataFrame:
             "rollbacks": cell(_count(stats, "rollbacks")),
             "prefix hits": "–" if not looked_up else f"{hits} of {looked_up} ({_share(hits, looked_up)})",
         })
+    return pl.DataFrame(rows, schema={key: pl.String for key in rows[0]}) if rows else pl.DataFrame()
+
+
+def structured_table(data: AuditData) -> pl.DataFrame:
+    """One row per configuration whose suite has structured requests: how many there were, and how
+    many finished with a text their constraint accepts (`audit.structured_check`), finished with one
+    it does not, were cut by max_tokens or the context before their constraint could end, or errored.
+    The validity rate is over all of them: a request that errored or was cut is not valid."""
+    rows = []
+    for c in data.configurations:
+        counts = dict.fromkeys(("requests", "valid", "invalid", "cut", "errored"), 0)
+        for row in c.run.streams.select("params", "text", "finish_reason", "error_kind").iter_rows(named=True):
+            constraint = json.loads(row["params"]).get("structured")
+            if constraint is None:
+                continue
+            counts["requests"] += 1
+            if row["error_kind"] is not None:
+                counts["errored"] += 1
+            elif row["finish_reason"] != "stop":
+                counts["cut"] += 1
+            else:
+                counts["valid" if violation(constraint, row["text"] or "") is None else "invalid"] += 1
+        if counts["requests"]:
+            rows.append({"configuration": c.name, **{key: str(value) for key, value in counts.items()},
+                         "validity": _share(counts["valid"], counts["requests"])})
     return pl.DataFrame(rows, schema={key: pl.String for key in rows[0]}) if rows else pl.DataFrame()
 
 

@@ -40,6 +40,9 @@ def test_shipped_smoke_suite_meets_the_certify_brief(tiny_checkpoint) -> None:
     assert any(m["role"] == "tool" for r in chats for m in r.value)
     params = [r.params(0) for r in suite.requests]
     assert any(p.temperature == 0 for p in params) and any(p.temperature > 0 for p in params)
+    kinds = {next(k for k in ("regex", "json_schema", "choice", "grammar") if k in p.structured)
+             for p in params if p.structured is not None}
+    assert kinds == {"regex", "json_schema", "choice", "grammar"}
 
 
 def test_params_always_carry_a_seed_and_top2_logprobs(tmp_path) -> None:

@@ -36,18 +36,21 @@ CONFIGURATIONS = [
 ]
 
 
-def _rows(overrides: dict, request_ids: list[str]) -> list[dict]:
+def _rows(overrides: dict, request_ids: list[str], structured: dict | None = None) -> list[dict]:
+    """`structured`: {request index: (constraint, text, finish reason)} for structured requests."""
     rows = []
     for i, (request_id, prompt) in enumerate(zip(request_ids, PROMPTS)):
         tokens, logprobs, top = overrides.get(i, (TOKENS, LOGPROBS, None))
         top = top or [[lp, lp - ALT] for lp in logprobs]
+        constraint, text, finish = (structured or {}).get(i, (None, None, "length"))
         rows.append(
             make_row(
                 index=i, request_id=request_id, prompt_token_ids=prompt,
-                params={"max_tokens": 4, "seed": i, "temperature": 0.0},
+                params={"max_tokens": 4, "seed": i, "temperature": 0.0,
+                        **({"structured": constraint} if constraint else {})},
                 token_ids=tokens, logprobs=logprobs,
                 top_token_ids=[[t, t + 1] for t in tokens], top_logprobs=top,
-                text=None, finish_reason="length", error=None,
+                text=text, finish_reason=finish, error=None,
                 arrival_s=0.0, first_token_s=0.1 * (i + 1), finish_s=0.5 * (i + 1),
             )
         )
@@ -80,12 +83,12 @@ def _manifest(name: str, config: dict, torch_cpu: dict | None = None) -> dict:
 
 
 def _certify_folder(out: Path, configurations: list[tuple], request_ids: list[str] = REQUEST_IDS,
-                    torch_cpu: dict[str, dict] | None = None) -> Path:
+                    torch_cpu: dict[str, dict] | None = None, structured: dict[str, dict] | None = None) -> Path:
     entries = []
     for name, role, config, overrides in configurations:
         config = {"name": name, **config, "dtype": "float32"}
         store = RunStore.create(out / "runs" / name, _manifest(name, config, (torch_cpu or {}).get(name)))
-        rows = _rows(overrides, request_ids)
+        rows = _rows(overrides, request_ids, (structured or {}).get(name))
         store.append(rows[:2])
         store.append(rows[2:])
         store.finalize()
@@ -351,3 +354,22 @@ def test_speculation_and_prefix_counters_come_from_each_runs_stats(tmp_path):
     assert _table_rows(section, "ngram") == [["ngram", "ngram", "3", "–", "–", "–", "–", "–", "–", "–"]]
     assert _table_rows(section, "reference") == []
     assert "the certificate does not seal it" in section
+
+
+def test_structured_outputs_are_checked_per_configuration(tmp_path):
+    """Each configuration's structured requests are checked against their constraints: a valid text,
+    an invalid one, one cut by max_tokens; validity counts them all. Suites without constraints get no
+    section (the shared fixture's report)."""
+    date, schema = {"regex": "[0-9]{4}-[0-9]{2}"}, {"json_schema": {"type": "object", "required": ["a"]}}
+    good = {0: (date, "2024-05", "stop"), 1: (schema, '{"a": 1}', "stop")}
+    out = _certify_folder(tmp_path, CONFIGURATIONS[:2], structured={
+        "reference": good, "batch-8": {**good, 1: (schema, '{"b": 1}', "stop"), 2: (date, "2024-0", "length")}})
+    md = render_report(out)[0].read_text(encoding="utf-8")
+    section = md.split("## Structured outputs", 1)[1].split("\n## ", 1)[0]
+    assert _table_rows(section, "reference") == [["reference", "2", "2", "0", "0", "0", "100.0%"]]
+    assert _table_rows(section, "batch-8") == [["batch-8", "3", "1", "1", "1", "0", "33.3%"]]
+    assert "not sealed by the certificate" in section
+
+
+def test_a_suite_without_constraints_has_no_structured_section(rendered):
+    assert "## Structured outputs" not in rendered[0]

@@ -19,7 +19,7 @@ from harness.cli import main
 from deepinfer.engine import structured
 from deepinfer.engine.structured import StructuredCompiler, StructuredError, allowed_tokens, mask_words, step_masks
 from deepinfer.sampling_params import SamplingParamsError
-from harness.structured_check import violation
+from audit.structured_check import violation
 
 BATTERY = [json.loads(line) for line in
            (Path(__file__).parent / "fixtures" / "structured" / "battery.jsonl").read_text().splitlines()]
