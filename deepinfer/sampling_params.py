@@ -35,15 +35,18 @@ class SamplingParamsError(DeepInferError, ValueError):
 
 
 STRUCTURED_KINDS = ("regex", "json_schema", "choice", "grammar")
+TOOL_CALL = "tool_call"  # the assistant turn as tool calls of the request's tools (`LLM.chat` resolves it)
 GRAMMAR_SYNTAXES = ("lark", "ebnf")
 
 
 def structured_problem(value: object) -> str | None:
     """What is wrong with the shape of a `structured` constraint (compiling it is the engine's job), or
     None: one of {"regex": str}, {"json_schema": dict | JSON text}, {"choice": [str, ...]},
-    {"grammar": str, "syntax": "lark" | "ebnf"}."""
+    {"grammar": str, "syntax": "lark" | "ebnf"}, or "tool_call" (a chat turn's tool calls)."""
+    if value == TOOL_CALL:
+        return None
     if not isinstance(value, dict):
-        return f"must be an object, got {type(value).__name__}"
+        return f"must be an object or {TOOL_CALL!r}, got {type(value).__name__}"
     kinds = [key for key in STRUCTURED_KINDS if key in value]
     if len(kinds) != 1:
         return f"needs exactly one of {', '.join(STRUCTURED_KINDS)}, got {sorted(value) or 'none'}"
@@ -78,7 +81,8 @@ class SamplingParams:
     `prompt_logprobs=True` also scores the prompt: the logprob of every prompt token after the first
     given the tokens before it, with the max(k, 1) most likely tokens there (what evaluations need).
     `structured` constrains the output to a regex, JSON Schema, choice or grammar
-    (`deepinfer.engine.structured`); logprobs stay those of the unconstrained distribution."""
+    (`deepinfer.engine.structured`), or with "tool_call" a chat turn to tool calls of its tools
+    (`LLM.chat`); logprobs stay those of the unconstrained distribution."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -91,7 +95,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     prompt_logprobs: bool = False
-    structured: dict | None = None
+    structured: dict | str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

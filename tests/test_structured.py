@@ -18,6 +18,7 @@ from deepinfer import LLM, SamplingParams
 from harness.cli import main
 from deepinfer.engine import structured
 from deepinfer.engine.structured import StructuredCompiler, StructuredError, allowed_tokens, mask_words, step_masks
+from deepinfer.errors import DeepInferError
 from deepinfer.sampling_params import SamplingParamsError
 from audit.structured_check import violation
 
@@ -56,7 +57,7 @@ def test_a_constraint_that_does_not_compile_fails_at_submission_in_one_line(llm,
 
 
 @pytest.mark.parametrize("constraint, message", [
-    ("[0-9]+", "structured must be an object, got str"),
+    ("[0-9]+", "structured must be an object or 'tool_call', got str"),
     ({}, "structured needs exactly one of regex, json_schema, choice, grammar, got none"),
     ({"regex": "a", "choice": ["a"]}, "structured needs exactly one of regex, json_schema, choice, grammar, "
                                       "got ['choice', 'regex']"),
@@ -117,3 +118,47 @@ def test_probing_a_row_mask_leaves_the_matcher_where_it_was(llm):
         assert not allowed[0, llm.tokenizer.eos_id]
         assert matcher.allows(tokens + [llm.tokenizer.eos_id, tokens[0]]) == len(tokens) + 1
         assert masks.shape[1] == mask_words(llm.config.vocab_size)
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Forecast for a city.", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["city", "days"],
+        "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}},
+    {"type": "function", "function": {"name": "search_notes", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["query"],
+        "properties": {"query": {"type": "string", "maxLength": 20}, "limit": {"enum": [1, 5, 10]}}}}},
+]
+ASK = [{"role": "system", "content": "You are a harbour assistant."},
+       {"role": "user", "content": "What is the weather in Porto for the next three days?"}]
+
+
+@pytest.mark.parametrize("tool_choice, names", [
+    ("required", {"get_weather", "search_notes"}),
+    ({"type": "function", "function": {"name": "get_weather"}}, {"get_weather"}),
+    ({"type": "tool", "name": "search_notes"}, {"search_notes"}),  # Anthropic's spelling
+])
+def test_a_tool_call_turn_calls_allowed_tools_with_valid_arguments(llm, tool_choice, names):
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=200, structured="tool_call")
+              for t, s in ((0.0, 0), (0.8, 1), (1.0, 2), (1.0, 3))]
+    outputs = llm.chat([ASK] * len(params), params, tools=TOOLS, tool_choice=tool_choice)
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+    for output in outputs:
+        calls = output.message["tool_calls"]
+        assert output.finish_reason == "stop" and calls and output.message["content"] == ""
+        assert len(calls) == 1 or tool_choice == "required"
+        for call in calls:
+            assert call["function"]["name"] in names
+            arguments = json.loads(call["function"]["arguments"])
+            assert violation({"json_schema": schemas[call["function"]["name"]]}, json.dumps(arguments)) is None
+
+
+@pytest.mark.parametrize("tool_choice, tools, message", [
+    ("auto", TOOLS, "structured='tool_call' needs tool_choice 'required' or a named function, got 'auto'"),
+    ({"type": "function", "function": {"name": "launch"}}, TOOLS, "tool_choice names 'launch', which is not a function tool"),
+    ("required", None, "structured='tool_call' needs tools"),
+])
+def test_a_tool_call_constraint_needs_tools_and_a_choice_that_forces_a_call(llm, tool_choice, tools, message):
+    with pytest.raises(DeepInferError, match=f"^{re.escape(message)}$"):
+        llm.chat([ASK], SamplingParams(structured="tool_call"), tools=tools, tool_choice=tool_choice)
+    with pytest.raises(DeepInferError, match=re.escape("structured='tool_call' is made from a conversation's tools")):
+        llm.generate(["hi"], SamplingParams(structured="tool_call"))

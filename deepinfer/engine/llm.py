@@ -39,10 +39,11 @@ from deepinfer.model import DeepseekV41, build_model
 from deepinfer.model.dspark import DSpark
 from deepinfer.model.mtp import MTP
 from deepinfer.outputs import RequestOutput
-from deepinfer.recipe.chat import ChatFormatError, encode_messages, parse_completion
+from deepinfer.recipe.chat import ChatFormatError, encode_messages, parse_completion, tool_call_constraint
 from deepinfer.recipe.tokenizer import TextTokenizer, build_tokenizer
 from deepinfer.sampling_params import (
     CONTENT_SEEDS,
+    TOOL_CALL,
     SamplingParams,
     derive_seed,
     request_content_hash,
@@ -314,6 +315,9 @@ class LLM:
         """A fresh matcher of the request's `structured` constraint (None without one)."""
         if params.structured is None:
             return None
+        if params.structured == TOOL_CALL:
+            raise RequestError("structured='tool_call' is made from a conversation's tools: use chat(..., tools=..., "
+                               "tool_choice=...)")
         if self.tokenizer is None:
             raise RequestError("structured outputs need a tokenizer: this checkpoint has no tokenizer.json")
         if self._structured is None:
@@ -400,9 +404,12 @@ class LLM:
         params: SamplingParams | list[SamplingParams] | None = None,
         tools: list[dict] | None = None,
         thinking: bool = False,
+        tool_choice: str | dict | None = None,
     ) -> list[RequestOutput]:
         """Generate the next assistant turn of each conversation (OpenAI Chat Completions messages);
-        each output carries the parsed assistant `message` (content, reasoning, tool_calls)."""
+        each output carries the parsed assistant `message` (content, reasoning, tool_calls). A request
+        whose params say `structured="tool_call"` is constrained to tool calls of `tools` as
+        `tool_choice` allows ("required" or a named function: `recipe.chat.tool_call_constraint`)."""
         if self.tokenizer is None:
             raise RequestError("chat needs a tokenizer: this checkpoint has no tokenizer.json")
         prompts = []
@@ -411,7 +418,12 @@ class LLM:
                 prompts.append(self.tokenize(encode_messages(messages, tools=tools, thinking=thinking)))
             except ChatFormatError as err:
                 raise ChatFormatError(f"conversation {i}: {err}") from None
-        outputs = self.generate(prompts, params)
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        if any(p is not None and p.structured == TOOL_CALL for p in per_prompt):
+            constraint = tool_call_constraint(tools, tool_choice, self.tokenizer.token_to_id, thinking)
+            per_prompt = [replace(p, structured=constraint) if p is not None and p.structured == TOOL_CALL else p
+                          for p in per_prompt]
+        outputs = self.generate(prompts, per_prompt)
         for output in outputs:
             output.message = parse_completion(output.text, thinking=thinking)
         return outputs

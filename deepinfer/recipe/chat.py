@@ -477,3 +477,66 @@ def _tool_line(tool: Any, where: str) -> str:
     else:
         raise ChatFormatError(f"{where}.type must be a non-empty string")
     return _json_text(_canonical, described, where)
+
+
+MAX_CONSTRAINED_CALLS = 8  # tool calls a constrained assistant turn may make (`tool_call_constraint`)
+REASONING_BYTES = 4096  # the reasoning a constrained thinking turn may write before its calls
+
+
+def tool_call_constraint(tools: Any, tool_choice: Any, token_id: Callable[[str], int | None],
+                         thinking: bool = False) -> dict:
+    """A Lark constraint (`SamplingParams.structured`, compiled by llguidance) that makes the assistant
+    turn 1 to MAX_CONSTRAINED_CALLS tool calls in this format, each naming a function tool and
+    carrying arguments valid under its `parameters` schema: `tool_choice` "required" (OpenAI,
+    Responses; Anthropic's {"type": "any"}) takes any function tool, a named one ({"type":
+    "function", "function": {"name": ...}}, {"type": "function", "name": ...}, Anthropic's {"type":
+    "tool", "name": ...}) exactly one call of it. With thinking the turn starts with up to
+    REASONING_BYTES of reasoning. `token_id` maps the format's special tokens to the tokenizer's ids."""
+    functions = _constrained_functions(tools, tool_choice)
+    tok = {}
+    for token in (TOOL_CALLS_BEGIN, TOOL_CALL_BEGIN, TOOL_SEP, TOOL_CALL_END, TOOL_CALLS_END, THINK_END):
+        value = token_id(token)
+        if value is None:
+            raise ChatFormatError(f"the tokenizer has no {token!r} token, so tool calls cannot be constrained")
+        tok[token] = f"<[{value}]>"  # llguidance's Lark: exactly that token
+    named = isinstance(tool_choice, dict)
+    lines = [f"start: {'REASONING ' + tok[THINK_END] + ' ' if thinking else ''}{tok[TOOL_CALLS_BEGIN]} "
+             f"call{'' if named else f'~1..{MAX_CONSTRAINED_CALLS}'} {tok[TOOL_CALLS_END]}",
+             "call: " + " | ".join(f"call_{k}" for k in range(len(functions)))]
+    if thinking:
+        lines.append(f"REASONING: /(?s:.{{0,{REASONING_BYTES}}})/")
+    for k, (name, parameters) in enumerate(functions):
+        lines.append(f"call_{k}: {tok[TOOL_CALL_BEGIN]} {json.dumps(name)} {tok[TOOL_SEP]} args_{k} {tok[TOOL_CALL_END]}")
+        compact = {**parameters, "x-guidance": {"whitespace_flexible": False}}  # as `json_schema` constraints
+        lines.append(f"args_{k}: %json {json.dumps(compact, sort_keys=True)}")
+    return {"grammar": "\n".join(lines) + "\n", "syntax": "lark"}
+
+
+def _constrained_functions(tools: Any, tool_choice: Any) -> list[tuple[str, dict]]:
+    """(name, parameters schema) of the function tools `tool_choice` allows."""
+    if not isinstance(tools, list) or not tools:
+        raise ChatFormatError("structured='tool_call' needs tools")
+    functions = []
+    for k, tool in enumerate(tools):
+        _tool_line(tool, f"tools[{k}]")  # the checks encoding makes
+        if tool.get("type", "function") == "function":
+            described = tool["function"]
+            parameters = described.get("parameters", {"type": "object"})
+            if not isinstance(parameters, dict):
+                raise ChatFormatError(f"tools[{k}].function.parameters must be a JSON Schema object")
+            functions.append((described["name"], parameters))
+    if tool_choice in ("required", {"type": "any"}):
+        wanted = None
+    elif isinstance(tool_choice, dict) and tool_choice.get("type") in ("function", "tool"):
+        function = tool_choice.get("function")
+        wanted = function.get("name") if isinstance(function, dict) else tool_choice.get("name")
+        if not isinstance(wanted, str) or not wanted:
+            raise ChatFormatError("tool_choice names no function")
+    else:
+        raise ChatFormatError(f"structured='tool_call' needs tool_choice 'required' or a named function, got "
+                              f"{tool_choice!r}")
+    chosen = [(name, parameters) for name, parameters in functions if wanted in (None, name)]
+    if not chosen:
+        raise ChatFormatError(f"tool_choice names {wanted!r}, which is not a function tool" if wanted
+                              else "structured='tool_call' needs a function tool")
+    return chosen
