@@ -1,9 +1,10 @@
 """JSONL request files: the input of `deepinfer generate --prompts-file` and of the harness's native suite.
 
 One JSON object per line with exactly one of `prompt` (text), `prompt_token_ids` or `messages`
-(OpenAI Chat Completions shape, plus optional `tools`), an optional `sampling` object of
-`SamplingParams` fields and an optional string `id`. Blank lines are skipped. Every error names
-`file:line`.
+(OpenAI Chat Completions shape, plus optional `tools` and `tool_choice`), an optional `sampling`
+object of `SamplingParams` fields and an optional string `id`. Blank lines are skipped. Every error
+names `file:line`. A messages request whose `sampling` says `"structured": "tool_call"` is constrained
+to tool calls of its `tools` as its `tool_choice` allows (`recipe.chat.tool_call_constraint`).
 """
 
 from __future__ import annotations
@@ -14,14 +15,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deepinfer.errors import DeepInferError
-from deepinfer.recipe.chat import encode_messages
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.recipe.chat import encode_messages, tool_call_constraint
+from deepinfer.sampling_params import TOOL_CALL, SamplingParams
 
 if TYPE_CHECKING:
     from deepinfer.engine.llm import LLM
 
 SOURCES = ("prompt", "prompt_token_ids", "messages")
-FIELDS = {*SOURCES, "tools", "sampling", "id"}
+FIELDS = {*SOURCES, "tools", "tool_choice", "sampling", "id"}
 
 
 @dataclass
@@ -34,14 +35,21 @@ class PromptRequest:
     value: str | list
     tools: list | None = None
     sampling: dict = field(default_factory=dict)
+    tool_choice: str | dict | None = None
 
     def params(self, base: dict | None = None) -> SamplingParams:
-        """`base` defaults overridden by this line's `sampling` object."""
+        """`base` defaults overridden by this line's `sampling` object (`structured="tool_call"` made
+        into the constraint of this request's tools)."""
         unknown = set(self.sampling) - set(SamplingParams.__dataclass_fields__)
         if unknown:
             raise DeepInferError(f"{self.where}: unknown sampling field(s) {sorted(unknown)}")
         try:
-            return SamplingParams(**{**(base or {}), **self.sampling})
+            settings = {**(base or {}), **self.sampling}
+            if settings.get("structured") == TOOL_CALL:
+                if self.source != "messages":
+                    raise DeepInferError("structured='tool_call' needs a 'messages' request with tools")
+                settings["structured"] = tool_call_constraint(self.tools, self.tool_choice)
+            return SamplingParams(**settings)
         except DeepInferError as err:
             raise DeepInferError(f"{self.where}: {err}") from None
 
@@ -112,11 +120,13 @@ def parse_request_line(line: str, where: str, default_id: str) -> PromptRequest:
         raise DeepInferError(f"{where}: 'prompt_token_ids' must be a list of token ids")
     if source == "messages" and not isinstance(value, list):
         raise DeepInferError(f"{where}: 'messages' must be a list of message objects")
-    if "tools" in request and source != "messages":
-        raise DeepInferError(f"{where}: 'tools' only goes with 'messages'")
+    for key in ("tools", "tool_choice"):
+        if key in request and source != "messages":
+            raise DeepInferError(f"{where}: '{key}' only goes with 'messages'")
     if not isinstance(request.get("sampling", {}), dict):
         raise DeepInferError(f"{where}: 'sampling' must be an object")
     request_id = request.get("id", default_id)
     if not isinstance(request_id, str) or not request_id:
         raise DeepInferError(f"{where}: 'id' must be a non-empty string")
-    return PromptRequest(where, request_id, source, value, request.get("tools"), request.get("sampling", {}))
+    return PromptRequest(where, request_id, source, value, request.get("tools"), request.get("sampling", {}),
+                         request.get("tool_choice"))

@@ -467,3 +467,23 @@ def _plain_string(value: Any, where: str) -> str:
     if not isinstance(value, str):
         raise TraceFormatError(f"{where}: must be a string")
     return value
+
+
+def chat_tool_choice(value: Any, kind: str) -> str | dict | None:
+    """A line's `tool_choice` in the Chat Completions shape ("auto", "none", "required" or {"type":
+    "function", "function": {"name": ...}}) from its format's own: Anthropic's {"type": "auto" | "any" |
+    "none"} and {"type": "tool", "name": ...}, Responses' "auto" | "none" | "required" and {"type":
+    "function", "name": ...}. None when absent."""
+    if value is None:
+        return None
+    if kind == "anthropic" and isinstance(value, dict) and value.get("type") in ("auto", "any", "none", "tool"):
+        named = value.get("name") if value["type"] == "tool" else None
+        value = {"any": "required", "tool": {"type": "function", "function": {"name": named}}}.get(value["type"], value["type"])
+    elif kind == "responses" and isinstance(value, dict) and value.get("type") == "function" and "function" not in value:
+        value = {"type": "function", "function": {"name": value.get("name")}}
+    if value in ("auto", "none", "required"):
+        return value
+    function = value.get("function") if isinstance(value, dict) and value.get("type") == "function" else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+        raise TraceFormatError(f"tool_choice: expected auto, none, required or a named function, got {value!r}")
+    return {"type": "function", "function": {"name": function["name"]}}

@@ -14,7 +14,9 @@ One episode per line, in the OpenAI Chat Completions shape:
   assistant message before it; a tool message's null content becomes "".
 - `tools` (optional): Chat Completions tools, or the legacy `functions` list (not both). `sampling`
   (optional): SamplingParams fields; a turn without a `seed` gets one derived from the run seed and
-  its request id `<id>/turn-<k>`.
+  its request id `<id>/turn-<k>`. `tool_choice` (optional; each format's own shape, kept in the Chat
+  Completions one): with `"structured": "tool_call"` in `sampling`, every replayed turn is constrained
+  to tool calls of `tools` as it allows ("required" or a named function).
 - `id` (optional, default `line-N`) must be unique in the file; `metadata` is any object, carried along.
 - `recorded` (optional; what a cassette adds): the engine's outputs per turn with their stream hashes,
   and the episode's outcome as replay reported it.
@@ -46,13 +48,14 @@ from typing import Any
 from deepinfer import LLM
 from deepinfer.errors import DeepInferError
 from deepinfer.prompts_file import PromptRequest, json_object, read_jsonl_lines
-from deepinfer.recipe.chat import ChatFormatError, UnsupportedContentError, check_messages, content_text
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.recipe.chat import (ChatFormatError, UnsupportedContentError, check_messages, content_text,
+                                  tool_call_constraint)
+from deepinfer.sampling_params import TOOL_CALL, SamplingParams
 from harness.suite_base import Suite, SuiteRequest, file_hash
-from harness.trace_import import TraceFormatError, canonical_arguments, from_anthropic, from_responses
+from harness.trace_import import TraceFormatError, canonical_arguments, chat_tool_choice, from_anthropic, from_responses
 
 FORMATS = ("chat", "anthropic", "responses")
-_COMMON_FIELDS = {"id", "format", "tools", "sampling", "metadata", "response_id"}
+_COMMON_FIELDS = {"id", "format", "tools", "tool_choice", "sampling", "metadata", "response_id"}
 _FORMAT_FIELDS = {
     "chat": {"messages", "functions", "recorded"},
     "anthropic": {"system", "messages"},
@@ -106,6 +109,7 @@ class Episode:
     recording: Recording | None = None
     tool_results: tuple[ToolResult, ...] = ()
     response_id: str | None = None  # what later responses lines' previous_response_id continues
+    tool_choice: str | dict | None = None  # Chat Completions shape (`trace_import.chat_tool_choice`)
 
     @property
     def where(self) -> str:
@@ -143,6 +147,8 @@ class Episode:
             line["metadata"] = self.metadata
         if self.response_id is not None:
             line["response_id"] = self.response_id
+        if self.tool_choice is not None:
+            line["tool_choice"] = self.tool_choice
         if self.recording is not None:
             line["recorded"] = {"turns": [asdict(t) for t in self.recording.turns], "outcome": self.recording.outcome}
         return line
@@ -165,7 +171,7 @@ def turn_request_id(episode_id: str, turn: int) -> str:
 def _turn_request(episode: Episode, turn: int, messages: list[dict]) -> SuiteRequest:
     request_id = turn_request_id(episode.episode_id, turn)
     return SuiteRequest(request_id, PromptRequest(episode.where, request_id, "messages", messages, episode.tools,
-                                                  episode.sampling))
+                                                  episode.sampling, episode.tool_choice))
 
 
 # reading files --------------------------------------------------------------------------------------
@@ -247,9 +253,12 @@ def _episode(obj: dict, path: str, line: int, responses: dict[str, Episode]) -> 
     if metadata is not None and not isinstance(metadata, dict):
         raise TraceFormatError("metadata: must be an object")
     sampling = _sampling(obj.get("sampling", {}))
+    tool_choice = chat_tool_choice(obj.get("tool_choice"), kind)
+    if sampling.get("structured") == TOOL_CALL:
+        tool_call_constraint(tools, tool_choice)  # the turns' constraint can be made: one-line errors now
     recording = _recording(obj["recorded"]) if "recorded" in obj else None
     return Episode(episode_id, path, line, messages, tools, sampling, metadata, recording, _tool_results(messages),
-                   _response_id(obj, "response_id"))
+                   _response_id(obj, "response_id"), tool_choice)
 
 
 def _continued(obj: dict, messages: list[dict], responses: dict[str, Episode]) -> list[dict]:

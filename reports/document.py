@@ -251,8 +251,9 @@ def _structured(data: AuditData) -> list[Section]:
         Paragraph("Requests with a structured constraint (regex, JSON Schema, choice, Lark or EBNF grammar), "
                   "each output checked against its constraint after the run (JSON Schemas with `jsonschema`, "
                   "grammars re-parsed with `lark`): valid, invalid, cut (max_tokens or the context ran out "
-                  "before the constraint could end) or errored; validity counts all of them. The check is "
-                  "the report's, not sealed by the certificate."),
+                  "before the constraint could end), errored, or unchecked (a constraint the checker cannot read, "
+                  "such as a tool-call grammar); validity is over all but the unchecked. The check is the "
+                  "report's, not sealed by the certificate."),
     ])]
 
 

@@ -169,11 +169,12 @@ def engine_counters_table(data: AuditData) -> pl.DataFrame:
 def structured_table(data: AuditData) -> pl.DataFrame:
     """One row per configuration whose suite has structured requests: how many there were, and how
     many finished with a text their constraint accepts (`audit.structured_check`), finished with one
-    it does not, were cut by max_tokens or the context before their constraint could end, or errored.
-    The validity rate is over all of them: a request that errored or was cut is not valid."""
+    it does not, were cut by max_tokens or the context before their constraint could end, errored,
+    or finished under a constraint the checker cannot read (a tool-call grammar uses llguidance's own
+    Lark). The validity rate is over the checkable ones: one that errored or was cut is not valid."""
     rows = []
     for c in data.configurations:
-        counts = dict.fromkeys(("requests", "valid", "invalid", "cut", "errored"), 0)
+        counts = dict.fromkeys(("requests", "valid", "invalid", "cut", "errored", "unchecked"), 0)
         for row in c.run.streams.select("params", "text", "finish_reason", "error_kind").iter_rows(named=True):
             constraint = json.loads(row["params"]).get("structured")
             if constraint is None:
@@ -184,10 +185,13 @@ def structured_table(data: AuditData) -> pl.DataFrame:
             elif row["finish_reason"] != "stop":
                 counts["cut"] += 1
             else:
-                counts["valid" if violation(constraint, row["text"] or "") is None else "invalid"] += 1
+                try:
+                    counts["valid" if violation(constraint, row["text"] or "") is None else "invalid"] += 1
+                except ValueError:
+                    counts["unchecked"] += 1
         if counts["requests"]:
             rows.append({"configuration": c.name, **{key: str(value) for key, value in counts.items()},
-                         "validity": _share(counts["valid"], counts["requests"])})
+                         "validity": _share(counts["valid"], counts["requests"] - counts["unchecked"])})
     return pl.DataFrame(rows, schema={key: pl.String for key in rows[0]}) if rows else pl.DataFrame()
 
 

@@ -358,16 +358,17 @@ def test_speculation_and_prefix_counters_come_from_each_runs_stats(tmp_path):
 
 def test_structured_outputs_are_checked_per_configuration(tmp_path):
     """Each configuration's structured requests are checked against their constraints: a valid text,
-    an invalid one, one cut by max_tokens; validity counts them all. Suites without constraints get no
-    section (the shared fixture's report)."""
+    an invalid one, one cut by max_tokens, one under a grammar the checker cannot read (unchecked,
+    left out of the validity rate)."""
     date, schema = {"regex": "[0-9]{4}-[0-9]{2}"}, {"json_schema": {"type": "object", "required": ["a"]}}
-    good = {0: (date, "2024-05", "stop"), 1: (schema, '{"a": 1}', "stop")}
+    tool_calls = {"grammar": 'start: <｜tool▁calls▁begin｜> "x" <｜tool▁calls▁end｜>', "syntax": "lark"}  # llguidance's Lark
+    good = {0: (date, "2024-05", "stop"), 1: (schema, '{"a": 1}', "stop"), 3: (tool_calls, "x", "stop")}
     out = _certify_folder(tmp_path, CONFIGURATIONS[:2], structured={
         "reference": good, "batch-8": {**good, 1: (schema, '{"b": 1}', "stop"), 2: (date, "2024-0", "length")}})
     md = render_report(out)[0].read_text(encoding="utf-8")
     section = md.split("## Structured outputs", 1)[1].split("\n## ", 1)[0]
-    assert _table_rows(section, "reference") == [["reference", "2", "2", "0", "0", "0", "100.0%"]]
-    assert _table_rows(section, "batch-8") == [["batch-8", "3", "1", "1", "1", "0", "33.3%"]]
+    assert _table_rows(section, "reference") == [["reference", "3", "2", "0", "0", "0", "1", "100.0%"]]
+    assert _table_rows(section, "batch-8") == [["batch-8", "4", "1", "1", "1", "0", "1", "33.3%"]]
     assert "not sealed by the certificate" in section
 
 

@@ -162,3 +162,55 @@ def test_a_tool_call_constraint_needs_tools_and_a_choice_that_forces_a_call(llm,
         llm.chat([ASK], SamplingParams(structured="tool_call"), tools=tools, tool_choice=tool_choice)
     with pytest.raises(DeepInferError, match=re.escape("structured='tool_call' is made from a conversation's tools")):
         llm.generate(["hi"], SamplingParams(structured="tool_call"))
+
+
+def test_a_replayed_anthropic_trace_with_tool_choice_any_calls_tools_every_turn(tiny_checkpoint, tmp_path, capsys):
+    """An agent trace as Anthropic's client writes it, with `tool_choice` and `"structured": "tool_call"`:
+    replay constrains every turn to tool calls of the trace's tools, with valid arguments."""
+    line = {
+        "id": "harbour-agent", "format": "anthropic", "system": "You are a harbour assistant.",
+        "tools": [{"name": tool["function"]["name"], "input_schema": tool["function"]["parameters"]} for tool in TOOLS],
+        "tool_choice": {"type": "any"},
+        "sampling": {"temperature": 0.7, "max_tokens": 160, "structured": "tool_call"},
+        "messages": [
+            {"role": "user", "content": "Weather in Porto for three days, then my notes on fog."},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                               "input": {"city": "Porto", "days": 3}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "Fog, 14 C."}]},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_2", "name": "search_notes",
+                                               "input": {"query": "fog"}}]},
+        ],
+    }
+    traces, cassette = tmp_path / "agent.jsonl", tmp_path / "agent.cassette.jsonl"
+    traces.write_text(json.dumps(line) + "\n")
+    assert main(["audit", "replay", "record", "--traces", str(traces), "--out", str(cassette),
+                 "--model", str(tiny_checkpoint)]) == 0
+    episode = json.loads(cassette.read_text().splitlines()[1])
+    assert episode["tool_choice"] == "required" and episode["sampling"]["structured"] == "tool_call"
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+    turns = episode["recorded"]["turns"]
+    assert len(turns) == 2
+    for turn in turns:
+        calls = turn["message"]["tool_calls"]
+        assert turn["finish_reason"] == "stop" and calls
+        for call in calls:
+            assert violation({"json_schema": schemas[call["function"]["name"]]}, call["function"]["arguments"]) is None
+    assert main(["audit", "replay", "verify", str(cassette)]) == 0
+    capsys.readouterr()
+
+
+def test_a_request_file_line_constrains_its_turn_with_its_tool_choice(tiny_checkpoint, tmp_path):
+    from deepinfer.prompts_file import read_prompts_file
+
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in [
+        {"id": "forced", "messages": ASK, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+         "sampling": {"structured": "tool_call", "max_tokens": 120}},
+        {"id": "plain", "prompt": "hi", "sampling": {"structured": "tool_call"}},
+    ]) + "\n")
+    forced, plain = read_prompts_file(str(path))
+    grammar = forced.params().structured["grammar"]
+    assert '"get_weather"' in grammar and '"search_notes"' not in grammar
+    with pytest.raises(DeepInferError, match=re.escape(f"{path}:2: structured='tool_call' needs a 'messages' request "
+                                                       "with tools")):
+        plain.params()

@@ -420,7 +420,7 @@ class LLM:
                 raise ChatFormatError(f"conversation {i}: {err}") from None
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         if any(p is not None and p.structured == TOOL_CALL for p in per_prompt):
-            constraint = tool_call_constraint(tools, tool_choice, self.tokenizer.token_to_id, thinking)
+            constraint = tool_call_constraint(tools, tool_choice, thinking)
             per_prompt = [replace(p, structured=constraint) if p is not None and p.structured == TOOL_CALL else p
                           for p in per_prompt]
         outputs = self.generate(prompts, per_prompt)

@@ -483,31 +483,23 @@ MAX_CONSTRAINED_CALLS = 8  # tool calls a constrained assistant turn may make (`
 REASONING_BYTES = 4096  # the reasoning a constrained thinking turn may write before its calls
 
 
-def tool_call_constraint(tools: Any, tool_choice: Any, token_id: Callable[[str], int | None],
-                         thinking: bool = False) -> dict:
-    """A Lark constraint (`SamplingParams.structured`, compiled by llguidance) that makes the assistant
-    turn 1 to MAX_CONSTRAINED_CALLS tool calls in this format, each naming a function tool and
-    carrying arguments valid under its `parameters` schema: `tool_choice` "required" (OpenAI,
-    Responses; Anthropic's {"type": "any"}) takes any function tool, a named one ({"type":
-    "function", "function": {"name": ...}}, {"type": "function", "name": ...}, Anthropic's {"type":
-    "tool", "name": ...}) exactly one call of it. With thinking the turn starts with up to
-    REASONING_BYTES of reasoning. `token_id` maps the format's special tokens to the tokenizer's ids."""
+def tool_call_constraint(tools: Any, tool_choice: Any, thinking: bool = False) -> dict:
+    """A Lark constraint (`SamplingParams.structured`, compiled by llguidance, which reads a special
+    token's text in a grammar as that token) that makes the assistant turn 1 to MAX_CONSTRAINED_CALLS
+    tool calls in this format, each naming a function tool and carrying arguments valid under its
+    `parameters` schema (compact JSON): `tool_choice` "required" (OpenAI, Responses; Anthropic's
+    {"type": "any"}) takes any function tool, a named one ({"type": "function", "function": {"name":
+    ...}}, Responses' {"type": "function", "name": ...}, Anthropic's {"type": "tool", "name": ...})
+    exactly one call of it. With thinking the turn starts with up to REASONING_BYTES of reasoning."""
     functions = _constrained_functions(tools, tool_choice)
-    tok = {}
-    for token in (TOOL_CALLS_BEGIN, TOOL_CALL_BEGIN, TOOL_SEP, TOOL_CALL_END, TOOL_CALLS_END, THINK_END):
-        value = token_id(token)
-        if value is None:
-            raise ChatFormatError(f"the tokenizer has no {token!r} token, so tool calls cannot be constrained")
-        tok[token] = f"<[{value}]>"  # llguidance's Lark: exactly that token
-    named = isinstance(tool_choice, dict)
-    lines = [f"start: {'REASONING ' + tok[THINK_END] + ' ' if thinking else ''}{tok[TOOL_CALLS_BEGIN]} "
-             f"call{'' if named else f'~1..{MAX_CONSTRAINED_CALLS}'} {tok[TOOL_CALLS_END]}",
+    calls = "call" if isinstance(tool_choice, dict) and tool_choice.get("type") != "any" else f"call~1..{MAX_CONSTRAINED_CALLS}"
+    lines = [f"start: {'REASONING ' + THINK_END + ' ' if thinking else ''}{TOOL_CALLS_BEGIN} {calls} {TOOL_CALLS_END}",
              "call: " + " | ".join(f"call_{k}" for k in range(len(functions)))]
     if thinking:
         lines.append(f"REASONING: /(?s:.{{0,{REASONING_BYTES}}})/")
     for k, (name, parameters) in enumerate(functions):
-        lines.append(f"call_{k}: {tok[TOOL_CALL_BEGIN]} {json.dumps(name)} {tok[TOOL_SEP]} args_{k} {tok[TOOL_CALL_END]}")
         compact = {**parameters, "x-guidance": {"whitespace_flexible": False}}  # as `json_schema` constraints
+        lines.append(f"call_{k}: {TOOL_CALL_BEGIN} {json.dumps(name)} {TOOL_SEP} args_{k} {TOOL_CALL_END}")
         lines.append(f"args_{k}: %json {json.dumps(compact, sort_keys=True)}")
     return {"grammar": "\n".join(lines) + "\n", "syntax": "lark"}
 
