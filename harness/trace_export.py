@@ -30,8 +30,10 @@ from harness.trace_import import INVALID_JSON, TraceFormatError
 EXPORT_FORMATS = ("chat", "anthropic", "responses")
 
 
-def export_line(messages: list[dict], tools: list[dict] | None, fmt: str) -> dict:
-    """The trace line (without id, sampling or metadata) that imports to `messages` and `tools`."""
+def export_line(messages: list[dict], tools: list[dict] | None, fmt: str, tool_choice: str | dict | None = None
+                ) -> dict:
+    """The trace line (without id, sampling or metadata) that imports to `messages`, `tools` and
+    `tool_choice` (Chat Completions shape, as `trace_import.chat_tool_choice` keeps it)."""
     if fmt not in EXPORT_FORMATS:
         raise TraceFormatError(f"format: unknown {fmt!r} (expected one of {', '.join(EXPORT_FORMATS)})")
     if fmt == "chat":
@@ -40,7 +42,19 @@ def export_line(messages: list[dict], tools: list[dict] | None, fmt: str) -> dic
         line = {"format": fmt, **(to_anthropic(messages) if fmt == "anthropic" else to_responses(messages))}
     if tools is not None:
         line["tools"] = [_TOOL_EXPORTERS[fmt](tool, f"tools[{k}]") for k, tool in enumerate(tools)]
+    if tool_choice is not None:
+        line["tool_choice"] = _tool_choice(tool_choice, fmt)
     return line
+
+
+def _tool_choice(choice: str | dict, fmt: str) -> str | dict:
+    """A Chat Completions `tool_choice` in `fmt`'s own spelling."""
+    named = choice["function"]["name"] if isinstance(choice, dict) else None
+    if fmt == "anthropic":
+        return {"type": "tool", "name": named} if named else {"type": {"required": "any"}.get(choice, choice)}
+    if fmt == "responses" and named:
+        return {"type": "function", "name": named}
+    return choice
 
 
 def _leading_system(messages: list[dict], key: str, fmt: str) -> tuple[dict[str, Any], int]:

@@ -396,6 +396,30 @@ def test_exported_lines_import_back_to_the_same_messages(conversation) -> None:
         assert (episode.messages, episode.tools) == (messages, TOOLS), fmt
 
 
+@pytest.mark.parametrize("tool_choice", ["auto", "none", "required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_tool_choice_exports_in_each_formats_spelling_and_imports_back(tool_choice) -> None:
+    messages = [{"role": "user", "content": "Weather in Rome?"}, {"role": "assistant", "content": "Sunny."}]
+    spelled = {}
+    for fmt in EXPORT_FORMATS:
+        line = export_line(messages, TOOLS, fmt, tool_choice)
+        spelled[fmt] = line["tool_choice"]
+        assert parse(line).tool_choice == tool_choice, fmt
+    if tool_choice == "required":
+        assert spelled == {"chat": "required", "anthropic": {"type": "any"}, "responses": "required"}
+    if isinstance(tool_choice, dict):
+        assert spelled["anthropic"] == {"type": "tool", "name": "get_weather"}
+        assert spelled["responses"] == {"type": "function", "name": "get_weather"}
+
+
+def test_a_malformed_tool_choice_is_one_line_naming_the_field() -> None:
+    line = {**export_line([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], TOOLS, "chat"),
+            "tool_choice": {"type": "function"}}
+    with pytest.raises(TraceFormatError) as info:
+        parse(line)
+    assert (info.value.detail, info.value.where) == (
+        "tool_choice: expected auto, none, required or a named function, got {'type': 'function'}", "t.jsonl:1")
+
+
 def test_custom_tool_calls_export_to_responses() -> None:
     patch = "*** Begin Patch\n*** Add File: notes.txt\n+Rome, 9:40\n*** End Patch"
     messages = [USER, {"role": "assistant", "content": None, "tool_calls": [
