@@ -302,6 +302,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     params = [request.params(base) for request in requests]
     llm = LLM(args.model, config)
     prompts = [request.prompt_ids(llm) for request in requests]
+    for request, request_params in zip(requests, params):  # constraints compile here, so errors name the line
+        try:
+            llm.check_params(request_params)
+        except DeepInferError as err:
+            raise err.at(request.where) from None
     outputs = llm.generate(prompts, params)
     try:
         sink = open(args.out, "x", encoding="utf-8") if args.out else sys.stdout

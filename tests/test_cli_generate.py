@@ -149,8 +149,12 @@ def test_bad_prompts_file_lines(capsys, tmp_path, tiny_checkpoint, lines, messag
          "{path}:2: message 0: unknown role 'bot' (expected one of system, developer, user, assistant, tool)"),
         ([{"prompt_token_ids": [0, 5000]}], "{path}:1: prompt token 5000 is not an id in [0, 1024)"),
         ([{"prompt": "a"}, {"prompt_token_ids": []}], "{path}:2: prompt is empty"),
+        ([{"prompt": "a"}, {"prompt": "b", "sampling": {"structured": {"regex": "(("}}}],
+         "{path}:2: invalid regex: unclosed group"),
+        ([{"prompt": "a", "sampling": {"structured": "tool_call"}}],
+         "{path}:1: structured='tool_call' needs a 'messages' request with tools"),
     ],
-    ids=["bad-role", "bad-token", "empty-ids"],
+    ids=["bad-role", "bad-token", "empty-ids", "bad-constraint", "tool-call-without-tools"],
 )
 def test_bad_requests_are_named_by_line(capsys, tmp_path, tiny_checkpoint, lines, message):
     path = write_lines(tmp_path / "requests.jsonl", *lines)
