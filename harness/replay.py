@@ -152,14 +152,15 @@ def teacher_forced(llm: LLM, episodes: list[Episode], run_seed: int = 0, progres
         for turn in range(1, episode.turns + 1):
             request = episode.request(turn)
             try:
-                prompt = request.prompt_ids(llm)
+                prompt, params = request.prompt_ids(llm), request.params(run_seed)
+                llm.check_params(params)  # a constraint that does not compile refuses the turn here
             except DeepInferError as err:
                 run.ending = _refused(episode, turn, err)
                 break
             position = episode.turn_positions[turn - 1]
             full = encode_chat(llm.tokenizer, episode.messages[: position + 1], episode.tools,
                                add_generation_prompt=False)
-            jobs.append((run, turn, prompt, request.params(run_seed), full[len(prompt):]))
+            jobs.append((run, turn, prompt, params, full[len(prompt):]))
     with Progress("replay teacher-forced", len(jobs), enabled=progress, unit="turns") as bar:
         outputs = _generate(llm, [(job[2], job[3]) for job in jobs], bar, count_outputs=True)
     for (run, turn, prompt, params, target), output in zip(jobs, outputs):
@@ -185,6 +186,7 @@ def free_running(llm: LLM, episodes: list[Episode], run_seed: int = 0, progress:
     for state in states:
         try:
             state.prompt = state.run.episode.request(1).prompt_ids(llm)
+            llm.check_params(state.run.episode.params(1, run_seed))  # every turn has the episode's constraint
         except DeepInferError as err:
             state.run.ending = _refused(state.run.episode, 1, err)
     with Progress("replay free-running", len(states), enabled=progress, unit="episodes") as bar:

@@ -214,3 +214,18 @@ def test_a_request_file_line_constrains_its_turn_with_its_tool_choice(tiny_check
     with pytest.raises(DeepInferError, match=re.escape(f"{path}:2: structured='tool_call' needs a 'messages' request "
                                                        "with tools")):
         plain.params()
+
+
+@pytest.mark.parametrize("mode", ["teacher-forced", "free-running"])
+def test_a_trace_with_a_bad_constraint_is_a_counted_error_and_the_others_replay(tiny_checkpoint, tmp_path, capsys, mode):
+    turn = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    traces, cassette = tmp_path / "t.jsonl", tmp_path / "c.jsonl"
+    traces.write_text("".join(json.dumps(line) + "\n" for line in [
+        {"id": "plain", "messages": turn, "sampling": {"max_tokens": 4}},
+        {"id": "broken", "messages": turn, "sampling": {"max_tokens": 4, "structured": {"regex": "(("}}}]))
+    main(["audit", "replay", "record", "--mode", mode, "--traces", str(traces), "--out", str(cassette),
+          "--model", str(tiny_checkpoint)])
+    out = capsys.readouterr().out
+    assert "broken: error at turn 1: invalid_request: invalid regex: unclosed group" in out
+    assert f"2 entries ({mode}): 1 " in out and ", 1 error" in out
+    assert {json.loads(line)["id"] for line in cassette.read_text().splitlines()[1:]} == {"plain", "broken"}
