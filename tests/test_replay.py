@@ -207,6 +207,9 @@ class ScriptedEngine:
     def encode(self, ids: list[int]) -> list[int]:
         return list(ids)
 
+    def check_params(self, params):
+        return params
+
     def add_request(self, prompt: list[int], params) -> int:
         self._queued.append((self._next_id, list(prompt), params))
         self._next_id += 1
