@@ -308,13 +308,11 @@ class LLM:
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; use stop_token_ids with this checkpoint")
         if params.structured is not None:
-            self._matcher(params)
+            self._compiler(params).check(params.structured)
         return params
 
-    def _matcher(self, params: SamplingParams) -> Matcher | None:
-        """A fresh matcher of the request's `structured` constraint (None without one)."""
-        if params.structured is None:
-            return None
+    def _compiler(self, params: SamplingParams) -> StructuredCompiler:
+        """The compiler of constraints like the request's (made on first use)."""
         if params.structured == TOOL_CALL:
             raise RequestError("structured='tool_call' is made from a conversation's tools: use chat(..., tools=..., "
                                "tool_choice=...)")
@@ -322,7 +320,12 @@ class LLM:
             raise RequestError("structured outputs need a tokenizer: this checkpoint has no tokenizer.json")
         if self._structured is None:
             self._structured = StructuredCompiler(self.tokenizer)
-        return self._structured.matcher(params.structured)
+        return self._structured
+
+    def _matcher(self, params: SamplingParams) -> Matcher | None:
+        """A fresh matcher of the request's `structured` constraint (None without one), once
+        `check_params` has compiled it."""
+        return None if params.structured is None else self._compiler(params).matcher(params.structured)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
         """Queue one request; it joins the running batch at the next `step()`."""

@@ -182,6 +182,10 @@ class StructuredCompiler:
         self.eos = tokenizer.eos_id
         self.guidance = _guidance_tokenizer(text, tokenizer.vocab_size, self.eos)
 
+    def check(self, structured: dict) -> None:
+        """Compile `structured` (or find it compiled); StructuredError when it cannot compile."""
+        _compile(self, constraint_key(structured))
+
     def matcher(self, structured: dict) -> Matcher:
         """A matcher at the start of `structured`'s output; StructuredError when it cannot compile."""
         compiled = _compile(self, constraint_key(structured))
