@@ -107,7 +107,7 @@ def _matcher(compiler: StructuredCompiler, constraint: dict, engine: str) -> str
              structured.outlines_core.json_schema.build_regex_from_schema(json.dumps(constraint["json_schema"]),
                                                                          structured.JSON_WHITESPACE))
     return structured._OutlinesMatcher(structured.outlines_core.Index(regex, structured._vocabulary(compiler)),
-                                       compiler.eos)
+                                       compiler.eos, compiler.guidance.vocab_size)
 
 
 def mask_times(walk: int, seed: int) -> dict:

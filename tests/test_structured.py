@@ -120,6 +120,22 @@ def test_probing_a_row_mask_leaves_the_matcher_where_it_was(llm):
         assert masks.shape[1] == mask_words(llm.config.vocab_size)
 
 
+
+def test_an_id_past_the_tokenizer_is_refused_and_the_matcher_stays_usable(llm):
+    """A model's vocabulary may be larger than its tokenizer's (the flash presets' is): a drafter can
+    propose an id that spells nothing. Every constraint refuses it, and llguidance is not left stopped
+    in error by it (which would end the row's output early when speculating, and not without)."""
+    compiler = StructuredCompiler(llm.tokenizer)
+    for constraint in ({"regex": "[a-c]{2}[0-9]{1,2}"}, {"grammar": 'start: "ab" NUM\nNUM: /[0-9]{1,2}/', "syntax": "lark"}):
+        matcher = compiler.matcher(constraint)
+        tokens = llm.tokenize("ab1")
+        before = step_masks([(matcher, [], [])], llm.config.vocab_size)
+        for outside in (llm.tokenizer.vocab_size, llm.tokenizer.vocab_size + 100, -1):
+            assert matcher.allows([outside]) == 0 and not matcher.advance(outside)
+            assert matcher.allows(tokens[:1] + [outside]) == 1
+        assert torch.equal(step_masks([(matcher, [], [])], llm.config.vocab_size), before)
+        assert matcher.allows(tokens + [llm.tokenizer.eos_id]) == len(tokens) + 1
+
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Forecast for a city.", "parameters": {
         "type": "object", "additionalProperties": False, "required": ["city", "days"],

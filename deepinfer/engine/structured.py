@@ -65,6 +65,7 @@ class Matcher:
     allowed wherever the output may end."""
 
     eos: int
+    vocab_size: int  # the tokenizer's: a model's vocabulary may be larger, and the ids past it spell nothing
     ended = False  # took the end token
 
     def allows(self, tokens: list[int]) -> int:
@@ -79,7 +80,7 @@ class Matcher:
 
     def advance(self, token: int) -> bool:
         """Take `token`; False (and no change) when the constraint does not allow it."""
-        if self.ended:
+        if self.ended or not 0 <= token < self.vocab_size:  # llguidance would stop in error on such an id
             return False
         if token == self.eos:
             self.ended = self._may_end()
@@ -114,9 +115,9 @@ class Matcher:
 
 
 class _OutlinesMatcher(Matcher):
-    def __init__(self, index: outlines_core.Index, eos: int) -> None:
+    def __init__(self, index: outlines_core.Index, eos: int, vocab_size: int) -> None:
         self.index, self.guide = index, outlines_core.Guide(index, max_rollback=MAX_ROLLBACK)
-        self.eos = eos
+        self.eos, self.vocab_size = eos, vocab_size
 
     def _may_end(self) -> bool:
         return self.index.is_final_state(self.guide.get_state())
@@ -190,7 +191,7 @@ class StructuredCompiler:
         """A matcher at the start of `structured`'s output; StructuredError when it cannot compile."""
         compiled = _compile(self, constraint_key(structured))
         if isinstance(compiled, outlines_core.Index):
-            return _OutlinesMatcher(compiled, self.eos)
+            return _OutlinesMatcher(compiled, self.eos, self.guidance.vocab_size)
         return _GuidanceMatcher(self.guidance, compiled)
 
 
