@@ -19,6 +19,7 @@ as many tokens), interleaved `--repeats` times; tokens per second of each and th
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import random
 import statistics
@@ -194,8 +195,7 @@ def main() -> None:
     command = " ".join(arg if arg != args.out else Path(args.out).name for arg in sys.argv)  # no machine paths
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     report = {"command": f"python {command}", "device": device_name, "threads": torch.get_num_threads(),
-              "torch": torch.__version__, "outlines_core": structured.outlines_core.__version__ if hasattr(
-                  structured.outlines_core, "__version__") else None,
+              "torch": torch.__version__, "outlines_core": importlib.metadata.version("outlines-core"),
               "llguidance": structured.llguidance.get_version()}
     if not args.skip_masks:
         report["masks"] = mask_times(args.walk, args.seed)
