@@ -30,13 +30,14 @@ from kernels import composite, fast, invariant
 
 NUMERICS = ("batch_invariant", "fast")
 OPS = (
-    "clamped_swiglu", "cos_sin", "grouped_linear", "hyper_coefficients", "hyper_collapse", "hyper_expand",
+    "clamped_swiglu", "cos_sin", "expert_outputs", "grouped_linear", "hyper_coefficients", "hyper_collapse", "hyper_expand",
     "indexer_scores", "linear", "log", "log_softmax", "matmul_layout", "mix_streams", "moe_experts",
     "ordered_sum", "paged_indexer_scores", "paged_sink_attention", "rms_norm", "rotary", "rotary_table", "sigmoid",
-    "sink_attention", "sinkhorn", "softmax", "softplus", "topk_indices", "unweighted_rms_norm", "window_pool",
+    "sink_attention", "sinkhorn", "softmax", "softplus", "topk_indices", "unweighted_rms_norm", "weighted_combine",
+    "window_pool",
 )
-_COMPOSITES = ("hyper_coefficients", "hyper_collapse", "hyper_expand", "moe_experts", "paged_indexer_scores",
-               "paged_sink_attention", "rotary_table")
+_COMPOSITES = ("expert_outputs", "hyper_coefficients", "hyper_collapse", "hyper_expand", "moe_experts",
+               "paged_indexer_scores", "paged_sink_attention", "rotary_table")
 _PRIMITIVES = tuple(name for name in OPS if name not in _COMPOSITES)
 
 
@@ -58,6 +59,8 @@ def _complete(table: dict) -> dict:
     whichever matmul the table has), unless the table brings its own (fused) version."""
     table.setdefault("moe_experts", partial(fast.routed_experts, matmul=table["linear"],
                                             swiglu=table["clamped_swiglu"]))
+    table.setdefault("expert_outputs", partial(fast.expert_outputs, matmul=table["linear"],
+                                               swiglu=table["clamped_swiglu"]))
     table.setdefault("paged_sink_attention", partial(composite.paged_sink_attention,
                                                      sink_attention=table["sink_attention"]))
     table.setdefault("paged_indexer_scores", partial(composite.paged_indexer_scores,
@@ -76,7 +79,8 @@ def _table(numerics: str, device_type: str) -> dict:
     if numerics == "batch_invariant" and device_type == "cuda":  # Triton is imported only when CUDA needs it
         from kernels import triton_fused, triton_ops
 
-        table.update(triton_ops.OPS, **triton_fused.OPS, moe_experts=triton_ops.moe_experts)
+        table.update(triton_ops.OPS, **triton_fused.OPS, moe_experts=triton_ops.moe_experts,
+                     expert_outputs=triton_ops.expert_outputs, weighted_combine=triton_fused.weighted_combine)
     return _complete(table)
 
 

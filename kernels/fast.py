@@ -163,6 +163,48 @@ def sort_by_expert(indices: torch.Tensor, n_experts: int) -> tuple[torch.Tensor,
     return order, torch.searchsorted(flat[order], bounds)
 
 
+def expert_outputs(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float,
+    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    swiglu: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor],
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Slot s through expert experts[s], unweighted: x[rows[s]] (x[s] when rows is None) [S, H] ->
+    [S, H], with w13 [E, 2I, H] (gate rows then up rows) and w2 [E, H, I].
+
+    Slots are grouped by expert (`sort_by_expert`) and each expert's rows go through `matmul`
+    together, so a slot's output does not depend on which other slots the experts served (given a
+    `matmul` whose rows do not depend on each other): the experts of one rank under expert
+    parallelism give the bits one rank holding them all gives. The per-expert loop reads the group
+    sizes on the host: free on CPU, one sync on CUDA (the batch-invariant CUDA table has a grouped
+    Triton kernel instead)."""
+    order, offsets = sort_by_expert(experts.unsqueeze(-1), w13.shape[0])
+    source = order if rows is None else rows[order]
+    out = x.new_zeros(order.shape[0], x.shape[-1])
+    bounds = offsets.tolist()
+    for expert in range(w13.shape[0]):
+        if bounds[expert] == bounds[expert + 1]:
+            continue
+        span = slice(bounds[expert], bounds[expert + 1])
+        gate, up = matmul(x[source[span]], w13[expert]).chunk(2, dim=-1)
+        out[order[span]] = matmul(swiglu(gate, up, limit), w2[expert])
+    return out
+
+
+def weighted_combine(slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """slots [T, k, H] times their weights [T, k] (in the slots' dtype), summed over k in rank order."""
+    return combine_ranks(slots * weights.unsqueeze(-1).to(slots.dtype))
+
+
+def slot_rows(indices: torch.Tensor) -> torch.Tensor:
+    """The token of each flat (token, rank) slot of indices [T, k]: slot // k."""
+    return torch.arange(indices.numel(), device=indices.device) // indices.shape[-1]
+
+
 def routed_experts(
     x: torch.Tensor,
     indices: torch.Tensor,
@@ -173,28 +215,11 @@ def routed_experts(
     matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     swiglu: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor],
 ) -> torch.Tensor:
-    """Routed experts with a per-token combine in top-k rank order.
-
-    x [T, H]; indices/weights [T, k]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I].
-    Slots are grouped by expert (`sort_by_expert`) and each expert's rows go through `matmul`
-    together; each (token, rank) output lands in its own slot, then slots are summed rank by rank,
-    so a token's result does not depend on which other tokens the experts served (given a `matmul`
-    whose rows do not depend on each other). The per-expert loop reads the group sizes on the host:
-    free on CPU, one sync on CUDA (the batch-invariant CUDA table has a grouped Triton kernel instead).
-    """
-    tokens, top_k = indices.shape
-    order, offsets = sort_by_expert(indices, w13.shape[0])
-    slots = x.new_zeros(tokens * top_k, x.shape[-1])
-    flat_weights = weights.reshape(-1)
-    bounds = offsets.tolist()
-    for expert in range(w13.shape[0]):
-        if bounds[expert] == bounds[expert + 1]:
-            continue
-        hit = order[bounds[expert]:bounds[expert + 1]]
-        gate, up = matmul(x[hit // top_k], w13[expert]).chunk(2, dim=-1)
-        out = matmul(swiglu(gate, up, limit), w2[expert])
-        slots[hit] = out * flat_weights[hit, None].to(out.dtype)
-    return combine_ranks(slots.view(tokens, top_k, -1))
+    """Routed experts with a per-token combine in top-k rank order: x [T, H]; indices/weights [T, k].
+    Each (token, rank) slot goes through its expert (`expert_outputs`), then a token's slots are
+    weighted and summed rank by rank (`weighted_combine`)."""
+    slots = expert_outputs(x, indices.reshape(-1), w13, w2, limit, matmul, swiglu, rows=slot_rows(indices))
+    return weighted_combine(slots.view(*indices.shape, -1), weights)
 
 
 def combine_ranks(slots: torch.Tensor) -> torch.Tensor:

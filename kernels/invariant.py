@@ -74,6 +74,7 @@ from kernels.fast import (  # noqa: F401  (re-exported: already row-invariant)
     sinkhorn,
     softmax,
     unweighted_rms_norm,
+    weighted_combine,
 )
 from kernels.quant import QuantizedWeight, accepts_quantized
 

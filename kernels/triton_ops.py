@@ -456,21 +456,28 @@ def expert_matmul(
     return out
 
 
+def expert_outputs(
+    x: torch.Tensor, experts: torch.Tensor, w13: torch.Tensor | QuantizedWeight, w2: torch.Tensor | QuantizedWeight,
+    limit: float, rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`kernels.fast.expert_outputs` with the invariant matmul and SwiGLU, as two grouped launches over
+    the slots sorted by expert on the device, the second writing each slot's row in place: the same
+    bits, no host sync."""
+    order, offsets = fast.sort_by_expert(experts.unsqueeze(-1), w13.shape[0])
+    active = active_experts(offsets, order.shape[0])
+    hidden = expert_matmul(x, order if rows is None else rows[order], offsets, w13, active)
+    gate, up = hidden.chunk(2, dim=-1)
+    act = triton_fused.clamped_swiglu(gate, up, limit)
+    return expert_matmul(act, None, offsets, w2, active, dest=order)
+
+
 def moe_experts(
     x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor | QuantizedWeight,
     w2: torch.Tensor | QuantizedWeight, limit: float,
 ) -> torch.Tensor:
-    """`kernels.fast.routed_experts` with the invariant matmul and SwiGLU, as two grouped launches
-    over the slots sorted by expert on the device, the second writing each slot's row in place for
-    the fused weighted combine: the same bits, no host sync."""
-    tokens, top_k = indices.shape
-    order, offsets = fast.sort_by_expert(indices, w13.shape[0])
-    experts = active_experts(offsets, order.shape[0])
-    hidden = expert_matmul(x, order // top_k, offsets, w13, experts)
-    gate, up = hidden.chunk(2, dim=-1)
-    act = triton_fused.clamped_swiglu(gate, up, limit)
-    slots = expert_matmul(act, None, offsets, w2, experts, dest=order)
-    return triton_fused.weighted_combine(slots.view(tokens, top_k, -1), weights)
+    """`kernels.fast.routed_experts` on the grouped kernels and the fused weighted combine."""
+    slots = expert_outputs(x, indices.reshape(-1), w13, w2, limit, rows=fast.slot_rows(indices))
+    return triton_fused.weighted_combine(slots.view(*indices.shape, -1), weights)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:

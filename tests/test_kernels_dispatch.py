@@ -22,6 +22,7 @@ def test_composites_use_the_tables_own_primitives():
     for mode, module in (("fast", fast), ("batch_invariant", invariant)):
         ops = kernels.bind(mode, "cpu")
         assert ops.moe_experts.keywords["matmul"] is module.linear
+        assert ops.expert_outputs.keywords["matmul"] is module.linear
         assert ops.hyper_collapse.keywords["ordered_sum"] is module.ordered_sum
         assert ops.hyper_coefficients.keywords == {"sigmoid": module.sigmoid, "sinkhorn": module.sinkhorn}
         assert ops.hyper_expand.keywords["mix_streams"] is module.mix_streams
@@ -37,6 +38,7 @@ def test_cuda_batch_invariant_table_takes_the_triton_kernels():
     for name, op in {**triton_ops.OPS, **triton_fused.OPS}.items():
         assert getattr(cuda, name) is op
     assert cuda.moe_experts is triton_ops.moe_experts  # grouped over experts on the device
+    assert cuda.expert_outputs is triton_ops.expert_outputs and cuda.weighted_combine is triton_fused.weighted_combine
     assert cuda.hyper_expand is triton_fused.hyper_expand  # fused, not the composite
     assert cuda.topk_indices is invariant.topk_indices  # not covered by Triton: PyTorch invariant
 
