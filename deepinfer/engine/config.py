@@ -82,12 +82,21 @@ class EngineConfig:
     draft_confidence: float = _setting(0.0, "with speculation=dspark or mtp: verify a sequence's drafts only as far "
                                        "as the draft's confidence head gives all of them at least this chance to hold "
                                        "(0 to 1; 0: always draft_tokens)")
+    expert_parallel: int = _setting(1, "processes each MoE layer's routed experts are spread over: 1, or every "
+                                    "process of a torchrun launch (tokens go to their experts' process and back, "
+                                    "combined in the order one process uses: the same bits); steps run eagerly "
+                                    "(no CUDA graphs)")
+    data_parallel: int = _setting(1, "with several processes: 1 (every process runs every request, for "
+                                  "expert_parallel) or every process (each runs its own share of a generate() "
+                                  "batch, its attention and cache; the MoE layers exchange tokens across them); "
+                                  "the same bits either way")
     seed: int = _setting(0, "seed from which unseeded requests derive theirs")
     unseeded_seeds: str = _setting("request_order", "how unseeded requests get a seed: request_order (the engine's "
                                    "request counter) or content (a hash of the request)", choices=UNSEEDED_SEEDS)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "draft_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "draft_tokens", "expert_parallel",
+                     "data_parallel"):
             _check_positive(name, getattr(self, name))
         for name in ("max_model_len", "num_cache_blocks"):
             if getattr(self, name) is not None:

@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 import kernels
 from kernels.cpu_isa import CpuIsaError, check_cpu_isa
@@ -39,6 +40,7 @@ from deepinfer.model import DeepseekV41, build_model
 from deepinfer.model.dspark import DSpark
 from deepinfer.model.mtp import MTP
 from deepinfer.outputs import RequestOutput
+from deepinfer.parallel import ExpertPlacement, agree, move_experts, spread_experts, start_layout
 from deepinfer.recipe.chat import ChatFormatError, encode_messages, parse_completion, tool_call_constraint
 from deepinfer.recipe.tokenizer import TextTokenizer, build_tokenizer
 from deepinfer.sampling_params import (
@@ -51,7 +53,8 @@ from deepinfer.sampling_params import (
 
 PRESET_PREFIX = "preset:"
 # the engine settings that decide how the model is built and loaded (`LLM.with_engine` keeps them)
-MODEL_SETTINGS = ("device", "dtype", "numerics", "cache_qdq", "weight_storage", "engram_tables")
+MODEL_SETTINGS = ("device", "dtype", "numerics", "cache_qdq", "weight_storage", "engram_tables", "expert_parallel",
+                  "data_parallel")
 
 
 class RequestError(DeepInferError, ValueError):
@@ -68,7 +71,8 @@ def _model_settings(config: EngineConfig) -> dict:
     """`MODEL_SETTINGS` as they take effect (aliases and `auto` resolved), so equal means the same model."""
     return {"device": parse_device(config.device), "dtype": config.torch_dtype, "numerics": config.numerics,
             "cache_qdq": config.cache_qdq, "weight_storage": config.keeps_weights_quantized,
-            "engram_tables": config.engram_tables}
+            "engram_tables": config.engram_tables, "expert_parallel": config.expert_parallel,
+            "data_parallel": config.data_parallel}
 
 
 class LLM:
@@ -109,6 +113,7 @@ class LLM:
                 check_cpu_isa()  # oneDNN's AMX kernels would make bf16 rows depend on the batch
             except CpuIsaError as err:
                 raise DeepInferError(str(err)) from None
+        self.layout = start_layout(config.expert_parallel, config.data_parallel, self.device)
         quantized_as = self.dtype if config.keeps_weights_quantized else None
         self.weight_storage = "quantized" if quantized_as is not None else "decoded"
         self._source, self._quantized_as, self._load_seed = model, quantized_as, config.seed
@@ -119,6 +124,7 @@ class LLM:
         self._check_max_model_len(config)  # before the weights load, so a bad setting fails fast
         self.model = build_model(model_config, kernels.bind(config.numerics, self.device), self.dtype,
                                  cache_qdq=config.cache_qdq, engram_on_host=config.engram_tables == "host")
+        self._exchanges = spread_experts(self.model, self.layout, self.device) if self.layout.lockstep else []
         self.model.load_tensors(tensors, self.device)
         if isinstance(self.model, DeepseekV41) and model_config.engram_layer_ids:
             if self.tokenizer is None:
@@ -138,7 +144,8 @@ class LLM:
                                  f"({getattr(self._requested, changed[0])!r}); load the model again to change it")
         other = object.__new__(LLM)
         for name in ("device", "dtype", "numerics", "weight_storage", "tokenizer", "model_id", "stored_formats",
-                     "config", "model", "_source", "_quantized_as", "_load_seed", "_draft_models", "_structured"):
+                     "config", "model", "_source", "_quantized_as", "_load_seed", "_draft_models", "_structured",
+                     "layout", "_exchanges"):
             setattr(other, name, getattr(self, name))
         other._start_engine(config)
         return other
@@ -156,13 +163,15 @@ class LLM:
             config = replace(config, async_scheduling=False)
         if config.speculation != "off":  # a sequence's drafts follow its last token, which must be known
             config = replace(config, async_scheduling=False)
+        if self.layout.lockstep:  # each MoE layer reads its exchange's sizes on the host: no graph holds it
+            config = replace(config, cuda_graphs=False)
         self._check_max_model_len(config)
         draft = None
         if config.speculation in DEVICE_SPECULATION:
             draft = self._draft_model(config.speculation, config.cache_qdq)
         self.pools = draft_pools(self.model.pools, draft) if draft is not None else self.model.pools
-        if config.max_model_len is None:
-            config = replace(config, max_model_len=self._default_max_model_len(config))
+        if config.max_model_len is None:  # ranks sharing requests must make the same steps: the same cache
+            config = replace(config, max_model_len=agree(self._default_max_model_len(config)))
         self.engine_config = config
         self.max_model_len = config.max_model_len
         self.max_num_batched_tokens = step_budget(config.max_num_batched_tokens, self.max_model_len,
@@ -331,9 +340,10 @@ class LLM:
         """Queue one request; it joins the running batch at the next `step()`."""
         return self._enqueue(self.encode(prompt), self.check_params(params))
 
-    def _enqueue(self, ids: list[int], params: SamplingParams) -> int:
-        request_id = self._next_id
-        self._next_id += 1
+    def _enqueue(self, ids: list[int], params: SamplingParams, request_id: int | None = None) -> int:
+        """Queue a request as number `request_id` (default: the next); the counter moves past it."""
+        request_id = self._next_id if request_id is None else request_id
+        self._next_id = max(self._next_id, request_id + 1)
         seed = params.seed if params.seed is not None else self._unseeded_seed(request_id, ids, params)
         self.scheduler.add(Sequence(request_id, ids, params, seed, grammar=self._matcher(params)))
         return request_id
@@ -348,6 +358,13 @@ class LLM:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None
+
+    def has_unfinished_anywhere(self) -> bool:
+        """`has_unfinished` on any rank of a parallel launch (a collective: with expert parallelism
+        every rank steps while any has work, running the MoE layers empty where it has none)."""
+        if not self.layout.lockstep:
+            return self.has_unfinished()
+        return bool(agree(int(self.has_unfinished()), dist.ReduceOp.MAX))
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix, freeing the blocks only the prefix cache held (requests in
@@ -367,6 +384,9 @@ class LLM:
                 self.scheduler.undo(scheduled)
                 self._in_flight = before
                 raise
+        elif self.layout.lockstep:  # the other ranks' MoE layers exchange tokens with this one's
+            for exchange in self._exchanges:
+                exchange.idle()
         finished = self._read(before) if before is not None else []
         if current is not None and self.async_scheduling:
             self._in_flight = current
@@ -394,12 +414,38 @@ class LLM:
             raise RequestError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
         encoded = [self.encode(p) for p in prompts]
         checked = [self.check_params(sp) for sp in per_prompt]
-        ids = [self._enqueue(p, sp) for p, sp in zip(encoded, checked)]
+        ids = [self._next_id + i for i in range(len(prompts))]
+        for index, (p, sp) in enumerate(zip(encoded, checked)):
+            if self.layout.serves(index):  # every request, unless data parallel gives each rank a share
+                self._enqueue(p, sp, ids[index])
+        self._next_id = ids[-1] + 1 if ids else self._next_id
         done: dict[int, RequestOutput] = {}
-        while self.has_unfinished():
+        while self.has_unfinished_anywhere():
             for output in self.step():
                 done[output.request_id] = output
+        if self.layout.data_parallel > 1:
+            shares: list[dict[int, RequestOutput]] = [{} for _ in range(self.layout.world)]
+            dist.all_gather_object(shares, done)
+            done = {i: output for share in shares for i, output in share.items()}
         return [done[i] for i in ids]
+
+    def expert_loads(self) -> list[list[int]]:
+        """Per MoE layer, the slots each expert received from every rank's tokens since the last call
+        (a collective; [] without expert parallelism): what `deepinfer.parallel.balanced_placement`
+        balances."""
+        return [exchange.take_loads().tolist() for exchange in self._exchanges]
+
+    def place_experts(self, placements: list[ExpertPlacement]) -> None:
+        """Move the experts to `placements` (one per MoE layer) between steps: the weights travel
+        between ranks and routing follows (a collective). Outputs stay the same bits."""
+        if not self._exchanges:
+            raise DeepInferError("place_experts needs expert parallelism (expert_parallel > 1)")
+        if self._in_flight is not None:
+            raise DeepInferError("place_experts between steps: a step is in flight")
+        if len(placements) != len(self._exchanges):
+            raise DeepInferError(f"{len(placements)} placements for {len(self._exchanges)} MoE layers")
+        for exchange, placement in zip(self._exchanges, placements):
+            move_experts(exchange, placement)
 
     def chat(
         self,

@@ -46,7 +46,9 @@ class Gate(nn.Module):
 
 
 class Experts(nn.Module):
-    """The routed experts, stacked: w13 = [w1; w3] per expert, w2 the down projection."""
+    """The routed experts, stacked: w13 = [w1; w3] per expert, w2 the down projection. `held` lists
+    the expert each stacked slot holds: all of them in order, unless expert parallelism gave this
+    rank a share (`deepinfer.parallel`), set before the weights load."""
 
     MATMUL_WEIGHTS = ("w13", "w2")
 
@@ -55,11 +57,16 @@ class Experts(nn.Module):
         self.ops = ops
         e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
         self.limit = config.swiglu_limit
+        self.held = tuple(range(e))
         self.w13 = empty(e, 2 * i, h, dtype=dtype, device=device)
         self.w2 = empty(e, h, i, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return self.ops.moe_experts(x, indices, weights, self.w13, self.w2, self.limit)
+
+    def outputs(self, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Each row [S, H] through the expert of its stacked slot [S], unweighted."""
+        return self.ops.expert_outputs(rows, slots, self.w13, self.w2, self.limit)
 
 
 class SharedExpert(nn.Module):
@@ -77,6 +84,12 @@ class SharedExpert(nn.Module):
 
 
 class MoE(nn.Module):
+    """Gate, routed experts and shared expert. With expert parallelism, `exchange`
+    (`deepinfer.parallel.experts.ExpertExchange`) sends the routed slots to the ranks holding their
+    experts and combines what comes back."""
+
+    exchange = None
+
     def __init__(self, config: ModelConfig, ops: Ops, mlp_type: str, dtype, device) -> None:
         super().__init__()
         self.gate = Gate(config, ops, mlp_type == "hash_moe", dtype, device)
@@ -85,4 +98,8 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         indices, weights = self.gate(x, input_ids)
-        return self.experts(x, indices, weights) + self.shared_experts(x)
+        if self.exchange is None:
+            routed = self.experts(x, indices, weights)
+        else:
+            routed = self.exchange.routed(x, indices, weights)
+        return routed + self.shared_experts(x)

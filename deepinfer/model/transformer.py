@@ -86,9 +86,10 @@ class Decoder(nn.Module):
 
     def load_tensors(
         self, tensors: dict[str, torch.Tensor], device: torch.device | str) -> None:
-        """Take checkpoint tensors by name (stacking `ffn.experts.{e}.w{1,2,3}` per layer) as the
-        model's parameters on `device`. The weights that modules list in `MATMUL_WEIGHTS` pass
-        through `ops.matmul_layout` (the numerics mode's preferred storage order; values unchanged).
+        """Take checkpoint tensors by name (stacking `ffn.experts.{e}.w{1,2,3}` per layer, for the
+        experts each layer's `Experts.held` lists) as the model's parameters on `device`. The weights
+        that modules list in `MATMUL_WEIGHTS` pass through `ops.matmul_layout` (the numerics mode's
+        preferred storage order; values unchanged).
         A `QuantizedWeight` replaces its parameter as a plain attribute: it is not a tensor, and the
         ops decode it where it is used.
 
@@ -104,10 +105,13 @@ class Decoder(nn.Module):
         for name, current, is_param in entries:
             prefix, attr = name.rsplit(".", 1) if "." in name else ("", name)
             if attr == "w13":
-                value = _stack([_cat([tensors.pop(f"{prefix}.{e}.w1.weight"), tensors.pop(f"{prefix}.{e}.w3.weight")])
-                                for e in range(n_experts)])
+                held = self.get_submodule(prefix).held
+                value = _stack([_cat([tensors[f"{prefix}.{e}.w1.weight"], tensors[f"{prefix}.{e}.w3.weight"]])
+                                for e in held])
+                _drop(tensors, prefix, n_experts, ("w1", "w3"))
             elif attr == "w2" and prefix.endswith("experts"):
-                value = _stack([tensors.pop(f"{prefix}.{e}.w2.weight") for e in range(n_experts)])
+                value = _stack([tensors[f"{prefix}.{e}.w2.weight"] for e in self.get_submodule(prefix).held])
+                _drop(tensors, prefix, n_experts, ("w2",))
             else:
                 value = tensors.pop(name)
             module = self.get_submodule(prefix) if prefix else self
@@ -123,6 +127,13 @@ class Decoder(nn.Module):
                 module._parameters[attr] = nn.Parameter(value, requires_grad=False)
             else:
                 module._buffers[attr] = value
+
+
+def _drop(tensors: dict, prefix: str, n_experts: int, names: tuple[str, ...]) -> None:
+    """Forget every expert's `names` weights of layer `prefix`, held here or not."""
+    for e in range(n_experts):
+        for name in names:
+            tensors.pop(f"{prefix}.{e}.{name}.weight")
 
 
 def _cat(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | QuantizedWeight:

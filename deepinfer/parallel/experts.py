@@ -1,0 +1,171 @@
+"""Routed experts spread over ranks (expert parallelism), bit for bit what one rank computes.
+
+Each MoE layer's `ExpertExchange` takes the tokens this rank dispatches (all of its tokens, or with
+ranks sharing requests, every m-th one), and for each (token, top-k rank) slot picks a copy of its
+expert (`ExpertPlacement`). The slots go to the copies' ranks in a fixed order: sorted by destination
+rank, slots in (token, rank) order within one, so a rank receives them by source rank and token.
+There each slot runs through its expert alone (`ops.expert_outputs`: a slot's output depends on its
+row and its expert only), the outputs come back in the order they were sent, and the token's owner
+weights and sums its slots in top-k order (`ops.weighted_combine`), the combine one rank runs: the
+same bits for any number of ranks and any placement. The shared expert stays where the token is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from deepinfer.model.moe import MoE
+from deepinfer.parallel.layout import ParallelLayout, all_to_all
+from deepinfer.parallel.placement import ExpertPlacement, PlacementError
+from kernels.quant import QuantizedWeight
+
+
+class ExpertExchange:
+    """One MoE layer's dispatch and combine. `attention` is the process group of the ranks that share
+    this rank's requests (None when it serves its own); `loads` counts the slots each logical expert
+    received from this rank's tokens since the last `take_loads`."""
+
+    def __init__(self, experts: nn.Module, layout: ParallelLayout, placement: ExpertPlacement, n_experts: int,
+                 top_k: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 attention: dist.ProcessGroup | None) -> None:
+        self.experts = experts  # `deepinfer.model.moe.Experts`: this rank's copies
+        self.layout, self.top_k, self.hidden_size, self.dtype = layout, top_k, hidden_size, dtype
+        self.attention = attention
+        self.loads = torch.zeros(n_experts, dtype=torch.int64, device=device)
+        self.place(placement)
+
+    def place(self, placement: ExpertPlacement) -> None:
+        """Route to `placement`'s copies from now on (its weights must be in place by the next step)."""
+        n = self.loads.shape[0]
+        placement.check(n)
+        copies = [placement.copies(e) for e in range(n)]
+        width = max(len(c) for c in copies)
+        ranks = [[r for r, _ in c] + [0] * (width - len(c)) for c in copies]
+        slots = [[s for _, s in c] + [0] * (width - len(c)) for c in copies]
+        device = self.loads.device
+        self.placement = placement
+        self.copy_rank = torch.tensor(ranks, dtype=torch.int64, device=device)
+        self.copy_slot = torch.tensor(slots, dtype=torch.int64, device=device)
+        self.copy_count = torch.tensor([len(c) for c in copies], dtype=torch.int64, device=device)
+
+    def routed(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts' combined output [T, H] for this rank's tokens x [T, H] routed to
+        `indices` / `weights` [T, k]."""
+        members, member = self.layout.attention_ranks, self.layout.rank % self.layout.attention_ranks
+        tokens = x.shape[0]
+        mine = torch.arange(tokens, device=x.device)[member::members]
+        picked = indices[mine]
+        self.loads += torch.bincount(picked.reshape(-1), minlength=self.loads.shape[0])
+        flat = picked.reshape(-1)
+        rows = torch.arange(flat.shape[0], device=x.device) // self.top_k
+        copy = mine[rows] % self.copy_count[flat]  # spreads one expert's slots over its copies
+        dest, slot = self.copy_rank[flat, copy], self.copy_slot[flat, copy]
+        order = torch.sort(dest, stable=True).indices
+        send = torch.bincount(dest, minlength=self.layout.world)
+        receive = torch.empty_like(send)
+        dist.all_to_all_single(receive, send)
+        send_counts, receive_counts = send.tolist(), receive.tolist()
+        inputs = all_to_all(x[mine][rows[order]], send_counts, receive_counts)
+        slots_in = all_to_all(slot[order], send_counts, receive_counts)
+        outputs = self.experts.outputs(inputs, slots_in)
+        returned = all_to_all(outputs, receive_counts, send_counts)
+        slots = torch.empty_like(returned)
+        slots[order] = returned
+        combined = self.experts.ops.weighted_combine(slots.view(mine.shape[0], self.top_k, self.hidden_size),
+                                                     weights[mine])
+        return combined if members == 1 else self._gather(combined, tokens)
+
+    def idle(self) -> None:
+        """Take part in the layer with no tokens: other ranks' slots may still come here."""
+        device = self.loads.device
+        self.routed(torch.empty(0, self.hidden_size, dtype=self.dtype, device=device),
+                    torch.empty(0, self.top_k, dtype=torch.int64, device=device),
+                    torch.empty(0, self.top_k, dtype=torch.float32, device=device))
+
+    def _gather(self, combined: torch.Tensor, tokens: int) -> torch.Tensor:
+        """Every token's combined row, from the ranks sharing the requests (member j dispatched tokens
+        j, j + m, ...)."""
+        members = self.layout.attention_ranks
+        most = -(-tokens // members)
+        padded = combined.new_zeros(most, combined.shape[1])
+        padded[:combined.shape[0]] = combined
+        raw = padded.view(torch.uint8)
+        parts = [torch.empty_like(raw) for _ in range(members)]
+        dist.all_gather(parts, raw, group=self.attention)
+        out = combined.new_empty(tokens, combined.shape[1])
+        for j, part in enumerate(parts):
+            count = len(range(j, tokens, members))
+            out[j::members] = part.view(combined.dtype)[:count]
+        return out
+
+    def take_loads(self) -> torch.Tensor:
+        """Slots per logical expert from every rank's tokens since the last call (a collective)."""
+        loads = self.loads.clone()
+        self.loads.zero_()
+        dist.all_reduce(loads)
+        return loads
+
+
+def spread_experts(model: nn.Module, layout: ParallelLayout, device: torch.device,
+                   placements: list[ExpertPlacement] | None = None) -> list[ExpertExchange]:
+    """Give each of `model`'s MoE layers (in forward order) this rank's share of its experts and an
+    exchange; before the weights load, which then stack only the experts held here. Every rank calls
+    it (it makes the process groups of ranks sharing requests). `placements`: one per layer (default:
+    `ExpertPlacement.contiguous`)."""
+    layers = [module for module in model.modules() if isinstance(module, MoE)]
+    n_experts = model.config.n_routed_experts
+    if placements is None:
+        placements = [ExpertPlacement.contiguous(n_experts, layout.world)] * len(layers)
+    if len(placements) != len(layers):
+        raise PlacementError(f"{len(placements)} placements for {len(layers)} MoE layers")
+    attention = None
+    members = layout.attention_ranks
+    if 1 < members < layout.world:
+        for group in range(layout.data_parallel):
+            made = dist.new_group(list(range(group * members, (group + 1) * members)))
+            attention = made if group == layout.attention_group else attention
+    exchanges = []
+    for moe, placement in zip(layers, placements):
+        exchange = ExpertExchange(moe.experts, layout, placement, n_experts, model.config.num_experts_per_tok,
+                                  model.config.hidden_size, moe.experts.w13.dtype, device, attention)
+        moe.experts.held = placement.ranks[layout.rank]
+        moe.exchange = exchange
+        exchanges.append(exchange)
+    return exchanges
+
+
+def move_experts(exchange: ExpertExchange, placement: ExpertPlacement) -> None:
+    """Re-place one MoE layer's experts between steps: every rank receives the weights of the copies
+    `placement` gives it from the lowest rank that holds them now (a collective), then routes to them."""
+    layout, old = exchange.layout, exchange.placement
+    placement.check(exchange.loads.shape[0])
+    if len(placement.ranks) != layout.world:
+        raise PlacementError(f"a placement over {len(placement.ranks)} ranks for {layout.world}")
+    plan = [(dest, slot, *old.copies(expert)[0]) for dest, held in enumerate(placement.ranks)
+            for slot, expert in enumerate(held)]  # (dest, its slot, source, source's slot)
+    outgoing = [source_slot for _, _, source, source_slot in plan if source == layout.rank]
+    send = [sum(1 for d, _, s, _ in plan if s == layout.rank and d == dest) for dest in range(layout.world)]
+    receive = [sum(1 for d, _, s, _ in plan if d == layout.rank and s == source) for source in range(layout.world)]
+    arrival = [slot for source in range(layout.world) for d, slot, s, _ in plan if d == layout.rank and s == source]
+    experts = exchange.experts
+    for name in ("w13", "w2"):
+        weight = getattr(experts, name)
+        parts = (weight.data, weight.scale) if isinstance(weight, QuantizedWeight) else (weight,)
+        moved = []
+        for part in parts:
+            index = torch.tensor(outgoing, dtype=torch.int64, device=part.device)
+            received = all_to_all(part.index_select(0, index), send, receive)
+            stacked = torch.empty_like(received)
+            stacked[torch.tensor(arrival, dtype=torch.int64, device=part.device)] = received
+            moved.append(stacked)
+        if isinstance(weight, QuantizedWeight):
+            object.__setattr__(experts, name, replace(weight, data=moved[0], scale=moved[1]))
+        else:
+            experts._parameters[name] = nn.Parameter(experts.ops.matmul_layout(moved[0]), requires_grad=False)
+    experts.held = placement.ranks[layout.rank]
+    exchange.place(placement)
+

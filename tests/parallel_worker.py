@@ -1,0 +1,52 @@
+"""Run by torchrun for tests/test_parallel.py: serve the standard request set under each engine layout
+of a JSON spec, and (rank 0) write every case's output signatures to a pickle.
+
+    python -m torch.distributed.run --standalone --nproc-per-node N tests/parallel_worker.py SPEC OUT
+
+A case with "replace" first serves the set, then re-places the experts by EPLB from the loads that
+serving measured (one more slot per rank, so the heaviest experts get copies), and serves it again.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import sys
+
+import torch
+import torch.distributed as dist
+
+from deepinfer import LLM
+from deepinfer.checkpoint import preset_config
+from deepinfer.parallel import balanced_placement, placement_digest
+from harness.invariance import signature, standard_requests
+
+
+def serve(llm: LLM, requests) -> list[tuple]:
+    return [signature(o) for o in llm.generate([r.prompt for r in requests], [r.params for r in requests])]
+
+
+def main() -> None:
+    spec, out = json.loads(sys.argv[1]), sys.argv[2]
+    torch.set_num_threads(1)
+    results = {}
+    for case in spec["cases"]:
+        requests = standard_requests(preset_config(case["preset"]).vocab_size, count=spec["requests"])
+        llm = LLM(f"preset:{case['preset']}", dtype=case["dtype"], expert_parallel=case["ep"],
+                  data_parallel=case["dp"])
+        results[case["name"]] = serve(llm, requests)
+        if case.get("replace"):
+            before = placement_digest([exchange.placement for exchange in llm._exchanges])
+            per_rank = llm._exchanges[0].placement.per_rank + 1
+            placements = [balanced_placement(loads, llm.layout.world, per_rank) for loads in llm.expert_loads()]
+            llm.place_experts(placements)
+            results[case["name"] + "-replaced"] = serve(llm, requests)
+            results[case["name"] + "-digests"] = (before, placement_digest(placements))
+    if dist.get_rank() == 0:
+        with open(out, "wb") as file:
+            pickle.dump(results, file)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

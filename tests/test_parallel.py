@@ -1,0 +1,123 @@
+"""Expert parallelism and attention data parallelism (`deepinfer.parallel`): every layout gives each
+request the bits one process gives (ids and logprob bits), on gloo with CPU processes launched by
+torchrun, for V4 and V4.1, fp32 and bf16, and after the experts move to an EPLB placement with
+copies of the heaviest; the placement policy balances and keeps its promises; a slot's expert output
+is the same bits whichever experts share its rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels
+from deepinfer import LLM
+from deepinfer.checkpoint import preset_config
+from deepinfer.errors import DeepInferError
+from deepinfer.parallel import ExpertPlacement, PlacementError, balanced_placement
+from deepinfer.parallel.placement import rank_loads
+from harness.invariance import signature, standard_requests
+
+ROOT = Path(__file__).resolve().parent.parent
+REQUESTS = 12
+
+
+def _launch(processes: int, cases: list[dict], tmp_path: Path) -> dict:
+    out = tmp_path / f"results-{processes}.pkl"
+    spec = json.dumps({"requests": REQUESTS, "cases": cases})
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
+                           str(ROOT / "tests" / "parallel_worker.py"), spec, str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return pickle.loads(out.read_bytes())
+
+
+def _reference(preset: str, dtype: str) -> list[tuple]:
+    requests = standard_requests(preset_config(preset).vocab_size, count=REQUESTS)
+    llm = LLM(f"preset:{preset}", dtype=dtype)
+    return [signature(o) for o in llm.generate([r.prompt for r in requests], [r.params for r in requests])]
+
+
+@pytest.mark.parametrize("processes, cases", [
+    (4, [{"name": "tiny-ep4-dp4", "preset": "tiny", "dtype": "float32", "ep": 4, "dp": 4, "replace": True},
+         {"name": "tiny-ep4-dp1", "preset": "tiny", "dtype": "float32", "ep": 4, "dp": 1},
+         {"name": "v41-ep4-dp4", "preset": "v41-tiny", "dtype": "bfloat16", "ep": 4, "dp": 4}]),
+    (2, [{"name": "tiny-ep2-dp2", "preset": "tiny", "dtype": "bfloat16", "ep": 2, "dp": 2},
+         {"name": "tiny-ep1-dp2", "preset": "tiny", "dtype": "float32", "ep": 1, "dp": 2},
+         {"name": "v41-ep2-dp1", "preset": "v41-tiny", "dtype": "float32", "ep": 2, "dp": 1, "replace": True}]),
+])
+def test_every_layout_gives_the_bits_of_one_process(processes, cases, tmp_path):
+    results = _launch(processes, cases, tmp_path)
+    references = {}
+    for case in cases:
+        key = (case["preset"], case["dtype"])
+        references[key] = references.get(key) or _reference(*key)
+        names = [case["name"]] + ([case["name"] + "-replaced"] if case.get("replace") else [])
+        for name in names:
+            diverged = [i for i, (a, b) in enumerate(zip(references[key], results[name])) if a != b]
+            assert len(results[name]) == REQUESTS and diverged == [], name
+        if case.get("replace"):
+            before, after = results[case["name"] + "-digests"]
+            assert before != after
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_slot_gets_the_same_bits_from_a_share_of_the_experts(dtype):
+    """What one rank of an expert-parallel layout computes for the slots it receives, weighted and
+    combined at the token's rank, is `moe_experts` over every expert, bit for bit."""
+    ops = kernels.bind("batch_invariant", "cpu")
+    gen = torch.Generator().manual_seed(0)
+    experts, top_k, hidden, inter, tokens = 8, 3, 64, 32, 11
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    w13 = ops.matmul_layout((torch.randn(experts, 2 * inter, hidden, generator=gen) / 8).to(dtype))
+    w2 = ops.matmul_layout((torch.randn(experts, hidden, inter, generator=gen) / 8).to(dtype))
+    indices = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen)
+    whole = ops.moe_experts(x, indices, weights, w13, w2, 7.0)
+    placement = ExpertPlacement(((5, 0, 3, 5), (1, 2, 4, 6), (7, 6, 2, 0)))  # copies of 0, 2, 5 and 6
+    copy = [placement.copies(e)[s % len(placement.copies(e))] for s, e in enumerate(indices.view(-1).tolist())]
+    slots = torch.empty(tokens * top_k, hidden, dtype=dtype)
+    for rank, held in enumerate(placement.ranks):
+        mine = torch.tensor([s for s, (r, _) in enumerate(copy) if r == rank])
+        local = torch.tensor([copy[s][1] for s in mine.tolist()])
+        stacked = [ops.matmul_layout(torch.stack([w[e] for e in held])) for w in (w13, w2)]
+        slots[mine] = ops.expert_outputs(x[mine // top_k], local, *stacked, 7.0)
+    assert torch.equal(ops.weighted_combine(slots.view(tokens, top_k, hidden), weights), whole)
+
+
+def test_placements_cover_every_expert_and_balance_skewed_loads():
+    assert ExpertPlacement.contiguous(6, 4).ranks == ((0, 1), (2, 3), (4, 5), (0, 1))
+    loads = [100.0, 1, 1, 1, 50, 1, 1, 1, 30, 1, 1, 1, 1, 1, 1, 1]
+    contiguous = ExpertPlacement.contiguous(16, 4)
+    balanced = balanced_placement(loads, ranks=4, per_rank=5)
+    assert [len(balanced.copies(e)) for e in (0, 4, 8, 1)] == [4, 2, 1, 1]  # copies to the most load per copy
+    assert max(rank_loads(balanced, loads)) < 0.6 * max(rank_loads(contiguous, loads))
+    assert all(len(set(held)) == len(held) for held in balanced.ranks)  # no rank holds two copies of one
+    assert balanced_placement(loads, ranks=4, per_rank=5) == balanced  # deterministic
+    nodes = balanced_placement(loads, ranks=4, per_rank=4, nodes=2, groups=4)
+    for node in (nodes.ranks[:2], nodes.ranks[2:]):  # groups of 4 experts stay within a node
+        assert len({e // 4 for held in node for e in held}) == 2
+
+
+@pytest.mark.parametrize("placement, message", [
+    (ExpertPlacement(((0, 1), (2,))), "every rank must hold the same positive number of experts, got [2, 1]"),
+    (ExpertPlacement(((0, 1), (1, 1))), "expert 2 is held by no rank"),
+    (ExpertPlacement(((0, 1), (2, 9))), "expert 9 is out of range [0, 4)"),
+])
+def test_a_bad_placement_is_refused_in_one_line(placement, message):
+    with pytest.raises(PlacementError) as err:
+        placement.check(4)
+    assert str(err.value) == message
+
+
+def test_a_degree_needs_as_many_processes():
+    with pytest.raises(DeepInferError) as err:
+        LLM("preset:tiny", expert_parallel=2)
+    assert str(err.value) == "expert_parallel=2 needs 2 processes (torchrun --nproc-per-node 2); this run has 1"
