@@ -113,6 +113,8 @@ def _variant_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shuffle", action="store_true", help="submit requests in a seeded random order")
     parser.add_argument("--stagger", type=int, default=0, help="admit one request every K engine steps")
     parser.add_argument("--threads", type=int, default=None, help="PyTorch CPU threads for the run")
+    parser.add_argument("--shards", type=int, default=1, help="split the suite round robin over N engines "
+                        "over the same weights, into one run (the same root for any N)")
     _progress_flag(parser)
 
 
@@ -137,7 +139,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except DeepInferError as err:
         raise DeepInferError(f"flags: {err}") from None
     variant = check_variant(Variant(args.name, engine, shuffle=args.shuffle, stagger=args.stagger,
-                                    threads=args.threads), "flags")
+                                    threads=args.threads, shards=args.shards), "flags")
     out = Path(args.out)
     if out.exists() and not out.is_dir():  # before the model loads; the run store says the same
         raise DeepInferError(f"{out}: cannot create a run: it exists and is not a folder")

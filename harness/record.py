@@ -57,12 +57,19 @@ def _record_run(model: str | Path | None, suite: Suite, variant: Variant, run_di
         job_index.append(index)
     bar = Progress(variant.name, len(suite.requests), len(done), enabled=progress)
     bar.update(refused)
-    for finished in serve(llm, jobs, variant):
-        index = job_index[finished.index]
-        item = suite.requests[index]
-        writer.served(index, item.request_id, item.row_fields(llm, jobs[finished.index][1], finished.output),
-                      arrival_s=finished.arrival_s, first_token_s=finished.first_token_s, finish_s=finished.finish_s)
-        bar.update(1)
-        writer.flush_if_due()
+    for shard in range(variant.shards):  # one engine per share of the suite, over the same weights
+        engine = llm if shard == 0 else llm.with_engine(llm.engine_config)
+        if shard:
+            writer.serving(engine)
+        mine = [j for j, index in enumerate(job_index) if index % variant.shards == shard]
+        for finished in serve(engine, [jobs[j] for j in mine], variant):
+            index = job_index[mine[finished.index]]
+            item = suite.requests[index]
+            writer.served(index, item.request_id,
+                          item.row_fields(engine, jobs[mine[finished.index]][1], finished.output),
+                          arrival_s=finished.arrival_s, first_token_s=finished.first_token_s,
+                          finish_s=finished.finish_s)
+            bar.update(1)
+            writer.flush_if_due()
     bar.close()
     return writer.finalize()

@@ -26,6 +26,7 @@ from audit.manifest import build_manifest
 from audit.store import MANIFEST, ROOT, STATS, RunStore, make_row, read_run
 from deepinfer import LLM
 from deepinfer.errors import DeepInferError
+from deepinfer.parallel import placement_digest
 from harness.environment import engine_version, environment_fingerprint, git_state
 
 __all__ = ["FLUSH_ROWS", "FLUSH_SECONDS", "STATS_FILE", "RunWriter", "completed_root", "open_run", "read_stats",
@@ -47,16 +48,23 @@ _RESUMED_SECTIONS = ("checkpoint", "suite", "variant", "engine", "seeds")  # wha
 def run_manifest(llm: LLM, model: str | Path | None, *, suite: dict, run_seed: int, variant: dict) -> dict:
     """The manifest of a run served by `llm` (loaded from `model`; None: the embedded checkpoint).
     `engine` is the engine's `EngineConfig` as resolved (max_model_len filled in; its seed is the run
-    seed, recorded under `seeds`), plus what it derived from it: the blocks each cache pool got and the
-    step budget. `checkpoint` names the model family and how the checkpoint stores its weights."""
+    seed, recorded under `seeds`), plus what it derived from it: the blocks each cache pool got, the
+    step budget, and the parallel layout (world size, degrees, the hash of the experts' placement).
+    `checkpoint` names the model family and how the checkpoint stores its weights."""
     return build_manifest(
         engine={**{k: v for k, v in asdict(llm.engine_config).items() if k != "seed"},  # seeds has it
-                "cache_blocks": llm.cache.num_blocks, "step_budget": llm.max_num_batched_tokens},
+                "cache_blocks": llm.cache.num_blocks, "step_budget": llm.max_num_batched_tokens,
+                "parallel": {**llm.layout.describe(), "expert_placement": _placement(llm)}},
         checkpoint={"path": str(model) if model is not None else None, "content_hash": llm.model_id,
                     "family": llm.config.model_type, "formats": llm.stored_formats},
         suite=suite, seeds={"run_seed": run_seed}, variant=variant,
         environment=environment_fingerprint(), git=git_state(), engine_version=engine_version(),
     )
+
+
+def _placement(llm: LLM) -> str | None:
+    """The hash of where the experts are (None when every rank holds them all)."""
+    return placement_digest(llm.expert_placements) if llm.expert_placements else None
 
 
 def completed_root(run_dir: Path, manifest: dict) -> dict | None:
@@ -87,13 +95,18 @@ class RunWriter:
     the queued rows as one part file, `finalize` seals the run and returns its root."""
 
     def __init__(self, store: RunStore, llm: LLM, *, stats: bool = True, started: float | None = None) -> None:
-        self.store, self.llm = store, llm
+        self.store = store
+        self.engines = [llm]  # whose counters stats.json adds up (`serving` adds a shard's engine)
         self.path = store.path
         self._started = time.perf_counter() if started is None else started
         # read before any work: a damaged stats.json stops a resumed run now, not after it
         self._stats = read_stats(self.path) if stats else None
         self._rows: list[dict] = []
         self._last_flush = time.monotonic()
+
+    def serving(self, llm: LLM) -> None:
+        """Count `llm`'s statistics too: another engine serves some of the run's requests."""
+        self.engines.append(llm)
 
     def done(self) -> set[int]:
         """Indices the run already holds (a resumed run skips them)."""
@@ -137,11 +150,9 @@ class RunWriter:
             stats = dict(self._stats)
             stats["sessions"] += 1
             stats["wall_s"] += time.perf_counter() - self._started
-            stats["preemptions"] += self.llm.scheduler.num_preemptions
-            for key, counter in _PREFIX_KEYS.items():
-                stats[key] += getattr(self.llm.scheduler, counter)
-            for key, counter in _SPECULATION_KEYS.items():
-                stats[key] += getattr(self.llm.scheduler, counter)
+            counters = {"preemptions": "num_preemptions", **_PREFIX_KEYS, **_SPECULATION_KEYS}
+            for key, counter in counters.items():
+                stats[key] += sum(getattr(llm.scheduler, counter) for llm in self.engines)
             atomic_write(self.path / STATS_FILE, json_bytes(stats))
         return self.store.finalize()
 

@@ -3,7 +3,7 @@ covers (compared with the reference), and controls that are reported but do not 
 
 A sweep file is JSON: {"reference": {...}, "variants": [{...}, ...], "controls": [{...}, ...]} where
 each configuration is a flat object: `name` (required), any `EngineConfig` setting but `seed` (the
-suite gives the run seed), and `shuffle`, `stagger`, `threads`. Fields left out take the reference's
+suite gives the run seed), and `shuffle`, `stagger`, `threads`, `warm`, `shards`. Fields left out take the reference's
 values, so a variant names only what it changes.
 """
 
@@ -25,7 +25,7 @@ from deepinfer.engine.llm import PRESET_PREFIX
 from deepinfer.errors import DeepInferError
 
 ROLES = ("reference", "variant", "control")
-RUN_FIELDS = ("shuffle", "stagger", "threads", "warm")
+RUN_FIELDS = ("shuffle", "stagger", "threads", "warm", "shards")
 # The run seed comes from the suite, so a configuration does not set the engine's seed.
 ENGINE_FIELDS = tuple(f.name for f in fields(EngineConfig) if f.name != "seed")
 
@@ -37,7 +37,9 @@ class Variant:
     others decode; `shuffle` submits in a seeded random order; `threads` sets PyTorch's CPU thread
     count for the run (None: the process's); `warm` serves every request once, unrecorded, before
     the pass that counts, in the same engine (with prefix caching, each request then finds its own
-    prompt's blocks cached). In files and certificates a configuration is one flat object: `name`,
+    prompt's blocks cached); `shards=n` splits the suite round robin into n shares, each served by an
+    engine of its own over the same weights, into one run (a torchrun launch gives each rank a
+    share). In files and certificates a configuration is one flat object: `name`,
     the engine settings and the run fields."""
 
     name: str
@@ -46,6 +48,7 @@ class Variant:
     stagger: int = 0
     threads: int | None = None
     warm: bool = False
+    shards: int = 1
 
     @classmethod
     def of(cls, name: str, **settings) -> "Variant":
@@ -128,8 +131,9 @@ def default_sweep(dtype: str | None = None, device: str | None = None, drafter: 
     preemption, each step read before the next is scheduled (the others schedule asynchronously),
     speculative decoding with prompt-lookup drafts and, given the checkpoint's `drafter`
     (`checkpoint_drafter`), with its own draft model (`draft_model_variants`), the prefix cache off
-    (cold) and hot (the suite served twice in one engine, the second pass recorded), on CPU one
-    thread, on CUDA every step run eagerly (the others replay decode steps from CUDA graphs), and a `fast` numerics control. The
+    (cold) and hot (the suite served twice in one engine, the second pass recorded), the suite split
+    over three engines (`shards`), on CPU one thread, on CUDA every step run eagerly (the others
+    replay decode steps from CUDA graphs), and a `fast` numerics control. The
     preemption variant's 12 blocks per cache pool (raised to one sequence's worth where that is more,
     see `CacheManager`) hold under two sequences' sliding-window rows at a 64-token step whatever
     max_model_len resolves to, so the requests must take turns. `dtype` and `device` (None: the
@@ -147,6 +151,7 @@ def default_sweep(dtype: str | None = None, device: str | None = None, drafter: 
         reference.derive("speculation", speculation="ngram"),
         reference.derive("prefix-cold", prefix_caching=False),
         reference.derive("prefix-hot", warm=True),
+        reference.derive("shards-3", shards=3),
     )
     variants += draft_model_variants(reference, drafter)
     if parse_device(reference.engine.device).type == "cpu":
@@ -195,7 +200,7 @@ def _variant(entry: object, base: Variant | None, where: str) -> Variant:
 def variant_from_dict(entry: dict, where: str, base: Variant | None = None) -> Variant:
     """A configuration from its flat object (fields left out take `base`'s values, else the defaults),
     checked as `check_variant` does."""
-    types = {"name": "str", "shuffle": "bool", "stagger": "int", "threads": "int | None", "warm": "bool"}
+    types = {f.name: f.type for f in fields(Variant) if f.name != "engine"}  # name and the run fields
     types.update({f.name: f.type for f in fields(EngineConfig) if f.name in ENGINE_FIELDS})
     unknown = set(entry) - set(types)
     if unknown:
@@ -223,6 +228,8 @@ def check_variant(variant: Variant, where: str) -> Variant:
                              f"(not starting with '.'), got {name!r}")
     if variant.stagger < 0:
         raise DeepInferError(f"{where}: stagger must be >= 0, got {variant.stagger}")
+    if variant.shards < 1:
+        raise DeepInferError(f"{where}: shards must be >= 1, got {variant.shards}")
     cores = os.cpu_count() or 1
     if variant.threads is not None and not 1 <= variant.threads <= cores:
         raise DeepInferError(f"{where}: threads must be between 1 and this machine's {cores} CPUs, "

@@ -630,6 +630,11 @@ def test_bad_run_flags(capsys, long_suite, tiny_checkpoint, tmp_path):
     assert_user_error(capsys, ["run", "--model", tiny_checkpoint, "--suite", long_suite, "--out", tmp_path / "out",
                                "--stagger", "-1"], "flags: stagger must be >= 0, got -1")
     assert_user_error(capsys, ["run", "--model", tiny_checkpoint, "--suite", long_suite, "--out", tmp_path / "out",
+                               "--shards", "0"], "flags: shards must be >= 1, got 0")
+    assert_user_error(capsys, ["run", "--model", tiny_checkpoint, "--suite", long_suite, "--out", tmp_path / "out",
+                               "--expert-parallel", "2"],
+                      "expert_parallel=2 needs 2 processes (torchrun --nproc-per-node 2); this run has 1")
+    assert_user_error(capsys, ["run", "--model", tiny_checkpoint, "--suite", long_suite, "--out", tmp_path / "out",
                                "--name", "a/b"],
                       "flags: 'name' must be a non-empty string of letters, digits, '-', '_', '.' (not starting with "
                       "'.'), got 'a/b'")

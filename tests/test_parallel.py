@@ -2,7 +2,8 @@
 request the bits one process gives (ids and logprob bits), on gloo with CPU processes launched by
 torchrun, for V4 and V4.1, fp32 and bf16, and after the experts move to an EPLB placement with
 copies of the heaviest; the placement policy balances and keeps its promises; a slot's expert output
-is the same bits whichever experts share its rank."""
+is the same bits whichever experts share its rank; a suite split over engine replicas (harness
+sharding) has the root of one engine."""
 
 from __future__ import annotations
 
@@ -22,7 +23,11 @@ from deepinfer.checkpoint import preset_config
 from deepinfer.errors import DeepInferError
 from deepinfer.parallel import ExpertPlacement, PlacementError, balanced_placement
 from deepinfer.parallel.placement import rank_loads
+from audit.store import read_run
 from harness.invariance import signature, standard_requests
+from harness.record import record_run
+from harness.suites import load_suite
+from harness.sweep import Variant
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUESTS = 12
@@ -121,3 +126,18 @@ def test_a_degree_needs_as_many_processes():
     with pytest.raises(DeepInferError) as err:
         LLM("preset:tiny", expert_parallel=2)
     assert str(err.value) == "expert_parallel=2 needs 2 processes (torchrun --nproc-per-node 2); this run has 1"
+
+
+def test_a_suite_split_over_shards_has_the_root_of_one_engine(tiny_checkpoint, tmp_path):
+    """`shards=n` serves the suite's round-robin shares with n engines over the same weights, into one
+    run: the same rows, so the same roots, for 1, 2 and 3 shards; stats.json counts every engine."""
+    suite = load_suite("smoke")
+    roots = {}
+    for shards in (1, 2, 3):
+        variant = Variant.of(f"shards-{shards}", shards=shards, threads=1)
+        roots[shards] = record_run(tiny_checkpoint, suite, variant, tmp_path / variant.name, progress=False)
+        assert read_run(tmp_path / variant.name).manifest["variant"]["shards"] == shards
+    assert roots[1]["count"] == len(suite.requests)
+    assert roots[1] == roots[2] == roots[3]
+    queried = [json.loads((tmp_path / f"shards-{n}" / "stats.json").read_text())["prefix_query_tokens"] for n in (1, 3)]
+    assert queried[0] == queried[1] > 0  # every shard's engine admitted its requests, and was counted

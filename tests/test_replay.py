@@ -17,6 +17,7 @@ import pytest
 from audit.errors import AuditError
 from deepinfer import LLM, RequestOutput
 from deepinfer import cli as engine_cli
+from deepinfer.parallel import ParallelLayout
 from deepinfer.recipe.tokenizer import (
     ASSISTANT,
     TOOL_CALL_BEGIN,
@@ -194,6 +195,8 @@ class ScriptedEngine:
     max_num_batched_tokens = VARIANT.engine.max_num_batched_tokens
     cache = SimpleNamespace(num_blocks={})
     scheduler = SimpleNamespace(prefix=None, num_prefix_hit_tokens=0)  # no prefix cache to report on
+    layout = ParallelLayout()  # one process
+    expert_placements: list = []
 
     def __init__(self, tokenizer: TextTokenizer, script: dict[str, list[str]]) -> None:
         self.tokenizer = tokenizer

@@ -435,6 +435,11 @@ class LLM:
         balances."""
         return [exchange.take_loads().tolist() for exchange in self._exchanges]
 
+    @property
+    def expert_placements(self) -> list[ExpertPlacement]:
+        """Where each MoE layer's experts are now ([] without expert parallelism)."""
+        return [exchange.placement for exchange in self._exchanges]
+
     def place_experts(self, placements: list[ExpertPlacement]) -> None:
         """Move the experts to `placements` (one per MoE layer) between steps: the weights travel
         between ranks and routing follows (a collective). Outputs stay the same bits."""
