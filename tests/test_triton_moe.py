@@ -40,3 +40,24 @@ def test_grouped_experts_match_the_per_expert_loop_bitwise(dtype, tokens):
     alone = torch.cat([triton_ops.moe_experts(x[i:i + 1], indices[i:i + 1], weights[i:i + 1], w13, w2, 7.0)
                        for i in range(tokens)])
     assert torch.equal(alone, grouped)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_share_of_the_experts_gives_each_slot_the_bits_of_all_of_them(dtype):
+    """Expert parallelism's per-rank work (`expert_outputs` over the experts one rank holds, then the
+    fused weighted combine at the token's rank) is `moe_experts` bit for bit."""
+    tokens = 37
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(tokens, HIDDEN, generator=gen).to("cuda", dtype)
+    w13 = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen) / 16).to("cuda", dtype)
+    w2 = (torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) / 16).to("cuda", dtype)
+    indices, weights = _routing(tokens, 7)
+    whole = triton_ops.moe_experts(x, indices, weights, w13, w2, 7.0)
+    flat = indices.reshape(-1)
+    slots = torch.empty(tokens * TOP_K, HIDDEN, dtype=dtype, device="cuda")
+    for held in (torch.arange(0, EXPERTS, 2), torch.arange(1, EXPERTS, 2)):  # two ranks, interleaved experts
+        held = held.cuda()
+        mine = torch.isin(flat, held).nonzero().squeeze(1)
+        local = torch.searchsorted(held, flat[mine])
+        slots[mine] = triton_ops.expert_outputs(x[mine // TOP_K], local, w13[held], w2[held], 7.0)
+    assert torch.equal(triton_fused.weighted_combine(slots.view(tokens, TOP_K, HIDDEN), weights), whole)
