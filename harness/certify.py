@@ -32,6 +32,7 @@ from audit.store import read_run
 from deepinfer.checkpoint import DEFAULT_PRESET, content_hash, default_checkpoint
 from deepinfer.engine.llm import PRESET_PREFIX
 from deepinfer.errors import DeepInferError
+from deepinfer.parallel import process_rank
 from harness.record import record_run
 from harness.run_writer import read_stats
 from harness.suites import Suite, load_suite
@@ -44,13 +45,21 @@ RUNS = "runs"
 def certify(
     model: str | Path | None, suite_spec: str, sweep: Sweep, out_dir: Path, *, run_seed: int = 0,
     resume: bool = False, sign_key: Path | None = None, progress: bool = True,
-) -> dict:
+) -> dict | None:
     """Run `suite_spec` under every configuration of `sweep` into `out_dir` and write
     OUT/certificate.json; returns the certificate (sealed, and signed with `sign_key` when given).
+    In a torchrun launch every rank calls it: rank 0 checks, writes and returns the certificate, the
+    others serve their share of each configuration and return None.
 
     Everything that can be checked is checked before anything is written; a start that fails before
     any configuration stored a file leaves `out_dir` as it found it, so a retry (or `resume`) works."""
     out_dir = Path(out_dir)
+    if process_rank() != 0:  # another rank of a torchrun launch: it serves its share, rank 0 writes
+        suite = load_suite(suite_spec)
+        for _, variant in sweep.configurations():
+            record_run(model, suite, variant, out_dir / RUNS / variant.name, run_seed=run_seed, resume=resume,
+                       progress=False)
+        return None
     resuming = _check_out(out_dir, sweep, resume)  # before hashing what may be a large checkpoint
     suite = load_suite(suite_spec)
     for _, variant in sweep.configurations():

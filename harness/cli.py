@@ -18,6 +18,7 @@ from deepinfer import cli as engine_cli
 from deepinfer.checkpoint import MODEL_HELP
 from deepinfer.engine.config import add_engine_flags, config_from_flags
 from deepinfer.errors import DeepInferError
+from deepinfer.parallel import process_rank
 from harness.eval_cli import add_eval_command
 from harness.lm_eval_cli import add_lm_eval_command
 from harness.replay_cli import add_replay_commands
@@ -57,6 +58,10 @@ def add_audit(commands: argparse._SubParsersAction) -> None:
                          help="exit 0 even when requests errored (they are still counted in the verdict)")
     certify.add_argument("--dtype", help="dtype of the default sweep (default: float32)")
     certify.add_argument("--device", help="device of the default sweep (default: cpu)")
+    certify.add_argument("--expert-parallel", type=int, help="expert_parallel of the default sweep: the number of "
+                         "processes of the torchrun launch (default: 1)")
+    certify.add_argument("--data-parallel", type=int, help="data_parallel of the default sweep: 1 or the number of "
+                         "processes of the torchrun launch (default: 1)")
     certify.add_argument("--threads", type=int, help="PyTorch CPU threads of the default sweep's configurations "
                                                      "(default: the process's; its threads-1 variant keeps 1)")
     _progress_flag(certify)
@@ -145,6 +150,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise DeepInferError(f"{out}: cannot create a run: it exists and is not a folder")
     root = record_run(args.model, load_suite(args.suite), variant, out, run_seed=args.run_seed,
                       resume=args.resume, progress=args.progress)
+    if process_rank() != 0:  # another rank of a torchrun launch: rank 0 reports
+        return 0
     errors = error_counts(read_run(out).streams)
     errored = f", {sum(errors.values())} errored ({describe_errors(errors)})" if errors else ""
     print(f"run {args.out}: {root['count']} requests{errored}, logit root {root['logit_root']}")
@@ -162,6 +169,8 @@ def _cmd_certify(args: argparse.Namespace) -> int:
     out = Path(args.out)
     cert = certify(args.model, args.suite, sweep, out, run_seed=args.run_seed, resume=args.resume,
                    sign_key=Path(args.sign_key) if args.sign_key else None, progress=args.progress)
+    if cert is None:  # another rank of a torchrun launch: rank 0 reports
+        return 0
     report_md, report_html = render_report(out)
     print(f"verdict: {verdict_summary(cert)}")
     for control in cert.get("controls", []):
@@ -179,13 +188,14 @@ def _cmd_certify(args: argparse.Namespace) -> int:
 
 
 def _certify_sweep(args: argparse.Namespace):
-    """The --sweep file, or the default sweep with --dtype, --device and --threads (checked here, before
-    any work); those flags set only the default sweep."""
+    """The --sweep file, or the default sweep with --dtype, --device, --threads, --expert-parallel and
+    --data-parallel (checked here, before any work); those flags set only the default sweep."""
     from dataclasses import replace
 
     from harness.sweep import Sweep, check_variant, checkpoint_drafter, default_sweep, load_sweep
 
-    given = [flag for flag in ("dtype", "device", "threads") if getattr(args, flag) is not None]
+    given = [flag for flag in ("dtype", "device", "threads", "expert_parallel", "data_parallel")
+             if getattr(args, flag) is not None]
     if args.sweep:
         if given:
             raise DeepInferError(f"--{given[0]} sets the default sweep only: with --sweep, give {given[0]} in the "
@@ -193,7 +203,7 @@ def _certify_sweep(args: argparse.Namespace):
         return load_sweep(args.sweep)
     drafter = checkpoint_drafter(args.model)
     try:
-        sweep = default_sweep(args.dtype, args.device, drafter)
+        sweep = default_sweep(args.dtype, args.device, drafter, args.expert_parallel, args.data_parallel)
     except DeepInferError as err:
         raise DeepInferError(f"flags: {err}") from None
     if args.threads is not None:

@@ -36,6 +36,7 @@ from lm_eval.utils import simple_parse_args_string
 
 from deepinfer import LLM
 from deepinfer.engine.config import EngineConfig
+from deepinfer.errors import DeepInferError
 from harness.lm_eval_requests import (FORCED, EvalError, Generation, LmEvalText, RequestNames, Scoring, request_params,
                                       score)
 from harness.run_writer import RunWriter, open_run, run_manifest
@@ -116,6 +117,8 @@ class DeepInferLM(TemplateLM):
             engine["max_num_seqs"] = _positive_int(batch_size, "batch_size")
         self.run_seed = run_seed
         self.llm = LLM(model, EngineConfig.from_dict({**engine, "seed": run_seed}, where="model_args"))
+        if self.llm.layout.world > 1:
+            raise DeepInferError(f"the lm-eval model runs in one process, this launch has {self.llm.layout.world}")
         self.batch_size = self.llm.engine_config.max_num_seqs
         self.text = LmEvalText(self.llm, str(model))
         self._next_index = 0

@@ -1,7 +1,8 @@
 """Record one configuration of a suite into a run folder of the audit store.
 
 Rows are flushed in small atomic part files as requests finish (harness.run_writer), so a run killed
-at any point keeps what it finished; `resume=True` serves only the missing requests. Because outputs
+at any point keeps what it finished; `resume=True` serves only the missing requests. Launched over
+several processes (torchrun), every rank serves its share and rank 0 writes the run. Because outputs
 do not depend on what else is in the batch, the resumed run reaches the same root as an uninterrupted one.
 """
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from deepinfer import LLM
 from deepinfer.errors import DeepInferError
+from deepinfer.parallel import from_rank_zero
 from deepinfer.progress import Progress
 from harness.run_writer import FLUSH_ROWS, FLUSH_SECONDS, STATS_FILE, completed_root, open_run, run_manifest
 from harness.serve import serve
@@ -35,11 +37,15 @@ def _record_run(model: str | Path | None, suite: Suite, variant: Variant, run_di
                 resume: bool, progress: bool) -> dict:
     started = time.perf_counter()
     llm = LLM(model, replace(variant.engine, seed=run_seed))
-    manifest = run_manifest(llm, model, suite=suite.describe(), run_seed=run_seed, variant=variant.to_dict())
-    if resume and (root := completed_root(run_dir, manifest)) is not None:
+    writing = llm.layout.rank == 0  # in a launch of several processes rank 0 writes; every rank serves
+    root = None
+    if writing:
+        manifest = run_manifest(llm, model, suite=suite.describe(), run_seed=run_seed, variant=variant.to_dict())
+        root = completed_root(run_dir, manifest) if resume else None
+    if (root := from_rank_zero(root)) is not None:
         return root
-    writer = open_run(run_dir, manifest, llm, resume=resume, started=started)
-    done = writer.done()
+    writer = open_run(run_dir, manifest, llm, resume=resume, started=started) if writing else None
+    done = from_rank_zero(writer.done() if writing else None)
     refused = 0
     jobs, job_index = [], []
     for index, item in enumerate(suite.requests):
@@ -50,19 +56,22 @@ def _record_run(model: str | Path | None, suite: Suite, variant: Variant, run_di
             prompt = item.prompt_ids(llm)
             llm.check_params(params)  # a constraint that does not compile refuses its request alone
         except DeepInferError as err:
-            writer.refused(index, item.request_id, item.row_params(params), err)
+            if writing:
+                writer.refused(index, item.request_id, item.row_params(params), err)
             refused += 1
             continue
         jobs.append((prompt, params))
         job_index.append(index)
-    bar = Progress(variant.name, len(suite.requests), len(done), enabled=progress)
+    bar = Progress(variant.name, len(suite.requests), len(done), enabled=progress and writing)
     bar.update(refused)
     for shard in range(variant.shards):  # one engine per share of the suite, over the same weights
         engine = llm if shard == 0 else llm.with_engine(llm.engine_config)
-        if shard:
+        if shard and writing:
             writer.serving(engine)
         mine = [j for j, index in enumerate(job_index) if index % variant.shards == shard]
         for finished in serve(engine, [jobs[j] for j in mine], variant):
+            if not writing:
+                continue
             index = job_index[mine[finished.index]]
             item = suite.requests[index]
             writer.served(index, item.request_id,
@@ -72,4 +81,4 @@ def _record_run(model: str | Path | None, suite: Suite, variant: Variant, run_di
             bar.update(1)
             writer.flush_if_due()
     bar.close()
-    return writer.finalize()
+    return from_rank_zero(writer.finalize() if writing else None)

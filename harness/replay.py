@@ -212,6 +212,9 @@ def _generate(llm: LLM, jobs: list[tuple[list[int], SamplingParams]], bar: Progr
     while a long batch runs."""
     if llm.has_unfinished():
         raise DeepInferError("replay needs an idle engine: finish requests queued with add_request() via step()")
+    if llm.layout.world > 1:
+        raise DeepInferError(f"replay runs in one process, this launch has {llm.layout.world}: record suites over "
+                             "several processes with `deepinfer audit run` or `audit certify`")
     ids = [llm.add_request(prompt, params) for prompt, params in jobs]
     done: dict[int, RequestOutput] = {}
     while llm.has_unfinished():

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from deepinfer import LLM, RequestOutput, SamplingParams
+from deepinfer.parallel import gather_objects
 from harness.sweep import Variant
 
 SHUFFLE_SEED = 1
@@ -38,6 +39,9 @@ def arrival_order(count: int, variant: Variant) -> list[int]:
 
 def serve(llm: LLM, jobs: list[tuple[list[int], SamplingParams]], variant: Variant) -> Iterator[Finished]:
     """Submit `jobs` (prompt ids, params) in the variant's order and yield each as it finishes.
+    In a launch of several processes every rank is given the same jobs and serves its share (all of
+    them unless the engine is data parallel), stepping while any rank works, and every rank yields
+    every finished job.
     With `stagger=k`, k requests start together and one more joins every k engine steps. With
     `warm`, the jobs are served once first, their outputs dropped."""
     if variant.warm:
@@ -48,7 +52,7 @@ def serve(llm: LLM, jobs: list[tuple[list[int], SamplingParams]], variant: Varia
 
 def _serve(llm: LLM, jobs: list[tuple[list[int], SamplingParams]], variant: Variant) -> Iterator[Finished]:
     start = time.perf_counter()
-    pending = arrival_order(len(jobs), variant)
+    pending = [index for index in arrival_order(len(jobs), variant) if llm.layout.serves(index)]
     index_of: dict[int, int] = {}
     arrival: dict[int, float] = {}
 
@@ -62,11 +66,23 @@ def _serve(llm: LLM, jobs: list[tuple[list[int], SamplingParams]], variant: Vari
         submit(index)
     pending = pending[head:]
     steps = 0
-    while llm.has_unfinished() or pending:
-        if pending and (not llm.has_unfinished() or steps % variant.stagger == 0):
-            submit(pending.pop(0))
-        for output in llm.step():
-            index = index_of[output.request_id]
-            first = None if output.first_token_time is None else output.first_token_time - start  # None: errored
-            yield Finished(index, output, arrival[index], first, time.perf_counter() - start)
-        steps += 1
+    while True:
+        working = llm.has_unfinished() or bool(pending)
+        finished = []
+        if working:
+            if pending and (not llm.has_unfinished() or steps % variant.stagger == 0):
+                submit(pending.pop(0))
+            for output in llm.step():
+                index = index_of[output.request_id]
+                first = None if output.first_token_time is None else output.first_token_time - start  # None: errored
+                finished.append(Finished(index, output, arrival[index], first, time.perf_counter() - start))
+            steps += 1
+        elif llm.layout.lockstep:  # the other ranks' MoE layers still exchange tokens with this one's
+            llm.step()
+        if llm.layout.world > 1:  # every rank learns who still works and gets every rank's finished requests
+            shares = gather_objects((working, finished))
+            working = any(share[0] for share in shares)
+            finished = [done for share in shares[::llm.layout.attention_ranks] for done in share[1]]  # one per group
+        yield from finished
+        if not working:
+            return

@@ -126,7 +126,8 @@ def draft_model_variants(base: Variant, drafter: str | None) -> tuple[Variant, .
                  for name, k, confidence in settings)
 
 
-def default_sweep(dtype: str | None = None, device: str | None = None, drafter: str | None = None) -> Sweep:
+def default_sweep(dtype: str | None = None, device: str | None = None, drafter: str | None = None,
+                  expert_parallel: int | None = None, data_parallel: int | None = None) -> Sweep:
     """The sweep `make certify` runs: batch sizes 1/8/32, shuffled, staggered, chunk 32, forced
     preemption, each step read before the next is scheduled (the others schedule asynchronously),
     speculative decoding with prompt-lookup drafts and, given the checkpoint's `drafter`
@@ -136,9 +137,10 @@ def default_sweep(dtype: str | None = None, device: str | None = None, drafter: 
     replay decode steps from CUDA graphs), and a `fast` numerics control. The
     preemption variant's 12 blocks per cache pool (raised to one sequence's worth where that is more,
     see `CacheManager`) hold under two sequences' sliding-window rows at a 64-token step whatever
-    max_model_len resolves to, so the requests must take turns. `dtype` and `device` (None: the
-    engine's defaults) apply to every configuration."""
-    given = {key: value for key, value in (("dtype", dtype), ("device", device)) if value is not None}
+    max_model_len resolves to, so the requests must take turns. `dtype`, `device`, `expert_parallel`
+    and `data_parallel` (None: the engine's defaults) apply to every configuration."""
+    settings = {"dtype": dtype, "device": device, "expert_parallel": expert_parallel, "data_parallel": data_parallel}
+    given = {key: value for key, value in settings.items() if value is not None}
     reference = Variant.of("batch-32", max_num_seqs=32, **given)
     variants = (
         reference.derive("batch-1", max_num_seqs=1),

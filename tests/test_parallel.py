@@ -141,3 +141,29 @@ def test_a_suite_split_over_shards_has_the_root_of_one_engine(tiny_checkpoint, t
     assert roots[1] == roots[2] == roots[3]
     queried = [json.loads((tmp_path / f"shards-{n}" / "stats.json").read_text())["prefix_query_tokens"] for n in (1, 3)]
     assert queried[0] == queried[1] > 0  # every shard's engine admitted its requests, and was counted
+
+
+def test_a_certification_over_two_processes_has_the_roots_of_one(tmp_path):
+    """`torchrun -m harness.cli audit certify` with expert and data parallel configurations: rank 0
+    writes the certificate, every configuration's root is the one a single process records."""
+    suite = tmp_path / "suite.jsonl"
+    suite.write_text("".join((ROOT / "harness" / "suites" / "smoke.jsonl").read_text().splitlines(True)[:8]))
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({
+        "reference": {"name": "ep2-dp2", "max_num_seqs": 8, "expert_parallel": 2, "data_parallel": 2, "threads": 1},
+        "variants": [{"name": "batch-1", "max_num_seqs": 1}, {"name": "dp1", "data_parallel": 1},
+                     {"name": "shards-2", "shards": 2}]}))
+    out = tmp_path / "certified"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           "-m", "harness.cli", "audit", "certify", "--model", "preset:tiny", "--suite", str(suite),
+                           "--sweep", str(sweep), "--out", str(out), "--no-progress"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.count("verdict: BITWISE_REPRODUCIBLE over all 8 requests") == 1  # rank 0 alone reports
+    alone = record_run("preset:tiny", load_suite(str(suite)), Variant.of("alone", threads=1), tmp_path / "alone",
+                       progress=False)
+    for name in ("ep2-dp2", "batch-1", "dp1", "shards-2"):
+        run = read_run(out / "runs" / name)
+        assert run.root == alone
+        assert run.manifest["engine"]["parallel"]["world"] == 2

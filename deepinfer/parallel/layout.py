@@ -93,3 +93,26 @@ def agree(value: int, op: dist.ReduceOp = dist.ReduceOp.MIN) -> int:
         tensor = tensor.cuda()
     dist.all_reduce(tensor, op=op)
     return int(tensor.item())
+
+
+def process_rank() -> int:
+    """This process's rank in a torchrun launch (0 alone), known before the process group starts."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def gather_objects(value: object) -> list:
+    """`value` from every rank, in rank order (a collective; [value] without a process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    values: list = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def from_rank_zero(value: object) -> object:
+    """Rank 0's `value` on every rank (a collective; `value` itself without a process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
