@@ -3,7 +3,8 @@ of a JSON spec, and (rank 0) write every case's output signatures to a pickle.
 
     python -m torch.distributed.run --standalone --nproc-per-node N tests/parallel_worker.py SPEC OUT
 
-A case with "replace" first serves the set, then re-places the experts by EPLB from the loads that
+A case with "cp" runs steps split over the ranks and counts how many were. A case with "replace"
+first serves the set, then re-places the experts by EPLB from the loads that
 serving measured (one more slot per rank, so the heaviest experts get copies), and serves it again.
 """
 
@@ -33,8 +34,13 @@ def main() -> None:
     for case in spec["cases"]:
         requests = standard_requests(preset_config(case["preset"]).vocab_size, count=spec["requests"])
         llm = LLM(f"preset:{case['preset']}", dtype=case["dtype"], expert_parallel=case["ep"],
-                  data_parallel=case["dp"])
+                  data_parallel=case["dp"], context_parallel=case.get("cp", 1))
+        splits = []
+        if llm.model.context is not None:  # count the steps that were split
+            split = llm.model.context.split
+            llm.model.context.split = lambda *args: splits.append(split(*args)) or splits[-1]
         results[case["name"]] = serve(llm, requests)
+        results[case["name"] + "-splits"] = sum(s is not None for s in splits)
         if case.get("replace"):
             before = placement_digest([exchange.placement for exchange in llm._exchanges])
             per_rank = llm._exchanges[0].placement.per_rank + 1

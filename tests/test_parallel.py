@@ -1,4 +1,4 @@
-"""Expert parallelism and attention data parallelism (`deepinfer.parallel`): every layout gives each
+"""Expert, attention data and context parallelism (`deepinfer.parallel`): every layout gives each
 request the bits one process gives (ids and logprob bits), on gloo with CPU processes launched by
 torchrun, for V4 and V4.1, fp32 and bf16, and after the experts move to an EPLB placement with
 copies of the heaviest; the placement policy balances and keeps its promises; a slot's expert output
@@ -21,7 +21,8 @@ import kernels
 from deepinfer import LLM
 from deepinfer.checkpoint import preset_config
 from deepinfer.errors import DeepInferError
-from deepinfer.parallel import ExpertPlacement, PlacementError, balanced_placement
+from deepinfer.parallel import ExpertPlacement, ParallelError, PlacementError, balanced_placement, start_layout
+from deepinfer.parallel.context import zigzag_rows
 from deepinfer.parallel.placement import rank_loads
 from audit.store import read_run
 from harness.invariance import signature, standard_requests
@@ -53,10 +54,12 @@ def _reference(preset: str, dtype: str) -> list[tuple]:
 @pytest.mark.parametrize("processes, cases", [
     (4, [{"name": "tiny-ep4-dp4", "preset": "tiny", "dtype": "float32", "ep": 4, "dp": 4, "replace": True},
          {"name": "tiny-ep4-dp1", "preset": "tiny", "dtype": "float32", "ep": 4, "dp": 1},
-         {"name": "v41-ep4-dp4", "preset": "v41-tiny", "dtype": "bfloat16", "ep": 4, "dp": 4}]),
+         {"name": "v41-ep4-dp4", "preset": "v41-tiny", "dtype": "bfloat16", "ep": 4, "dp": 4},
+         {"name": "tiny-cp4", "preset": "tiny", "dtype": "bfloat16", "ep": 1, "dp": 1, "cp": 4}]),
     (2, [{"name": "tiny-ep2-dp2", "preset": "tiny", "dtype": "bfloat16", "ep": 2, "dp": 2},
          {"name": "tiny-ep1-dp2", "preset": "tiny", "dtype": "float32", "ep": 1, "dp": 2},
-         {"name": "v41-ep2-dp1", "preset": "v41-tiny", "dtype": "float32", "ep": 2, "dp": 1, "replace": True}]),
+         {"name": "v41-ep2-dp1", "preset": "v41-tiny", "dtype": "float32", "ep": 2, "dp": 1, "replace": True},
+         {"name": "tiny-cp2", "preset": "tiny", "dtype": "float32", "ep": 1, "dp": 1, "cp": 2}]),
 ])
 def test_every_layout_gives_the_bits_of_one_process(processes, cases, tmp_path):
     results = _launch(processes, cases, tmp_path)
@@ -71,6 +74,8 @@ def test_every_layout_gives_the_bits_of_one_process(processes, cases, tmp_path):
         if case.get("replace"):
             before, after = results[case["name"] + "-digests"]
             assert before != after
+        if case.get("cp"):  # the prefill steps of the standard set (up to 512 tokens) were split
+            assert results[case["name"] + "-splits"] > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -167,3 +172,19 @@ def test_a_certification_over_two_processes_has_the_roots_of_one(tmp_path):
         run = read_run(out / "runs" / name)
         assert run.root == alone
         assert run.manifest["engine"]["parallel"]["world"] == 2
+
+
+def test_context_parallelism_runs_alone(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ParallelError) as err:
+        start_layout(expert_parallel=2, data_parallel=1, context_parallel=2, device=torch.device("cpu"))
+    assert str(err.value) == ("context_parallel runs with expert_parallel=1 and data_parallel=1 (every rank runs "
+                              "every request, with every expert)")
+
+
+@pytest.mark.parametrize("tokens, ranks", [(256, 2), (1000, 4), (257, 3)])
+def test_the_zigzag_split_covers_every_row_once_and_balances_causal_work(tokens, ranks):
+    rows = [zigzag_rows(tokens, r, ranks) for r in range(ranks)]
+    assert sorted(row for share in rows for row in share) == list(range(tokens))
+    work = [sum(row + 1 for row in share) for share in rows]  # a causal query attends to the rows before it
+    assert max(work) / min(work) < 1.02

@@ -90,13 +90,17 @@ class EngineConfig:
                                   "expert_parallel) or every process (each runs its own share of a generate() "
                                   "batch, its attention and cache; the MoE layers exchange tokens across them); "
                                   "the same bits either way")
+    context_parallel: int = _setting(1, "V4 with several processes: split each step of at least 256 tokens (long "
+                                     "prefill) over every process of the torchrun launch, balanced for causal "
+                                     "attention, each attending for its own rows over caches every process holds "
+                                     "in full (the same bits); with expert_parallel=1 and data_parallel=1")
     seed: int = _setting(0, "seed from which unseeded requests derive theirs")
     unseeded_seeds: str = _setting("request_order", "how unseeded requests get a seed: request_order (the engine's "
                                    "request counter) or content (a hash of the request)", choices=UNSEEDED_SEEDS)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "draft_tokens", "expert_parallel",
-                     "data_parallel"):
+                     "data_parallel", "context_parallel"):
             _check_positive(name, getattr(self, name))
         for name in ("max_model_len", "num_cache_blocks"):
             if getattr(self, name) is not None:

@@ -41,6 +41,7 @@ from deepinfer.model.dspark import DSpark
 from deepinfer.model.mtp import MTP
 from deepinfer.outputs import RequestOutput
 from deepinfer.parallel import ExpertPlacement, agree, move_experts, spread_experts, start_layout
+from deepinfer.parallel.context import ContextGroup
 from deepinfer.recipe.chat import ChatFormatError, encode_messages, parse_completion, tool_call_constraint
 from deepinfer.recipe.tokenizer import TextTokenizer, build_tokenizer
 from deepinfer.sampling_params import (
@@ -54,7 +55,7 @@ from deepinfer.sampling_params import (
 PRESET_PREFIX = "preset:"
 # the engine settings that decide how the model is built and loaded (`LLM.with_engine` keeps them)
 MODEL_SETTINGS = ("device", "dtype", "numerics", "cache_qdq", "weight_storage", "engram_tables", "expert_parallel",
-                  "data_parallel")
+                  "data_parallel", "context_parallel")
 
 
 class RequestError(DeepInferError, ValueError):
@@ -72,7 +73,7 @@ def _model_settings(config: EngineConfig) -> dict:
     return {"device": parse_device(config.device), "dtype": config.torch_dtype, "numerics": config.numerics,
             "cache_qdq": config.cache_qdq, "weight_storage": config.keeps_weights_quantized,
             "engram_tables": config.engram_tables, "expert_parallel": config.expert_parallel,
-            "data_parallel": config.data_parallel}
+            "data_parallel": config.data_parallel, "context_parallel": config.context_parallel}
 
 
 class LLM:
@@ -113,7 +114,7 @@ class LLM:
                 check_cpu_isa()  # oneDNN's AMX kernels would make bf16 rows depend on the batch
             except CpuIsaError as err:
                 raise DeepInferError(str(err)) from None
-        self.layout = start_layout(config.expert_parallel, config.data_parallel, self.device)
+        self.layout = start_layout(config.expert_parallel, config.data_parallel, config.context_parallel, self.device)
         quantized_as = self.dtype if config.keeps_weights_quantized else None
         self.weight_storage = "quantized" if quantized_as is not None else "decoded"
         self._source, self._quantized_as, self._load_seed = model, quantized_as, config.seed
@@ -124,7 +125,11 @@ class LLM:
         self._check_max_model_len(config)  # before the weights load, so a bad setting fails fast
         self.model = build_model(model_config, kernels.bind(config.numerics, self.device), self.dtype,
                                  cache_qdq=config.cache_qdq, engram_on_host=config.engram_tables == "host")
-        self._exchanges = spread_experts(self.model, self.layout, self.device) if self.layout.lockstep else []
+        self._exchanges = spread_experts(self.model, self.layout, self.device) if self.layout.expert_parallel > 1 else []
+        if self.layout.context_parallel > 1:
+            if isinstance(self.model, DeepseekV41):
+                raise DeepInferError("context_parallel is built for V4 models; this checkpoint is V4.1")
+            self.model.context = ContextGroup(self.layout.rank, self.layout.world)
         self.model.load_tensors(tensors, self.device)
         if isinstance(self.model, DeepseekV41) and model_config.engram_layer_ids:
             if self.tokenizer is None:
@@ -163,7 +168,7 @@ class LLM:
             config = replace(config, async_scheduling=False)
         if config.speculation != "off":  # a sequence's drafts follow its last token, which must be known
             config = replace(config, async_scheduling=False)
-        if self.layout.lockstep:  # each MoE layer reads its exchange's sizes on the host: no graph holds it
+        if self.layout.lockstep:  # MoE exchanges read their sizes on the host, splits upload rows: no graphs
             config = replace(config, cuda_graphs=False)
         self._check_max_model_len(config)
         draft = None

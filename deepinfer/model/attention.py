@@ -62,12 +62,13 @@ class Compressor(nn.Module):
         return self.norm(self.ops.window_pool(kv, gate, bias))
 
     def update(
-        self, x: torch.Tensor, step: CompressorAddresses, state: torch.Tensor, entries: torch.Tensor,
+        self, rows: torch.Tensor, step: CompressorAddresses, state: torch.Tensor, entries: torch.Tensor,
         rope: RotaryTable, state_cols: slice, entry_cols: slice,
     ) -> None:
-        """Write the step's state rows, then pool every window the step closes into `entries` (a
-        fixed-shape write: capacity the step does not use pools nothing valid into the null block)."""
-        state[step.state_write, state_cols] = self.project(x).to(state.dtype)
+        """Write the step's state rows (`project` of every token of the step), then pool every window
+        the step closes into `entries` (a fixed-shape write: capacity the step does not use pools
+        nothing valid into the null block)."""
+        state[step.state_write, state_cols] = rows.to(state.dtype)
         pooled = self.pool(state[step.close_read][..., state_cols], step.close_valid)
         cos, sin = rope(step.close_position)
         entries[step.close_write, entry_cols] = self.ops.rotary(pooled, cos, sin).to(entries.dtype)
@@ -141,11 +142,11 @@ class Attention(nn.Module):
         row chunks whose gathered keys fit `READ_BUDGET_BYTES`."""
         q_residual, q = self.queries(x, rope)
         window = cache["window"]
-        window[addresses.window_write] = self.window_kv(x, rope).to(window.dtype)
+        window[addresses.window_write] = addresses.everyone(self.window_kv(x, rope)).to(window.dtype)
         step = None
         if self.layer_type != SLIDING:
             step = addresses.compressors[POOL_PREFIX[self.layer_type]]
-            self._compress(x, step, cache, compress_rope)
+            self._compress(x, addresses, step, cache, compress_rope)
         parts = [self._attend(rows, q, x, q_residual, rope, addresses, step, cache)
                  for rows in query_chunks(x.shape[0], self._row_bytes(addresses, step))]
         return self.project_out(parts[0] if len(parts) == 1 else torch.cat(parts), rope)
@@ -169,15 +170,16 @@ class Attention(nn.Module):
         grouped = self.ops.grouped_linear(out.reshape(out.shape[0], self.o_groups, -1), self.wo_a.weight, self.o_groups)
         return self.wo_b(grouped.flatten(1))
 
-    def _compress(self, x: torch.Tensor, step: CompressorAddresses, cache: dict[str, torch.Tensor],
-                  compress_rope: RotaryTable) -> None:
+    def _compress(self, x: torch.Tensor, addresses: CacheAddresses, step: CompressorAddresses,
+                  cache: dict[str, torch.Tensor], compress_rope: RotaryTable) -> None:
         """Pool the windows the step closes into entries (the indexer's keys too, in CSA layers)."""
         state, entries = cache["state"], cache["entries"]
         d, main_width = self.head_dim, self.compressor.state_width
-        self.compressor.update(x, step, state, entries, compress_rope, slice(0, main_width), slice(0, d))
+        self.compressor.update(addresses.everyone(self.compressor.project(x)), step, state, entries, compress_rope,
+                               slice(0, main_width), slice(0, d))
         if self.layer_type == CSA:
             self.indexer.compressor.update(
-                x, step, state, entries, compress_rope,
+                addresses.everyone(self.indexer.compressor.project(x)), step, state, entries, compress_rope,
                 slice(main_width, main_width + self.indexer.compressor.state_width),
                 slice(d, d + self.indexer.head_dim),
             )

@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 import torch
 
 from deepinfer.transfer import upload
+
+if TYPE_CHECKING:  # the parallel package imports the model: no import back at run time
+    from deepinfer.parallel.context import ContextSplit
 
 NULL_BLOCK = 0
 
@@ -184,11 +188,13 @@ class CacheAddresses:
     window_read: torch.Tensor
     window_valid: torch.Tensor
     compressors: dict[str, CompressorAddresses] = field(default_factory=dict)
+    context: ContextSplit | None = None
 
     @classmethod
-    def of(cls, batch: StepBatch, pools: list[PoolSpec]) -> "CacheAddresses":
+    def of(cls, batch: StepBatch, pools: list[PoolSpec], context: ContextSplit | None = None) -> "CacheAddresses":
         """The addresses of every pool in `pools` (a model's `pool_specs()`); compressors are keyed by
-        their pools' prefix."""
+        their pools' prefix. With a `context` split (`deepinfer.parallel.context`), what each query
+        reads is that of this rank's rows only; writes stay the whole step's."""
         rows_of = batch.query_start.shape[0] - 1
         pos = batch.positions
         paged = Paged.of(batch)
@@ -203,7 +209,18 @@ class CacheAddresses:
         for spec in pools:
             if spec.kind == "entries":
                 addresses.compressors[spec.prefix] = _compressor_addresses(paged, spec, rows_of)
+        if context is not None:
+            own = context.own
+            addresses.window_read, addresses.window_valid = addresses.window_read[own], addresses.window_valid[own]
+            for step in addresses.compressors.values():
+                step.entry_read, step.entry_valid = step.entry_read[own], step.entry_valid[own]
+            addresses.context = context
         return addresses
+
+    def everyone(self, rows: torch.Tensor) -> torch.Tensor:
+        """Per-token rows [T_r, ...] of this rank's tokens as the whole step's [T, ...] (the rows every
+        rank computed, gathered, under a context split; `rows` itself otherwise)."""
+        return rows if self.context is None else self.context.gather(rows)
 
 
 class Paged:

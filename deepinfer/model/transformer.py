@@ -75,6 +75,7 @@ class Decoder(nn.Module):
 
     engram_tokens = None
     engram_on_host = False  # V4.1 with its Engram tables in host memory: the runner reads them
+    context = None  # `deepinfer.parallel.context.ContextGroup` when a step's rows are split over ranks
 
     def placement(self, name: str, device: torch.device | str) -> torch.device | str:
         """Where the parameter `name` lives: `device`, unless the model keeps it elsewhere."""
@@ -220,14 +221,23 @@ class DeepseekV4(Decoder):
         Shapes follow the batch's buckets only, and nothing is read back to the host. Given
         `streams_at`, it also receives under key `num_hidden_layers` the final streams [T, n, hidden]
         of every token, before `hc_head` (what the MTP block reads, `deepinfer.model.mtp`; keys are the
-        layer the streams enter, as in `DeepseekV41.forward`). Reading them changes nothing else."""
-        addresses = CacheAddresses.of(batch, self.pools)
-        x = self.model.embed_tokens(batch.input_ids)
+        layer the streams enter, as in `DeepseekV41.forward`). Reading them changes nothing else.
+        With `context` set, a long step's rows are split over the ranks (`deepinfer.parallel.context`)."""
+        split = None if self.context is None else self.context.split(batch.input_ids.shape[0], batch.input_ids.device)
+        addresses = CacheAddresses.of(batch, self.pools, split)
+        input_ids, positions = batch.input_ids, batch.positions
+        if split is not None:  # this rank runs its own rows; attention gathers what they write
+            input_ids, positions = input_ids[split.own], positions[split.own]
+        x = self.model.embed_tokens(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
-        ropes = {"main": self.main_rope(batch.positions), "compress": self.compress_rope(batch.positions)}
+        ropes = {"main": self.main_rope(positions), "compress": self.compress_rope(positions)}
         for block, cache in zip(self.model.layers, caches):
             rope = ropes["main" if block.attn.layer_type == SLIDING else "compress"]
-            streams = block(streams, batch.input_ids, addresses, cache, rope, self.compress_rope)
+            streams = block(streams, input_ids, addresses, cache, rope, self.compress_rope)
+        if split is not None and streams_at is None:  # each rank heads its own rows, then all are gathered
+            hidden = addresses.everyone(self.model.norm(self.model.hc_head(streams)))
+            return hidden if batch.sample_index is None else hidden[batch.sample_index]
+        streams = addresses.everyone(streams)
         if streams_at is not None:
             streams_at[self.config.num_hidden_layers] = streams
         if batch.sample_index is not None:

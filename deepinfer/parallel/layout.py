@@ -29,6 +29,7 @@ class ParallelLayout:
     world: int = 1
     expert_parallel: int = 1
     data_parallel: int = 1
+    context_parallel: int = 1
 
     @property
     def attention_ranks(self) -> int:
@@ -42,8 +43,8 @@ class ParallelLayout:
 
     @property
     def lockstep(self) -> bool:
-        """Whether steps are collective: ranks exchange tokens in every MoE layer."""
-        return self.expert_parallel > 1
+        """Whether steps are collective: ranks exchange tokens in every MoE layer, or split long steps."""
+        return self.expert_parallel > 1 or self.context_parallel > 1
 
     def serves(self, index: int) -> bool:
         """Whether request `index` of a batch every rank was given is this rank's (round robin over
@@ -51,25 +52,32 @@ class ParallelLayout:
         return index % self.data_parallel == self.attention_group
 
     def describe(self) -> dict:
-        return {"world": self.world, "expert_parallel": self.expert_parallel, "data_parallel": self.data_parallel}
+        return {"world": self.world, "expert_parallel": self.expert_parallel, "data_parallel": self.data_parallel,
+                "context_parallel": self.context_parallel}
 
 
-def start_layout(expert_parallel: int, data_parallel: int, device: torch.device) -> ParallelLayout:
+def start_layout(expert_parallel: int, data_parallel: int, context_parallel: int,
+                 device: torch.device) -> ParallelLayout:
     """This process's layout: the world of an initialised process group, else of torchrun's
     environment (initialising the group: NCCL for CUDA, gloo for CPU; on CUDA each process takes the
-    GPU of its local rank), else one process. Degrees other than 1 or the world size are refused."""
+    GPU of its local rank), else one process. Degrees other than 1 or the world size are refused, and
+    context parallelism beside the other two (each rank must run every request, with all experts)."""
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    for name, degree in (("expert_parallel", expert_parallel), ("data_parallel", data_parallel)):
+    degrees = {"expert_parallel": expert_parallel, "data_parallel": data_parallel, "context_parallel": context_parallel}
+    for name, degree in degrees.items():
         if degree not in (1, world):
             raise ParallelError(f"{name}={degree} needs {degree} processes (torchrun --nproc-per-node {degree}); "
                                 f"this run has {world}")
+    if context_parallel > 1 and (expert_parallel > 1 or data_parallel > 1):
+        raise ParallelError("context_parallel runs with expert_parallel=1 and data_parallel=1 (every rank runs "
+                            "every request, with every expert)")
     if world == 1:
         return ParallelLayout()
     if not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return ParallelLayout(dist.get_rank(), world, expert_parallel, data_parallel)
+    return ParallelLayout(dist.get_rank(), world, expert_parallel, data_parallel, context_parallel)
 
 
 def all_to_all(tensor: torch.Tensor, send: list[int], receive: list[int],
