@@ -3,7 +3,7 @@ of a JSON spec, and (rank 0) write every case's output signatures to a pickle.
 
     python -m torch.distributed.run --standalone --nproc-per-node N tests/parallel_worker.py SPEC OUT
 
-A case with "cp" runs steps split over the ranks and counts how many were. A case with "replace"
+A case with "cp" runs steps split over the ranks and counts how many were; "engine" adds engine settings. A case with "replace"
 first serves the set, then re-places the experts by EPLB from the loads that
 serving measured (one more slot per rank, so the heaviest experts get copies), and serves it again.
 """
@@ -34,7 +34,7 @@ def main() -> None:
     for case in spec["cases"]:
         requests = standard_requests(preset_config(case["preset"]).vocab_size, count=spec["requests"])
         llm = LLM(f"preset:{case['preset']}", dtype=case["dtype"], expert_parallel=case["ep"],
-                  data_parallel=case["dp"], context_parallel=case.get("cp", 1))
+                  data_parallel=case["dp"], context_parallel=case.get("cp", 1), **case.get("engine", {}))
         splits = []
         if llm.model.context is not None:  # count the steps that were split
             split = llm.model.context.split

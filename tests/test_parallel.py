@@ -59,7 +59,9 @@ def _reference(preset: str, dtype: str) -> list[tuple]:
     (2, [{"name": "tiny-ep2-dp2", "preset": "tiny", "dtype": "bfloat16", "ep": 2, "dp": 2},
          {"name": "tiny-ep1-dp2", "preset": "tiny", "dtype": "float32", "ep": 1, "dp": 2},
          {"name": "v41-ep2-dp1", "preset": "v41-tiny", "dtype": "float32", "ep": 2, "dp": 1, "replace": True},
-         {"name": "tiny-cp2", "preset": "tiny", "dtype": "float32", "ep": 1, "dp": 1, "cp": 2}]),
+         {"name": "tiny-cp2", "preset": "tiny", "dtype": "float32", "ep": 1, "dp": 1, "cp": 2},
+         {"name": "v41-cp2-dspark-host", "preset": "v41-tiny", "dtype": "bfloat16", "ep": 1, "dp": 1, "cp": 2,
+          "engine": {"speculation": "dspark", "engram_tables": "host"}}]),
 ])
 def test_every_layout_gives_the_bits_of_one_process(processes, cases, tmp_path):
     results = _launch(processes, cases, tmp_path)

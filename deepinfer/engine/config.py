@@ -90,7 +90,7 @@ class EngineConfig:
                                   "expert_parallel) or every process (each runs its own share of a generate() "
                                   "batch, its attention and cache; the MoE layers exchange tokens across them); "
                                   "the same bits either way")
-    context_parallel: int = _setting(1, "V4 with several processes: split each step of at least 256 tokens (long "
+    context_parallel: int = _setting(1, "with several processes: split each step of at least 256 tokens (long "
                                      "prefill) over every process of the torchrun launch, balanced for causal "
                                      "attention, each attending for its own rows over caches every process holds "
                                      "in full (the same bits); with expert_parallel=1 and data_parallel=1")

@@ -127,8 +127,6 @@ class LLM:
                                  cache_qdq=config.cache_qdq, engram_on_host=config.engram_tables == "host")
         self._exchanges = spread_experts(self.model, self.layout, self.device) if self.layout.expert_parallel > 1 else []
         if self.layout.context_parallel > 1:
-            if isinstance(self.model, DeepseekV41):
-                raise DeepInferError("context_parallel is built for V4 models; this checkpoint is V4.1")
             self.model.context = ContextGroup(self.layout.rank, self.layout.world)
         self.model.load_tensors(tensors, self.device)
         if isinstance(self.model, DeepseekV41) and model_config.engram_layer_ids:

@@ -95,12 +95,17 @@ class Compressor2(nn.Module):
         """Width of a token's row in the state pool ([wkv | wgate]); 0 when nothing waits for a group."""
         return 2 * self.dim if self.ratio > 1 else 0
 
-    def latents(self, x: torch.Tensor, step: CompressorAddresses, state: torch.Tensor | None) -> torch.Tensor:
+    def latents(self, x: torch.Tensor, addresses: CacheAddresses, step: CompressorAddresses,
+                state: torch.Tensor | None) -> torch.Tensor:
         """Write the step's state rows (ratio > 1), then the normalised pre-RoPE latent [C, dim] of
-        every group the step may close (rows for unused capacity are junk, written to the null block)."""
+        every group the step may close (rows for unused capacity are junk, written to the null block).
+        Under a context split, `x` holds this rank's tokens and what they project is gathered first."""
         if self.ratio == 1:
-            return self.norm(self.wkv(x.float()[step.close_token]))
-        state[step.state_write] = torch.cat([self.wkv(x.float()), self.wgate(x.float())], dim=-1).to(state.dtype)
+            if addresses.context is None:
+                return self.norm(self.wkv(x.float()[step.close_token]))
+            return self.norm(addresses.everyone(self.wkv(x.float()))[step.close_token])
+        rows = torch.cat([self.wkv(x.float()), self.wgate(x.float())], dim=-1)
+        state[step.state_write] = addresses.everyone(rows).to(state.dtype)
         rows = state[step.close_read]
         valid = step.close_valid.unsqueeze(-1)
         values = rows[..., :self.dim].float().masked_fill(~valid, 0)
@@ -200,12 +205,12 @@ class Attention2(nn.Module):
         q_residual, q = self.queries(x, rope)
         kv = self.window_kv(x, rope)
         window = cache["window"]
-        window[addresses.window_write] = kv.to(window.dtype)
+        window[addresses.window_write] = addresses.everyone(kv).to(window.dtype)
         step = None
         if self.role.kind != SWA:
             step = addresses.compressors[pool_prefix(self.role.kv_source)]
             if self.role.kind == FULL:
-                self._compress(x, step, cache["entries"], cache.get("state"), compress_rope)
+                self._compress(x, addresses, step, cache["entries"], cache.get("state"), compress_rope)
         parts = [self._attend(rows, q, x, q_residual, rope, positions, addresses, step, cache, selection)
                  for rows in query_chunks(tokens, self._row_bytes(addresses, step))]
         if len(parts) == 1:
@@ -264,11 +269,11 @@ class Attention2(nn.Module):
                                             self.attn_sink, self.head_dim**-0.5)
         return out, selection
 
-    def _compress(self, x: torch.Tensor, step: CompressorAddresses, entries: torch.Tensor,
-                  state: torch.Tensor | None, compress_rope: RotaryTable) -> None:
+    def _compress(self, x: torch.Tensor, addresses: CacheAddresses, step: CompressorAddresses,
+                  entries: torch.Tensor, state: torch.Tensor | None, compress_rope: RotaryTable) -> None:
         """Write each group the step closes as an entry: [KV RoPE'd at the group's first position |
         the indexer's key]."""
-        latent = self.compressor.latents(x, step, state)
+        latent = self.compressor.latents(x, addresses, step, state)
         cos, sin = compress_rope(step.close_position)
         kv = self.formats.entries(self.ops.rotary(latent, cos, sin))
         row = torch.cat([kv, self.indexer.keys(latent, cos, sin)], dim=-1)

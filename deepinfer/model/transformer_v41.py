@@ -140,14 +140,19 @@ class DeepseekV41(Decoder):
         final hidden states [R, hidden] of the rows in `batch.sample_index` (all when None). Given
         `streams_at`, it also receives the streams [T, n, hidden] of every token entering each layer of
         `config.dspark_target_layer_ids` (after that layer's Engram): the DSpark draft's features
-        (`deepinfer.model.dspark.target_features`). Reading them changes nothing else."""
-        addresses = CacheAddresses.of(batch, self.pools)
-        x = self.embed(batch.input_ids)
+        (`deepinfer.model.dspark.target_features`). Reading them changes nothing else. With `context`
+        set, a long step's rows are split over the ranks (`deepinfer.parallel.context`)."""
+        split = None if self.context is None else self.context.split(batch.input_ids.shape[0], batch.input_ids.device)
+        addresses = CacheAddresses.of(batch, self.pools, split)
+        input_ids, positions = batch.input_ids, batch.positions
+        if split is not None:  # this rank runs its own rows; attention gathers what they write
+            input_ids, positions = input_ids[split.own], positions[split.own]
+        x = self.embed(input_ids)
         n = self.config.hc_mult
         streams = x.unsqueeze(1).expand(-1, n, -1).contiguous()
         pre = torch.zeros(x.shape[0], n, dtype=torch.float32, device=x.device)
         pre[:, 0] = 1
-        ropes = {"main": self.main_rope(batch.positions), "compress": self.compress_rope(batch.positions)}
+        ropes = {"main": self.main_rope(positions), "compress": self.compress_rope(positions)}
         selection = None
         if self.engram_layouts and batch.engram_ids is None:
             raise ValueError("this model has Engram layers: call use_tokenizer() before running it")
@@ -155,18 +160,23 @@ class DeepseekV41(Decoder):
             memory = None
             if block.role.engram and batch.engram_memory is not None:
                 memory = batch.engram_memory[layer]
+                memory = memory if split is None else memory[split.own]
             elif block.role.engram:
-                memory = block.engram.embed(engram_rows(batch.engram_ids, batch.query_start, batch.engram_lookback,
-                                                        *self.engram_layouts[layer]))
+                rows = engram_rows(batch.engram_ids, batch.query_start, batch.engram_lookback,
+                                   *self.engram_layouts[layer])
+                memory = block.engram.embed(rows if split is None else rows[split.own])
             role = block.role
             # a compressed layer reads its KV source's entries (and, being the source, writes them)
             cache = caches[layer] if role.kind == SWA else {**caches[role.kv_source], "window": caches[layer]["window"]}
             rope = ropes["main" if role.kind == SWA else "compress"]
             tap = [] if streams_at is not None and layer in self.config.dspark_target_layer_ids else None
-            streams, pre, selection = block(streams, pre, batch.input_ids, addresses, cache, rope,
-                                            self.compress_rope, batch.positions, selection, memory, tap)
+            streams, pre, selection = block(streams, pre, input_ids, addresses, cache, rope,
+                                            self.compress_rope, positions, selection, memory, tap)
             if tap:
-                streams_at[layer] = tap[0]
+                streams_at[layer] = addresses.everyone(tap[0])
+        if split is not None:  # each rank collapses its own rows, then all are gathered
+            hidden = addresses.everyone(self.norm(self.ops.hyper_collapse(pre, streams)))
+            return hidden if batch.sample_index is None else hidden[batch.sample_index]
         if batch.sample_index is not None:
             streams, pre = streams[batch.sample_index], pre[batch.sample_index]
         return self.norm(self.ops.hyper_collapse(pre, streams))
