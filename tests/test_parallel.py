@@ -23,7 +23,7 @@ from deepinfer.checkpoint import preset_config
 from deepinfer.errors import DeepInferError
 from deepinfer.parallel import ExpertPlacement, ParallelError, PlacementError, balanced_placement, start_layout
 from deepinfer.parallel.context import zigzag_rows
-from deepinfer.parallel.placement import rank_loads
+from deepinfer.parallel.placement import held_tensors, rank_loads
 from audit.store import read_run
 from harness.invariance import signature, standard_requests
 from harness.record import record_run
@@ -190,3 +190,10 @@ def test_the_zigzag_split_covers_every_row_once_and_balances_causal_work(tokens,
     assert sorted(row for share in rows for row in share) == list(range(tokens))
     work = [sum(row + 1 for row in share) for share in rows]  # a causal query attends to the rows before it
     assert max(work) / min(work) < 1.02
+
+
+def test_a_rank_generates_only_the_experts_it_holds():
+    needed = held_tensors(16, rank=1, ranks=4)  # experts 4..7
+    assert [needed(f"model.layers.2.ffn.experts.{e}.w2.weight") for e in (3, 4, 7, 8)] == [False, True, True, False]
+    assert needed("layers.0.ffn.experts.5.w1.scale") and not needed("layers.0.ffn.experts.12.w1.scale")
+    assert needed("model.layers.2.ffn.gate.weight") and needed("model.layers.2.ffn.shared_experts.w1.weight")

@@ -41,6 +41,7 @@ from deepinfer.model.dspark import DSpark
 from deepinfer.model.mtp import MTP
 from deepinfer.outputs import RequestOutput
 from deepinfer.parallel import ExpertPlacement, agree, move_experts, spread_experts, start_layout
+from deepinfer.parallel.placement import held_tensors
 from deepinfer.parallel.context import ContextGroup
 from deepinfer.recipe.chat import ChatFormatError, encode_messages, parse_completion, tool_call_constraint
 from deepinfer.recipe.tokenizer import TextTokenizer, build_tokenizer
@@ -217,12 +218,16 @@ class LLM:
 
     def _load(self, model: str | Path | None, quantized_as: torch.dtype | None, seed: int):
         """(model config, tensors as `weights_in_memory` gives them, tokenizer, model id, stored formats);
-        a preset's weights are seeded with the engine's `seed`."""
+        a preset's weights are seeded with the engine's `seed` (under expert parallelism, only the
+        routed experts this rank holds are generated)."""
         if isinstance(model, str) and model.startswith(PRESET_PREFIX):
             config = preset_config(model[len(PRESET_PREFIX):])
             # a quantized preset is generated as its checkpoint is written, in the checkpoint's dtype
             dtype = self.dtype if config.quantization_config is None else DTYPES[weight_dtype_name(config) or "float32"]
-            tensors = dict(stored_random_tensors(config, seed, dtype, device=self.device, include_mtp=False))
+            stored = stored_random_tensors(config, seed, dtype, device=self.device, include_mtp=False)
+            needed = (held_tensors(config.n_routed_experts, self.layout.rank, self.layout.world)
+                      if self.layout.expert_parallel > 1 else lambda name: True)
+            tensors = {name: stored[name] for name in stored if needed(name)}  # generated here, a rank its share
             formats = stored_formats(config, str(dtype).removeprefix("torch."))
             tokenizer = TextTokenizer(build_tokenizer(config.vocab_size))
             tensors = weights_in_memory(config, tensors, quantized_as)

@@ -131,10 +131,11 @@ class Decoder(nn.Module):
 
 
 def _drop(tensors: dict, prefix: str, n_experts: int, names: tuple[str, ...]) -> None:
-    """Forget every expert's `names` weights of layer `prefix`, held here or not."""
+    """Forget every expert's `names` weights of layer `prefix`, held here or not (a rank's share of a
+    preset never had the others)."""
     for e in range(n_experts):
         for name in names:
-            tensors.pop(f"{prefix}.{e}.{name}.weight")
+            tensors.pop(f"{prefix}.{e}.{name}.weight", None)
 
 
 def _cat(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | QuantizedWeight:

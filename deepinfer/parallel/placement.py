@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 
 from deepinfer.errors import DeepInferError
@@ -61,6 +62,21 @@ class ExpertPlacement:
     def copies(self, expert: int) -> list[tuple[int, int]]:
         """(rank, slot) of every copy of `expert`, by rank then slot."""
         return [(r, s) for r, held in enumerate(self.ranks) for s, e in enumerate(held) if e == expert]
+
+
+_EXPERT_TENSOR = re.compile(r"\.ffn\.experts\.(\d+)\.")
+
+
+def held_tensors(n_experts: int, rank: int, ranks: int):
+    """Whether a checkpoint tensor is needed on `rank` under the default (contiguous) placement: every
+    tensor but the routed experts' of experts other ranks hold (a rank loads only its share)."""
+    held = set(ExpertPlacement.contiguous(n_experts, ranks).ranks[rank])
+
+    def needed(name: str) -> bool:
+        match = _EXPERT_TENSOR.search(name)
+        return match is None or int(match.group(1)) in held
+
+    return needed
 
 
 def placement_digest(placements: list[ExpertPlacement]) -> str:
