@@ -198,7 +198,8 @@ def _certify_sweep(args: argparse.Namespace):
              if getattr(args, flag) is not None]
     if args.sweep:
         if given:
-            raise DeepInferError(f"--{given[0]} sets the default sweep only: with --sweep, give {given[0]} in the "
+            flag = "--" + given[0].replace("_", "-")
+            raise DeepInferError(f"{flag} sets the default sweep only: with --sweep, give {given[0]} in the "
                                  "sweep file's configurations")
         return load_sweep(args.sweep)
     drafter = checkpoint_drafter(args.model)

@@ -276,12 +276,14 @@ def test_certify_without_cuda_refuses_cuda_before_writing(capsys, monkeypatch, t
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("flags", [["--threads", "1"], ["--device", "cpu"], ["--dtype", "float32"]])
+@pytest.mark.parametrize("flags", [["--threads", "1"], ["--device", "cpu"], ["--dtype", "float32"],
+                                   ["--expert-parallel", "2"], ["--data-parallel", "2"]])
 def test_default_sweep_flags_with_a_sweep_file(capsys, tmp_path, flags):
     suite, sweep = write_inputs(tmp_path / "inputs")
-    name = flags[0][2:]
+    flag = flags[0]
+    setting = flag[2:].replace("-", "_")
     assert_user_error(capsys, ["certify", "--suite", suite, "--sweep", sweep, "--out", tmp_path / "out", *flags],
-                      f"--{name} sets the default sweep only: with --sweep, give {name} in the sweep file's "
+                      f"{flag} sets the default sweep only: with --sweep, give {setting} in the sweep file's "
                       "configurations")
 
 
@@ -289,7 +291,8 @@ def test_threads_apply_to_the_default_sweep_except_its_threads_1_variant():
     from harness.cli import _certify_sweep
 
     sweep = _certify_sweep(SimpleNamespace(sweep=None, dtype=None, device=None, model="preset:tiny",
-                                           threads=2 if os.cpu_count() > 1 else 1))
+                                           threads=2 if os.cpu_count() > 1 else 1, expert_parallel=None,
+                                           data_parallel=None))
     threads = {variant.name: variant.threads for _, variant in sweep.configurations()}
     assert threads.pop("threads-1") == 1 and set(threads.values()) == {min(2, os.cpu_count())}
 
