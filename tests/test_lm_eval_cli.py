@@ -108,11 +108,11 @@ def test_batch_size_auto_is_one_error_line(runs):
                                  "give batch_size N (the engine's max_num_seqs)"),
     ({"device": "cpu"}, {"device": "cuda:0"}, "device given twice: 'cpu' in model_args, 'cuda:0' from lm-eval "
                                               "(--device, default cuda:0); give it once"),
-    ({"pretrained": "gpt2"}, {}, "unknown model_args pretrained (known: async_scheduling, batch_size, block_size, cache_qdq, cuda_graphs, "
-                                 "device, draft_confidence, draft_tokens, dtype, enable_chunked_prefill, engram_tables, max_model_len, "
+    ({"pretrained": "gpt2"}, {}, "unknown model_args pretrained (known: async_scheduling, batch_size, block_size, cache_qdq, "
+                                 "context_parallel, cuda_graphs, data_parallel, device, draft_confidence, draft_tokens, "
+                                 "dtype, enable_chunked_prefill, engram_tables, expert_parallel, max_model_len, "
                                  "max_num_batched_tokens, model, num_cache_blocks, numerics, prefix_caching, run_dir, "
-                                 "run_seed, speculation, "
-                                 "suite, unseeded_seeds, weight_storage)"),
+                                 "run_seed, speculation, suite, unseeded_seeds, weight_storage)"),
 ])
 def test_settings_that_cannot_be_served(model_args, settings, message):
     with pytest.raises(EvalError, match=f"^{re.escape(message)}$"):
