@@ -3,7 +3,8 @@ of a JSON spec, and (rank 0) write every case's output signatures to a pickle.
 
     python -m torch.distributed.run --standalone --nproc-per-node N tests/parallel_worker.py SPEC OUT
 
-A case with "cp" runs steps split over the ranks and counts how many were; "engine" adds engine settings. A case with "replace"
+A case with "cp" runs steps split over the ranks and counts how many were; "engine" adds engine
+settings; "model" names a checkpoint folder instead of the preset. A case with "replace"
 first serves the set, then re-places the experts by EPLB from the loads that
 serving measured (one more slot per rank, so the heaviest experts get copies), and serves it again.
 """
@@ -18,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from deepinfer import LLM
-from deepinfer.checkpoint import preset_config
 from deepinfer.parallel import balanced_placement, placement_digest
 from harness.invariance import signature, standard_requests
 
@@ -32,9 +32,10 @@ def main() -> None:
     torch.set_num_threads(1)
     results = {}
     for case in spec["cases"]:
-        requests = standard_requests(preset_config(case["preset"]).vocab_size, count=spec["requests"])
-        llm = LLM(f"preset:{case['preset']}", dtype=case["dtype"], expert_parallel=case["ep"],
+        llm = LLM(case.get("model") or f"preset:{case['preset']}", dtype=case["dtype"], expert_parallel=case["ep"],
                   data_parallel=case["dp"], context_parallel=case.get("cp", 1), **case.get("engine", {}))
+        requests = standard_requests(llm.config.vocab_size, count=spec["requests"])
+        results[case["name"] + "-weights"] = sorted({type(e.experts.w13).__name__ for e in llm._exchanges})
         splits = []
         if llm.model.context is not None:  # count the steps that were split
             split = llm.model.context.split

@@ -80,6 +80,19 @@ def test_every_layout_gives_the_bits_of_one_process(processes, cases, tmp_path):
             assert results[case["name"] + "-splits"] > 0
 
 
+def test_quantized_experts_move_between_ranks_as_stored(v41_checkpoint, tmp_path):
+    """A V4.1 checkpoint in the release's formats, its experts kept as MXFP4 with E8M0 scales, at
+    EP 2 / DP 2 and after an EPLB re-placement moved them between the ranks: one process's bits."""
+    case = {"name": "v41-q", "model": str(v41_checkpoint), "dtype": "float32", "ep": 2, "dp": 2, "replace": True,
+            "engine": {"weight_storage": "quantized"}}
+    results = _launch(2, [case], tmp_path)
+    llm = LLM(v41_checkpoint, weight_storage="quantized")
+    requests = standard_requests(llm.config.vocab_size, count=REQUESTS)
+    reference = [signature(o) for o in llm.generate([r.prompt for r in requests], [r.params for r in requests])]
+    assert results["v41-q-weights"] == ["QuantizedWeight"]
+    assert results["v41-q"] == reference and results["v41-q-replaced"] == reference
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_slot_gets_the_same_bits_from_a_share_of_the_experts(dtype):
     """What one rank of an expert-parallel layout computes for the slots it receives, weighted and

@@ -156,12 +156,13 @@ def move_experts(exchange: ExpertExchange, placement: ExpertPlacement) -> None:
         weight = getattr(experts, name)
         parts = (weight.data, weight.scale) if isinstance(weight, QuantizedWeight) else (weight,)
         moved = []
-        for part in parts:
+        for part in parts:  # moved as bytes: some formats (E8M0 scales) have no indexing kernels
+            raw = part.contiguous().view(torch.uint8)
             index = torch.tensor(outgoing, dtype=torch.int64, device=part.device)
-            received = all_to_all(part.index_select(0, index), send, receive)
+            received = all_to_all(raw.index_select(0, index), send, receive)
             stacked = torch.empty_like(received)
             stacked[torch.tensor(arrival, dtype=torch.int64, device=part.device)] = received
-            moved.append(stacked)
+            moved.append(stacked.view(part.dtype))
         if isinstance(weight, QuantizedWeight):
             object.__setattr__(experts, name, replace(weight, data=moved[0], scale=moved[1]))
         else:
