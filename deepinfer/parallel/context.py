@@ -14,7 +14,8 @@ states are gathered back into step order before the head.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+
+from deepinfer.parallel.layout import all_gather_rows
 
 SPLIT_MIN_TOKENS = 256  # a smaller step runs whole on every rank: splitting would cost more than it saves
 
@@ -37,16 +38,7 @@ class ContextSplit:
 
     def gather(self, part: torch.Tensor) -> torch.Tensor:
         """Every rank's rows of `part` [T_r, ...] in step order [T, ...] (a collective; bytes as they are)."""
-        most = max(len(rows) for rows in self.rows)
-        padded = part.new_zeros(most, *part.shape[1:])
-        padded[:part.shape[0]] = part
-        raw = padded.view(torch.uint8)
-        parts = [torch.empty_like(raw) for _ in self.rows]
-        dist.all_gather(parts, raw)
-        full = part.new_empty(self.tokens, *part.shape[1:])
-        for place, rows, received in zip(self._places, self.rows, parts):
-            full[place] = received.view(part.dtype)[:len(rows)]
-        return full
+        return all_gather_rows(part, self._places, self.tokens)
 
 
 class ContextGroup:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from deepinfer.model.moe import MoE
-from deepinfer.parallel.layout import ParallelLayout, all_to_all
+from deepinfer.parallel.layout import ParallelLayout, all_gather_rows, all_to_all
 from deepinfer.parallel.placement import ExpertPlacement, PlacementError
 from kernels.quant import QuantizedWeight
 
@@ -90,17 +90,8 @@ class ExpertExchange:
         """Every token's combined row, from the ranks sharing the requests (member j dispatched tokens
         j, j + m, ...)."""
         members = self.layout.attention_ranks
-        most = -(-tokens // members)
-        padded = combined.new_zeros(most, combined.shape[1])
-        padded[:combined.shape[0]] = combined
-        raw = padded.view(torch.uint8)
-        parts = [torch.empty_like(raw) for _ in range(members)]
-        dist.all_gather(parts, raw, group=self.attention)
-        out = combined.new_empty(tokens, combined.shape[1])
-        for j, part in enumerate(parts):
-            count = len(range(j, tokens, members))
-            out[j::members] = part.view(combined.dtype)[:count]
-        return out
+        rows = torch.arange(tokens, device=combined.device)
+        return all_gather_rows(combined, [rows[j::members] for j in range(members)], tokens, self.attention)
 
     def take_loads(self) -> torch.Tensor:
         """Slots per logical expert from every rank's tokens since the last call (a collective)."""

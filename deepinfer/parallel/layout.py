@@ -92,6 +92,21 @@ def all_to_all(tensor: torch.Tensor, send: list[int], receive: list[int],
     return out.view(dtype).reshape(out.shape[0], *shape)
 
 
+def all_gather_rows(part: torch.Tensor, places: list[torch.Tensor], tokens: int,
+                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Every rank's rows of `part` [n_r, ...] (rank r's going to rows `places[r]`) as one [tokens, ...]
+    tensor on every rank of `group` (a collective; bytes as they are, ranks' counts may differ)."""
+    padded = part.new_zeros(max(len(place) for place in places), *part.shape[1:])
+    padded[:part.shape[0]] = part
+    raw = padded.view(torch.uint8)
+    received = [torch.empty_like(raw) for _ in places]
+    dist.all_gather(received, raw, group=group)
+    full = part.new_empty(tokens, *part.shape[1:])
+    for place, rows in zip(places, received):
+        full[place] = rows.view(part.dtype)[:len(place)]
+    return full
+
+
 def agree(value: int, op: dist.ReduceOp = dist.ReduceOp.MIN) -> int:
     """`value` reduced over every rank (the smallest by default); `value` itself without a group."""
     if not dist.is_initialized():
