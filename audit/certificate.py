@@ -138,24 +138,44 @@ def control_verdicts(configurations: list[dict]) -> list[dict]:
 
 
 def cpu_isa_statement(manifest: dict) -> str:
-    """What a run's manifest records about the instruction sets its CPU kernels could use, in one line
-    that starts "CPU: ": oneDNN's cap and what was in effect (the engine's own summary, e.g. "oneDNN
-    capped at AVX512_CORE_BF16 (AMX available, not used; bf16 matmuls: brg_matmul:avx512_core_bf16)"),
-    then MKL_ENABLE_INSTRUCTIONS and MKL_CBWR where set. Manifests written before the effective ISA was
-    recorded give the cap alone."""
+    """What a run's manifest records about the CPU and the code paths its kernels took, in one line
+    that starts "CPU: ": the CPU's model and vendor, MKL's code path as MKL reported it, oneDNN's cap
+    and what was in effect (the engine's own summary, e.g. "oneDNN capped at AVX512_CORE_BF16 (AMX
+    available, not used; bf16 matmuls: brg_matmul:avx512_core_bf16)"), MKL_ENABLE_INSTRUCTIONS and
+    MKL_CBWR where set, then each start self-test of the batch-invariant primitives. Manifests written
+    before a part was recorded leave it out (before the effective ISA: the cap alone)."""
     environment = manifest.get("environment")
     cpu = environment.get("torch_cpu") if isinstance(environment, dict) else None
     if not isinstance(cpu, dict):
         return "CPU: instruction-set caps not recorded"
+    parts = []
+    if isinstance(environment.get("cpu"), str) and isinstance(environment.get("cpu_vendor"), str):
+        parts.append(f"{environment['cpu']} ({environment['cpu_vendor']})")
+    mkl = cpu.get("mkl")
+    if isinstance(mkl, dict) and isinstance(mkl.get("path"), str):
+        parts.append(f"MKL for {mkl['path']}, CNR:{mkl.get('cnr')}")
     onednn = cpu.get("onednn")
     if isinstance(onednn, dict) and isinstance(onednn.get("summary"), str):
-        parts = [onednn["summary"]]
+        parts.append(onednn["summary"])
     elif cpu.get("onednn_max_cpu_isa"):
-        parts = [f"oneDNN capped at {cpu['onednn_max_cpu_isa']} (the ISA in effect was not recorded)"]
+        parts.append(f"oneDNN capped at {cpu['onednn_max_cpu_isa']} (the ISA in effect was not recorded)")
     else:
-        parts = ["oneDNN not capped (the ISA in effect was not recorded)"]
+        parts.append("oneDNN not capped (the ISA in effect was not recorded)")
     parts += [f"{name}={cpu[key]}" for key, name in _MKL_VARIABLES if cpu.get(key)]
+    selftests = cpu.get("selftest")
+    if isinstance(selftests, dict):
+        parts += [_selftest_statement(key, record) for key, record in sorted(selftests.items())]
     return "CPU: " + "; ".join(str(part) for part in parts)
+
+
+def _selftest_statement(key: str, record: object) -> str:
+    if not isinstance(record, dict):
+        return f"self-test ({key}) not readable"
+    if record.get("passed"):
+        return f"self-test passed ({key})"
+    variant = ", ".join(str(name) for name in record.get("variant") or []) or "some primitive"
+    waiver = ", waived by DEEPINFER_ALLOW_VARIANT_CPU=1" if record.get("waived") else ""
+    return f"self-test FAILED ({key}: {variant} depend on the batch{waiver})"
 
 
 def _run_dir(base: Path, run: object, where: str) -> Path:

@@ -73,6 +73,7 @@ from deepinfer.progress import Progress
 from deepinfer.recipe.tokenizer import CORPUS_PATH
 from deepinfer.sampling_params import derive_seed
 from kernels import Ops
+from kernels.cpu_isa import cpu_threads
 
 RECORD_NAME = "dspark_distill.json"
 RECORD_FORMAT = 1
@@ -137,7 +138,7 @@ def distill(folder: str | Path, settings: DistillSettings = DistillSettings(), p
     folder = Path(folder)
     before = load_draft_tensors(folder)  # one-line errors for a missing folder, V4, no draft layers
     config = load_config(folder)
-    with _threads(settings.threads):
+    with cpu_threads(settings.threads):
         llm = LLM(folder, device=settings.device, max_num_seqs=settings.prompts + settings.held_out,
                   max_model_len=PROMPT_TOKENS + settings.max_tokens)
         data = generate(llm, settings)
@@ -157,17 +158,6 @@ def distill(folder: str | Path, settings: DistillSettings = DistillSettings(), p
     }
     _write_record(folder, record)
     return record
-
-
-@contextmanager
-def _threads(count: int) -> Iterator[None]:
-    """`count` CPU threads (the bits of CPU matmuls depend on the count), restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @contextmanager

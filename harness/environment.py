@@ -15,6 +15,8 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
+from kernels.cpu_isa import cpu_flags, cpu_model, cpu_vendor
+
 FINGERPRINTED_PACKAGES = ("torch", "triton", "numpy", "polars")
 NVIDIA_DRIVER_VERSION = re.compile(r"\s(\d+\.\d+(?:\.\d+)?)\s")  # in /proc/driver/nvidia/version
 SOURCE_DIR = Path(__file__).resolve().parent.parent  # the checkout this package was loaded from
@@ -37,16 +39,6 @@ def _package_version(name: str) -> str | None:
 def engine_version() -> str:
     """The installed deepinfer version ("unknown" without package metadata)."""
     return _package_version("deepinfer") or "unknown"
-
-
-def _cpu_model() -> str | None:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and value.strip():
-                return value.strip()
-    return platform.processor() or None
 
 
 def _nvidia_driver() -> str | None:
@@ -76,17 +68,32 @@ def _onednn() -> dict:
     return onednn_state()
 
 
+def _mkl() -> dict:
+    from kernels.cpu_isa import probe_mkl
+
+    return probe_mkl()
+
+
+def _selftests() -> dict:
+    from kernels.selftest import results
+
+    return results()
+
+
 def _torch_cpu() -> dict:
     """What decides the CPU kernels' code paths: PyTorch's vector ISA, its thread count, MKL's
     conditional-numerical-reproducibility setting and ISA limit (MKL_CBWR, MKL_ENABLE_INSTRUCTIONS),
     oneDNN's ISA cap as set (ONEDNN_MAX_CPU_ISA) and as in effect (`kernels.cpu_isa.onednn_state`:
-    the ISA and bf16 kernel oneDNN uses, whether AMX is available and used, a waiver if one was set)."""
+    the ISA and the fp32 and bf16 kernels oneDNN uses, whether AMX is available and used, a waiver if
+    one was set), MKL's code path as it reports it (`kernels.cpu_isa.probe_mkl`), and the start
+    self-tests of the batch-invariant primitives this process ran (`kernels.selftest.results`)."""
     import torch
 
     return {"capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
             "mkl_cbwr": os.environ.get("MKL_CBWR"),
             "mkl_enable_instructions": os.environ.get("MKL_ENABLE_INSTRUCTIONS"),
-            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"), "onednn": _probe(_onednn)}
+            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"), "onednn": _probe(_onednn),
+            "mkl": _probe(_mkl), "selftest": _probe(_selftests)}
 
 
 def environment_fingerprint() -> dict:
@@ -97,7 +104,9 @@ def environment_fingerprint() -> dict:
         "os": _probe(platform.system),
         "platform": _probe(platform.platform),
         "machine": _probe(platform.machine),
-        "cpu": _probe(_cpu_model),
+        "cpu": _probe(cpu_model),
+        "cpu_vendor": _probe(cpu_vendor),
+        "cpu_flags": _probe(cpu_flags),
         "cpu_count": _probe(os.cpu_count),
         "torch_cpu": _probe(_torch_cpu),
         "packages": {name: _package_version(name) for name in FINGERPRINTED_PACKAGES},

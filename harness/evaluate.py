@@ -41,7 +41,7 @@ from audit.files import atomic_write, json_bytes  # noqa: E402
 from audit.store import read_run  # noqa: E402
 from deepinfer.engine.config import EngineConfig, resolve_device  # noqa: E402
 from harness.lm_eval_model import DeepInferLM, EvalError  # noqa: E402
-from harness.sweep import cpu_threads  # noqa: E402
+from kernels.cpu_isa import cpu_threads  # noqa: E402
 
 SUITES = Path(__file__).parent / "suites" / "lm_eval"
 SUMMARY = "summary.json"

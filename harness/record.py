@@ -19,7 +19,8 @@ from deepinfer.progress import Progress
 from harness.run_writer import FLUSH_ROWS, FLUSH_SECONDS, STATS_FILE, completed_root, open_run, run_manifest
 from harness.serve import serve
 from harness.suite_base import Suite
-from harness.sweep import Variant, cpu_threads
+from harness.sweep import Variant
+from kernels.cpu_isa import cpu_threads
 
 __all__ = ["FLUSH_ROWS", "FLUSH_SECONDS", "STATS_FILE", "record_run"]
 

@@ -9,14 +9,11 @@ values, so a variant names only what it changes.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-import torch
 
 from deepinfer.checkpoint import CheckpointError, default_checkpoint, inspect_checkpoint, preset_config
 from deepinfer.config_v41 import V41Config
@@ -65,18 +62,6 @@ class Variant:
         engine = asdict(self.engine)
         return {"name": self.name, **{key: engine[key] for key in ENGINE_FIELDS},
                 **{key: getattr(self, key) for key in RUN_FIELDS}}
-
-
-@contextlib.contextmanager
-def cpu_threads(count: int | None) -> Iterator[None]:
-    """Run the enclosed code with PyTorch's CPU thread count set to `count` (None: unchanged)."""
-    before = torch.get_num_threads()
-    if count is not None:
-        torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import platform
+import re
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -57,16 +59,51 @@ os.environ.setdefault(ISA_VARIABLE, ISA_CAP)  # no AMX: see the module docstring
 _probed: dict | None = None
 
 
-def cpu_has_amx() -> bool | None:
-    """Whether the CPU has AMX bf16 (the `amx_bf16` flag of /proc/cpuinfo); None where that cannot be read."""
+def _cpuinfo(field: str) -> str | None:
+    """The first value of `field` in /proc/cpuinfo (None where it cannot be read)."""
     try:
         for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "flags":
-                return "amx_bf16" in value.split()
+            if key.strip() == field:
+                return value.strip()
     except OSError:
         pass
     return None
+
+
+def cpu_vendor() -> str | None:
+    """The CPU's vendor id ("GenuineIntel", "AuthenticAMD"), from /proc/cpuinfo."""
+    return _cpuinfo("vendor_id")
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name ("AMD EPYC 9B45", "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz")."""
+    return _cpuinfo("model name") or platform.processor() or None
+
+
+def cpu_flags() -> list[str] | None:
+    """The CPU's feature flags (sorted), from /proc/cpuinfo."""
+    flags = _cpuinfo("flags")
+    return None if flags is None else sorted(flags.split())
+
+
+@contextlib.contextmanager
+def cpu_threads(count: int | None) -> Iterator[None]:
+    """Run the enclosed code with PyTorch's CPU thread count set to `count` (None: unchanged), restored
+    afterwards (the bits of a CPU kernel may depend on the count: the self-test checks they do not)."""
+    before = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def cpu_has_amx() -> bool | None:
+    """Whether the CPU has AMX bf16 (the `amx_bf16` flag of /proc/cpuinfo); None where that cannot be read."""
+    flags = cpu_flags()
+    return None if flags is None else "amx_bf16" in flags
 
 
 def waived() -> bool:
@@ -128,18 +165,21 @@ def _verbose_lines(run: Callable[[], None]) -> list[str] | None:
     return [line.strip() for line in lines if line.startswith(VERBOSE_PREFIX)]
 
 
-def _parse(lines: list[str]) -> tuple[str | None, list[str]]:
-    """(the `isa:` info line's text, the kernels of the matmul calls) from oneDNN verbose lines."""
-    isa, kernels = None, []
+def _parse(lines: list[str]) -> tuple[str | None, list[str], list[str]]:
+    """(the `isa:` info line's text, the kernels of the bf16 matmul calls, those of the fp32 inner
+    products) from oneDNN verbose lines."""
+    isa, kernels, fp32 = None, [], []
     for line in lines:
         fields = line.split(",")
         if ",info,cpu,isa:" in line:  # the description may hold commas
             isa = line.split(",info,cpu,isa:", 1)[1].strip()
         if "exec" in fields:
             at = fields.index("exec")
-            if len(fields) > at + 3 and fields[at + 2] == "matmul" and fields[at + 3] not in kernels:
-                kernels.append(fields[at + 3])
-    return isa, kernels
+            if len(fields) > at + 3 and fields[at + 2] in ("matmul", "inner_product"):
+                into = kernels if fields[at + 2] == "matmul" else fp32
+                if fields[at + 3] not in into:
+                    into.append(fields[at + 3])
+    return isa, kernels, fp32
 
 
 def probe_onednn() -> dict:
@@ -148,6 +188,7 @@ def probe_onednn() -> dict:
     requested: ONEDNN_MAX_CPU_ISA when probed; isa: oneDNN's own description of the ISA it uses
     (None when it printed none: no bf16 matmul went to oneDNN, or its verbose mode was unavailable or
     already used); bf16_matmul: the kernel(s) that ran the probe's bf16 matmuls (None: not oneDNN);
+    fp32_matmul: the kernel of the fp32 inner product batch-invariant fp32 matmuls run on;
     amx_available: the CPU's amx_bf16 flag; amx_used: AMX in the ISA or in a kernel's name (None:
     unknown, oneDNN's verbose output could not be read); bf16_rows_invariant: the probe's rows came
     out the same alone as within a larger call (at the thread count of the first call).
@@ -162,23 +203,57 @@ def probe_onednn() -> dict:
         def run() -> None:
             many = F.linear(x, weight)
             same.extend(torch.equal(F.linear(x[:rows], weight), many[:rows]) for rows in PROBE_ROWS[:-1])
+            fp32 = weight[:64].float()
+            torch.ops.mkldnn._linear_pointwise(x[:2].float(), fp32.mT.contiguous().mT, None, "none", [], "")
 
         if torch.backends.mkldnn.is_available():
             lines = _verbose_lines(run)
         else:  # no oneDNN in this PyTorch: nothing to cap
             run()
             lines = []
-        isa, kernels = _parse(lines or [])
+        isa, kernels, fp32_kernels = _parse(lines or [])
         amx = "AMX" in (isa or "").upper() or any("amx" in k.lower() for k in kernels)
         _probed = {
             "requested": os.environ.get(ISA_VARIABLE),
             "isa": isa,
             "bf16_matmul": ", ".join(kernels) or None,
+            "fp32_matmul": ", ".join(fp32_kernels) or None,
             "amx_available": cpu_has_amx(),
             "amx_used": amx if lines is not None or amx else None,
             "bf16_rows_invariant": all(same),
         }
     return dict(_probed)
+
+
+_mkl: dict | None = None
+MKL_HEADER = re.compile(r"architecture (?P<path>.+?), Lnx")
+MKL_CNR = re.compile(r"CNR:(?P<cnr>\S+)")
+
+
+def probe_mkl() -> dict:
+    """MKL's code path in this process (probed once): `path`, the processors its kernels were chosen
+    for, as MKL's verbose header names them ("Intel(R) Architecture processors" on AMD CPUs, an
+    instruction set on Intel ones), and `cnr`, its conditional-reproducibility mode (MKL_CBWR). None
+    where MKL's verbose output could not be read (or was already printed in this process)."""
+    global _mkl
+    if _mkl is None:
+        captured: list[str] = []
+        a, b = torch.ones(4, 64), torch.ones(64, 64)
+        try:
+            with _capture_fd1(captured), torch.backends.mkl.verbose(torch.backends.mkl.VERBOSE_ON):
+                torch.mm(a, b)
+        except (OSError, AttributeError):
+            pass
+        text = "".join(captured)
+        path, cnr = MKL_HEADER.search(text), MKL_CNR.search(text)
+        _mkl = {"path": path["path"] if path else None, "cnr": cnr["cnr"] if cnr else None}
+    return dict(_mkl)
+
+
+def mkl_path() -> str:
+    """MKL's code path in one phrase, e.g. "for Intel(R) Architecture processors, CNR:OFF"."""
+    mkl = probe_mkl()
+    return f"for {mkl['path'] or 'processors not reported'}, CNR:{mkl['cnr'] or '?'}"
 
 
 def onednn_state() -> dict:

@@ -1,22 +1,25 @@
 """`numerics="batch_invariant"`: the same primitives with a fixed reduction order per row.
 
 A row's result depends only on that row's data, never on how many rows share the call, what
-they hold, or how much padding the batch needed:
+they hold, how much padding the batch needed, or the thread count. On CPU the rule is that **no
+library call has a shape that depends on the batch**: the libraries under PyTorch (MKL, oneDNN) pick
+kernels, blockings and thread splits from a call's shape, and what they pick differs between CPUs
+(MKL runs other code on AMD than on Intel) and library code paths, so the discipline leaves them no
+batch-dependent choice to make:
 
-- matmuls run on tiles of at most `ROW_TILE` rows, never one row alone (a lone row takes the
-  library's matrix-vector path, which sums differently: it is duplicated). fp32
-  matmuls also reduce K in blocks of `K_BLOCK`, one library call each, summed in order, against a
-  column-major weight (`matmul_layout`): then no call leaves the library a K-blocking or
-  K-splitting decision, and every tile runs on its outer-product kernels, where each output is
-  one fused multiply-add chain over the block whatever the tile's row count, the other rows or
-  the thread count. bf16 tiles are single oneDNN calls (fp32 accumulation), which are invariant
-  in that range of row counts. Both were checked for every row count and thread count we
-  measured (tests/test_invariant_kernels.py); larger calls switch kernels at some shapes;
-- attention and indexer scores take all of a token's keys in one batched matmul
-  ([H, D] x [D, K] per token): the library computes each score as its own dot product, whatever
-  K (from MIN_KEYS up) or the number of tokens. Attention then sums and applies probabilities in
-  blocks of KV_BLOCK keys in block order; keys beyond a token's own list (which the batch's
-  longest list decides) have probability 0 and add exact zeros at the end of each sum;
+- matmuls (`linear`) pad the rows to whole tiles of `ROW_TILE` rows and make one library call per
+  tile; fp32 ones also cut K into blocks of `K_BLOCK` columns, one call each, whose results we add
+  in order. So every call a weight makes has one shape ([ROW_TILE, K_BLOCK] x [K_BLOCK, N]), the
+  same for a lone decode row as for a 2,048-token prefill. fp32 calls go to oneDNN's inner product
+  (its JIT kernels are chosen by instruction set, not vendor, and it takes the column-major weight
+  `matmul_layout` stores without copying it); bf16 ones to F.linear, which PyTorch sends to oneDNN
+  too (fp32 accumulation, one rounding at the end, so K stays whole);
+- attention and indexer scores cut every token's keys into blocks of KV_BLOCK (the last padded with
+  invalid keys) and compute each (token, block) pair's [H, D] x [D, KV_BLOCK] product, and attention
+  each block's value product, through `batched_matmul`, whose library calls hold exactly
+  MATRIX_BATCH matrices; probabilities are summed and applied block by block in block order. Keys
+  beyond a token's own list have probability 0 and add exact zeros; stream mixing (`mix_streams`,
+  one [n, n] x [n, H] product per token) goes through `batched_matmul` too;
 - top-k breaks ties to the lowest index;
 - transcendental pointwise functions (exp, sigmoid, silu, softplus, cos, sin) go through
   `pointwise`: PyTorch's CPU loops run full SIMD vectors and finish a buffer's tail with the
@@ -26,36 +29,30 @@ they hold, or how much padding the batch needed:
 - sums the model spells out (hyper-connection collapse, MoE weight normalisation, window
   pooling) go through `ordered_sum`, a fixed tree of elementwise adds.
 
-The library behaviour these rely on was measured on AVX-512 CPUs (MKL 2024.2 and oneDNN 3 in
-PyTorch's CPU wheels; this machine and an H200 host, 1 to 16 threads). MKL's AVX2 code path
-(MKL_ENABLE_INSTRUCTIONS=AVX2 forces it) picks sgemm kernels by row count, so on AVX2-only CPUs run
-with MKL_CBWR=AVX2,STRICT (set before the process's first MKL call): MKL's strict reproducibility
-mode, under which tests/test_invariant_kernels.py and tests/test_invariance.py pass on both code
-paths and AVX2 and AVX-512 machines compute the same fp32 bits (at about 3/4 of the AVX-512 speed).
+What is still left to the libraries, and so measured on every machine before an engine serves
+(`kernels/selftest.py`), is that one call shape computes a row the same way wherever the row sits
+in its tile and at any thread count, and that PyTorch's own row-wise kernels (norms, softmax,
+Sinkhorn's sums, rotary, the pointwise loops) reduce a row by its length alone. Measured on an AMD
+EPYC (Zen 5, AVX-512 with bf16, no AMX; MKL 2024.2's non-Intel path, oneDNN 3.12) at 1 to 16
+threads, and on Intel Xeons in earlier sessions for the row-wise kernels (benchmarks/results/
+cpu_invariance_paths.json has the per-path results). What the fixed shapes replaced: calls of
+up to 256 rows with one row paired with a copy of itself, which were invariant on Intel's AVX-512
+path but not on MKL's AVX2 path (it picks sgemm kernels by row count) nor on AMD CPUs (every fp32
+matmul of 3, 5, 13, ... rows differed from the same rows of a larger call).
+ROW_TILE was chosen by measurement (benchmarks/results/cpu_invariance_cost.json): smaller tiles
+cost prefill, larger ones decode.
+
 oneDNN's AMX bf16 kernels (CPUs with amx_bf16) make a row's bits depend on the batch, so importing
 this module caps oneDNN at AVX-512 BF16 (`ONEDNN_MAX_CPU_ISA`, unless already set: kernels/cpu_isa.py).
-oneDNN reads the variable at the process's first matmul, fp32 ones included (an fp32 F.linear or bmm
-fixes the ISA as a bf16 matmul does), and ignores it afterwards; `check_cpu_isa` finds out from
-oneDNN's verbose output which ISA and bf16 kernel it actually uses and refuses batch-invariant bf16
-when that is AMX (or when its probe's rows depend on the batch). The cap is process-wide (fast mode
-runs without AMX too); manifests record the cap and what was in effect, certificates state it.
-Measured through the engine (benchmarks/results/cpu_isa_pairs.json: small preset, 8 requests of 1 to
-130 prompt tokens and 12 generated, max_num_seqs 1 vs 8, one thread, a Xeon with amx_bf16, oneDNN
-3.12): fp32 is batch-invariant under every cap, and its bits depend only on MKL's code path, not on
-oneDNN's cap (fp32 matmuls are MKL's): AVX2 (MKL_ENABLE_INSTRUCTIONS=AVX2, MKL_CBWR=AVX2,STRICT) and
-the default cap with MKL_CBWR=AVX2,STRICT alone give the same bits, AVX512_CORE, AVX512_CORE_BF16 and
-AMX give the same bits, and the two groups differ in logprob bits (not tokens) on every request.
-bf16 is batch-invariant under AVX2 (PyTorch's own bf16 matmul: oneDNN runs none), AVX512_CORE
-(gemm:jit:bf16) and AVX512_CORE_BF16 (brg_matmul:avx512_core_bf16), but not under AMX (6 of 8
-requests' logprobs and 4 of their token sequences differ between batch 1 and 8); and no two of those
-settings give the same bf16 bits, MKL_CBWR included (attention's fp32 matmuls are MKL's), so bf16
-results repeat only under the same oneDNN cap and MKL code path. (AVX512_CORE's gemm:jit:bf16 also
-failed the kernel probe with 2 threads: 2 rows alone differed from the same rows of 64.)
+oneDNN reads the variable at the process's first matmul, fp32 ones included, and ignores it
+afterwards; `check_cpu_isa` finds out from oneDNN's verbose output which ISA and kernels it actually
+uses and refuses batch-invariant bf16 when that is AMX. The cap is process-wide (fast mode runs
+without AMX too); manifests record the cap, what was in effect, the CPU and MKL's code path, and
+certificates state them.
 
 Ops whose CPU kernels already reduce each row on its own, in order (norms, softmax over a row,
-rotary, Sinkhorn's sums over hc_mult elements, stream mixing: one small matmul per token with
-K = hc_mult) are shared with `kernels.fast`; on CUDA the Triton kernels of `kernels/triton_ops.py`
-replace the reductions.
+rotary, Sinkhorn's sums over hc_mult elements) are shared with `kernels.fast`; on CUDA the Triton
+kernels of `kernels/triton_ops.py` replace the reductions.
 """
 
 from __future__ import annotations
@@ -68,7 +65,6 @@ import torch.nn.functional as F
 from kernels.cpu_isa import check_cpu_isa  # noqa: F401  (importing it caps oneDNN below AMX)
 from kernels.fast import (  # noqa: F401  (re-exported: already row-invariant)
     log_softmax,
-    mix_streams,
     rms_norm,
     rotary,
     sinkhorn,
@@ -78,10 +74,11 @@ from kernels.fast import (  # noqa: F401  (re-exported: already row-invariant)
 )
 from kernels.quant import QuantizedWeight, accepts_quantized
 
-K_BLOCK = 512
-ROW_TILE = 256
-KV_BLOCK = 64
-MIN_KEYS = 8
+ROW_TILE = 32  # rows per matmul call (benchmarks/results/cpu_invariance_cost.json chose it)
+K_BLOCK = 512  # fp32 reduction width per matmul call; the blocks' results are added in order
+KV_BLOCK = 64  # keys per attention / indexer score matrix
+MATRIX_BATCH = 16  # matrices per batched matmul call
+ONEDNN_MIN_WEIGHT = 1 << 15  # fp32 weight blocks from this many elements on go to oneDNN (`_library_linear`)
 POINTWISE_ALIGN = 64  # a multiple of two SIMD vectors on every x86 ISA PyTorch targets
 POINTWISE_PIECE = 16384  # below PyTorch's parallel grain, so one thread runs each piece from its start
 
@@ -141,7 +138,9 @@ def _column_major(weight: torch.Tensor) -> bool:
 
 @accepts_quantized
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`x @ weight.T`; a row's bits depend only on that row (see the module docstring).
+    """`x @ weight.T`; a row's bits depend only on that row (see the module docstring): the rows are
+    padded to whole tiles of ROW_TILE and every library call is one tile against one K block, so
+    all the calls a weight ever makes have one shape, whatever the batch.
 
     A weight that is not in `matmul_layout` is converted on every call: load weights through it.
     (Decode calls are small, so this avoids every torch op it can: each costs microseconds.)
@@ -151,25 +150,71 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if rows.dtype != weight.dtype:
         rows = rows.to(weight.dtype)
     n = rows.shape[0]
-    lone = n % ROW_TILE == 1  # no call may see a lone row: it gets a copy of itself as a neighbour
-    if lone:
-        rows = rows.expand(2, -1) if n == 1 else torch.cat([rows, rows[-1:]])
-    if rows.shape[0] <= ROW_TILE:
+    pad = -n % ROW_TILE
+    if pad or n == 0:
+        rows = F.pad(rows, (0, 0, 0, pad or ROW_TILE))
+    if rows.shape[0] == ROW_TILE:
         out = _tile_linear(rows, weight)
     else:
         out = torch.cat([_tile_linear(rows[i:i + ROW_TILE], weight) for i in range(0, rows.shape[0], ROW_TILE)])
-    if lone:
+    if out.shape[0] != n:
         out = out[:n]
     return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.shape[0])
 
 
+def _library_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One library call. Weights of at least ONEDNN_MIN_WEIGHT elements go to oneDNN's inner product
+    where PyTorch has oneDNN (its JIT kernels are chosen by instruction set, not by CPU vendor, and
+    it reads the column-major weight as it is: on AMD CPUs, where MKL runs its generic code, it is
+    several times faster); smaller ones to F.linear (MKL), whose calls cost a third of oneDNN's.
+    The choice depends on the weight alone, never on the batch."""
+    if _ONEDNN_LINEAR and weight.numel() >= ONEDNN_MIN_WEIGHT:
+        return torch.ops.mkldnn._linear_pointwise(rows, weight, None, "none", [], "")
+    return F.linear(rows, weight)
+
+
+_ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
 def _tile_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    if weight.dtype != torch.float32 or rows.shape[1] <= K_BLOCK:
+    if weight.dtype != torch.float32:
         return F.linear(rows, weight)
-    out = F.linear(rows[:, :K_BLOCK], weight[:, :K_BLOCK])
+    if rows.shape[1] <= K_BLOCK:
+        return _library_linear(rows, weight)
+    out = _library_linear(rows[:, :K_BLOCK], weight[:, :K_BLOCK])
     for start in range(K_BLOCK, rows.shape[1], K_BLOCK):
-        out += F.linear(rows[:, start:start + K_BLOCK], weight[:, start:start + K_BLOCK])
+        out += _library_linear(rows[:, start:start + K_BLOCK], weight[:, start:start + K_BLOCK])
     return out
+
+
+def batched_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [B, m, k] @ b [B, k, n] -> [B, m, n], as library calls of exactly MATRIX_BATCH matrices each
+    (the last one filled up with zero matrices laid out like the others: MKL runs other kernels for
+    transposed operands), so no call's shape or layout depends on B."""
+    count = a.shape[0]
+    full = count - count % MATRIX_BATCH
+    outs = [torch.bmm(a[i:i + MATRIX_BATCH], b[i:i + MATRIX_BATCH]) for i in range(0, full, MATRIX_BATCH)]
+    if full < count or count == 0:
+        outs.append(torch.bmm(_filled_chunk(a[full:]), _filled_chunk(b[full:]))[:count - full])
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _filled_chunk(matrices: torch.Tensor) -> torch.Tensor:
+    """`matrices` followed by zero matrices up to MATRIX_BATCH, each laid out as the inputs' are
+    (row-major, or transposed)."""
+    rows, cols = matrices.shape[1:]
+    if matrices.shape[0] and matrices.stride(1) == 1 and matrices.stride(2) != 1:
+        chunk = matrices.new_zeros(MATRIX_BATCH, cols, rows).transpose(1, 2)
+    else:
+        chunk = matrices.new_zeros(MATRIX_BATCH, rows, cols)
+    chunk[:matrices.shape[0]] = matrices
+    return chunk
+
+
+def mix_streams(comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """comb^T @ streams per token: comb [T, n, n], streams [T, n, H] -> [T, n, H], one matrix pair
+    per token through `batched_matmul`."""
+    return batched_matmul(comb.to(streams.dtype).transpose(-1, -2), streams)
 
 
 def ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -198,16 +243,30 @@ def window_pool(kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor) -> tor
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
     """Block-diagonal projection: x [T, G, Din], weight [G * Dout, Din] -> [T, G, Dout]."""
     per_group = weight.view(groups, -1, weight.shape[-1])
+    if _column_major(weight) and weight.shape[0] != per_group.shape[1]:
+        per_group = per_group.mT.contiguous().mT  # each group's own column-major matrix, as oneDNN reads it
     return torch.stack([linear(x[:, g], per_group[g]) for g in range(groups)], dim=1)
 
 
-def _at_least(keys: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Key lists padded (with invalid zero keys) to MIN_KEYS: narrower score matmuls take the
-    library's matrix-vector paths, which sum differently."""
-    pad = MIN_KEYS - keys.shape[1]
-    if pad <= 0:
-        return keys, valid
-    return F.pad(keys, (0, 0, 0, pad)), F.pad(valid, (0, pad), value=False)
+def _key_blocks(keys: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys [T, K, D] (fp32) and valid [T, K] padded (with invalid zero keys) to whole KV_BLOCKs:
+    keys [T * blocks, KV_BLOCK, D] and valid [T, blocks, 1, KV_BLOCK]."""
+    tokens, width, dim = keys.shape
+    blocks = max(1, -(-width // KV_BLOCK))
+    pad = blocks * KV_BLOCK - width
+    if pad:
+        keys, valid = F.pad(keys, (0, 0, 0, pad)), F.pad(valid, (0, pad), value=False)
+    return keys.reshape(tokens * blocks, KV_BLOCK, dim), valid.view(tokens, blocks, 1, KV_BLOCK)
+
+
+def _block_scores(q: torch.Tensor, key_blocks: torch.Tensor) -> torch.Tensor:
+    """q [T, H, D] . every key of its token's blocks -> [T, blocks, H, KV_BLOCK]: one [H, D] x
+    [D, KV_BLOCK] product per (token, block) through `batched_matmul`, so no call's shape depends on
+    how many keys the batch's tokens have."""
+    tokens, heads, dim = q.shape
+    blocks = key_blocks.shape[0] // tokens
+    per_block = q.float().unsqueeze(1).expand(tokens, blocks, heads, dim).reshape(tokens * blocks, heads, dim)
+    return batched_matmul(per_block, key_blocks.transpose(1, 2)).view(tokens, blocks, heads, KV_BLOCK)
 
 
 def sink_attention(
@@ -216,32 +275,28 @@ def sink_attention(
     """Shared-KV attention with a per-head sink; probabilities summed and applied in KV_BLOCK blocks.
 
     q [T, H, D], kv [T, K, D], valid [T, K], sinks [H] fp32 -> [T, H, D] in q's dtype, with fp32
-    statistics and accumulator. Scores come from one matmul over all K keys (a key's score does
-    not depend on K); the max is exact in any order; exp runs on whole padded blocks; each block's
-    sum and its value matmul (K <= KV_BLOCK, trailing keys of probability 0 add exact zeros) are
-    added in block order after the sink's term. Keys past a token's own list (the batch's longer
-    lists) have probability 0 and are zeroed (they are whatever the cache row held), so they add nothing.
+    statistics and accumulator. Keys are cut into KV_BLOCK blocks (the last padded with invalid
+    keys); a block's scores and its value product are one fixed-shape matrix product per token
+    (`batched_matmul`); the max is exact in any order; exp runs on whole padded blocks; each block's
+    sum and value product are added in block order after the sink's term. Keys past a token's own
+    list (the batch's longer lists, and the padding) have probability 0 and are zeroed (they are
+    whatever the cache row held), so they add exact zeros.
     """
-    tokens, heads, _ = q.shape
-    keys, valid = _at_least(kv.float(), valid)
-    keys = keys.masked_fill(~valid.unsqueeze(-1), 0)  # a stale row may hold NaN, and 0 * NaN is NaN
-    width = keys.shape[1]
-    blocks = -(-width // KV_BLOCK)
-    scores = torch.bmm(q.float(), keys.transpose(1, 2)) * scale
-    scores = scores.masked_fill_(~valid.unsqueeze(1), float("-inf"))
-    if blocks * KV_BLOCK != width:
-        scores = F.pad(scores, (0, blocks * KV_BLOCK - width), value=float("-inf"))
+    tokens, heads, dim = q.shape
+    keys = kv.float().masked_fill(~valid.unsqueeze(-1), 0)  # a stale row may hold NaN, and 0 * NaN is NaN
+    key_blocks, valid = _key_blocks(keys, valid)
+    scores = (_block_scores(q, key_blocks) * scale).masked_fill_(~valid, float("-inf"))
     sinks = sinks.float()
-    top = torch.maximum(scores.amax(dim=-1), sinks)
-    probs = pointwise(torch.exp, scores - top.unsqueeze(-1))
-    block_sums = probs.view(tokens, heads, blocks, KV_BLOCK).sum(dim=-1)
+    top = torch.maximum(scores.amax(dim=(1, 3)), sinks)
+    probs = pointwise(torch.exp, scores - top[:, None, :, None])
+    block_sums = probs.sum(dim=-1)
     total = pointwise(torch.exp, sinks - top)
-    acc = None
-    for block in range(blocks):
-        start, stop = block * KV_BLOCK, min((block + 1) * KV_BLOCK, width)
-        total = total + block_sums[..., block]
-        part = torch.bmm(probs[..., start:stop], keys[:, start:stop])
-        acc = part if acc is None else acc + part
+    for block in range(probs.shape[1]):
+        total = total + block_sums[:, block]
+    parts = batched_matmul(probs.view(-1, heads, KV_BLOCK), key_blocks).view(tokens, -1, heads, dim)
+    acc = parts[:, 0]
+    for block in range(1, parts.shape[1]):
+        acc = acc + parts[:, block]
     return (acc / total.unsqueeze(-1)).to(q.dtype)
 
 
@@ -249,13 +304,13 @@ def indexer_scores(
     q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, valid: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Lightning-indexer scores sum_h w[t,h] * relu(q[t,h] . k[t,s]) * scale, heads summed in order."""
-    width = keys.shape[1]
-    keys, _ = _at_least(keys.float(), valid)
-    weighted = torch.relu(torch.bmm(q.float(), keys.transpose(1, 2))) * scale * head_weights.unsqueeze(-1)
-    summed = weighted[:, 0]
-    for h in range(1, weighted.shape[1]):
-        summed = summed + weighted[:, h]
-    return summed[:, :width].masked_fill(~valid, float("-inf"))
+    tokens, width = valid.shape
+    key_blocks, _ = _key_blocks(keys.float(), valid)
+    weighted = torch.relu(_block_scores(q, key_blocks)) * scale * head_weights[:, None, :, None]
+    summed = weighted[:, :, 0]
+    for h in range(1, weighted.shape[2]):
+        summed = summed + weighted[:, :, h]
+    return summed.reshape(tokens, -1)[:, :width].masked_fill(~valid, float("-inf"))
 
 
 def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:

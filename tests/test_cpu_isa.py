@@ -123,7 +123,9 @@ def test_verbose_lines_are_parsed_for_the_isa_and_the_matmul_kernels():
         "onednn_verbose,v1,primitive,exec,cpu,matmul,gemm:jit:bf16,undef,src:bf16::blocked:ab::f0,,,2x64:64x64,1",
     ]
     isa = "Intel AVX-512 with AVX512BW, AVX512VL, and AVX512DQ extensions"
-    assert cpu_isa._parse(lines) == (isa, ["gemm:jit:bf16"])
+    assert cpu_isa._parse(lines) == (isa, ["gemm:jit:bf16"], [])
+    inner = "onednn_verbose,v1,primitive,exec,cpu,inner_product,brg_matmul:avx512_core,forward_inference,src:f32,,,mb2,1"
+    assert cpu_isa._parse(lines + [inner]) == (isa, ["gemm:jit:bf16"], ["brg_matmul:avx512_core"])
 
 
 def test_rows_that_depend_on_the_batch_without_amx_are_refused_too():

@@ -27,7 +27,7 @@ import pytest
 
 from audit.store import check_run, read_run
 from harness.cli import main
-from harness.sweep import cpu_threads
+from kernels.cpu_isa import cpu_threads
 from test_harness_cli import SUITE, SWEEP, audit, signed_by, write_lines
 from test_replay import edit_cassette
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpu_paths import bf16_refusal
-from harness.sweep import cpu_threads
+from kernels.cpu_isa import cpu_threads
 from kernels import fast, invariant
 
 # (out_features, in_features) of the tiny and small presets' matmuls, incl. the hyper-connection

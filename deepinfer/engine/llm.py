@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import kernels
 from kernels.cpu_isa import CpuIsaError, check_cpu_isa
+from kernels.selftest import CpuInvarianceError, check_cpu_invariance
 from deepinfer.checkpoint import CheckpointError, default_checkpoint, load_checkpoint, preset_config
 from deepinfer.checkpoint.layout import weight_dtype_name
 from deepinfer.checkpoint.layout_v41 import is_draft_tensor
@@ -110,10 +111,13 @@ class LLM:
             config = EngineConfig.from_dict(settings, where="LLM")
         self.device, self.dtype = config.torch_device, config.torch_dtype
         self.numerics = config.numerics
-        if config.numerics == "batch_invariant" and self.device.type == "cpu" and self.dtype != torch.float32:
+        ops = kernels.bind(config.numerics, self.device)
+        if config.numerics == "batch_invariant" and self.device.type == "cpu":
             try:
-                check_cpu_isa()  # oneDNN's AMX kernels would make bf16 rows depend on the batch
-            except CpuIsaError as err:
+                if self.dtype != torch.float32:
+                    check_cpu_isa()  # oneDNN's AMX kernels would make bf16 rows depend on the batch
+                check_cpu_invariance(ops, self.dtype)  # the primitives, measured on this CPU
+            except (CpuIsaError, CpuInvarianceError) as err:
                 raise DeepInferError(str(err)) from None
         self.layout = start_layout(config.expert_parallel, config.data_parallel, config.context_parallel, self.device)
         quantized_as = self.dtype if config.keeps_weights_quantized else None
@@ -124,7 +128,7 @@ class LLM:
         model_config, tensors, self.tokenizer, self.model_id, self.stored_formats = self._load(model, quantized_as, config.seed)
         self.config: ModelConfig | V41Config = model_config
         self._check_max_model_len(config)  # before the weights load, so a bad setting fails fast
-        self.model = build_model(model_config, kernels.bind(config.numerics, self.device), self.dtype,
+        self.model = build_model(model_config, ops, self.dtype,
                                  cache_qdq=config.cache_qdq, engram_on_host=config.engram_tables == "host")
         self._exchanges = spread_experts(self.model, self.layout, self.device) if self.layout.expert_parallel > 1 else []
         if self.layout.context_parallel > 1:

@@ -1,0 +1,120 @@
+"""The start self-test: the running CPU's batch-invariant primitives checked before an engine serves.
+
+The CPU discipline (kernels/invariant.py) leaves a few choices to the libraries under PyTorch: that
+a call of one fixed shape computes each row the same way at any position in its tile and at any
+thread count, and that PyTorch's own row-wise kernels (norms, softmax, pointwise loops) reduce a row
+by its length alone. Those choices differ between CPUs and library code paths (MKL takes another path
+on AMD than on Intel, oneDNN picks kernels by instruction set), so they are measured here, on the
+machine, at start: `check_cpu_invariance(ops, dtype)` runs every primitive the engine calls on a
+small batch of seeded inputs, then on parts of that batch (rows alone, runs that start mid-tile, at
+one thread and at the engine's thread count), and refuses in one line, naming the first primitive
+whose rows differ, the CPU and the library path, unless DEEPINFER_ALLOW_VARIANT_CPU=1 waives it (the
+waiver is recorded, like every result). It costs about a tenth of a second per dtype and thread
+count, once per process (`results()` is what manifests record).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+from kernels import cpu_isa
+from kernels.invariant import ROW_TILE
+
+WAIVER_VARIABLE = "DEEPINFER_ALLOW_VARIANT_CPU"
+ROWS = 2 * ROW_TILE + 5  # three tiles, the last one partial
+PARTS = (slice(0, 1), slice(ROWS - 1, ROWS), slice(3, 4), slice(ROW_TILE - 2, ROW_TILE + 3), slice(1, ROWS - 2))
+
+_results: dict[str, dict] = {}
+
+
+class CpuInvarianceError(RuntimeError):
+    """A batch-invariant primitive's rows depend on the batch or the thread count on this CPU."""
+
+
+def waived() -> bool:
+    """Whether DEEPINFER_ALLOW_VARIANT_CPU=1 turns the self-test's refusal into a recorded statement."""
+    return os.environ.get(WAIVER_VARIABLE) == "1"
+
+
+def _probes(ops, dtype: torch.dtype) -> list[tuple[str, Callable, tuple]]:
+    """Each primitive (some more than once) with seeded inputs whose first dimension is the batch's
+    rows (tokens): `linear` on a weight wide enough for oneDNN with K in blocks (a partial last one,
+    small enough for MKL), and on a small weight."""
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dt)
+
+    hidden, heads, dim, keys = 96, 4, 64, 150
+    wide = ops.matmul_layout(randn(96, 1100))  # K past one K block, with a partial last block
+    narrow = ops.matmul_layout(randn(80, hidden))
+    lengths = torch.randint(1, keys, (ROWS,), generator=gen)
+    valid = torch.arange(keys) < lengths[:, None]
+    sinks, norm_weight = randn(heads, dt=torch.float32), randn(hidden, dt=torch.float32)
+    angles = randn(ROWS, 16, dt=torch.float32)
+    return [
+        ("linear", lambda x: ops.linear(x, wide), (randn(ROWS, 1100),)),
+        ("linear", lambda x: ops.linear(x, narrow), (randn(ROWS, hidden),)),
+        ("sink_attention", lambda q, kv, v: ops.sink_attention(q, kv, v, sinks, 0.125),
+         (randn(ROWS, heads, dim), randn(ROWS, keys, dim), valid)),
+        ("indexer_scores", lambda q, k, w, v: ops.indexer_scores(q, k, w, v, 0.125),
+         (randn(ROWS, heads, dim), randn(ROWS, keys, dim), randn(ROWS, heads, dt=torch.float32), valid)),
+        ("mix_streams", ops.mix_streams, (randn(ROWS, 4, 4, dt=torch.float32), randn(ROWS, 4, hidden))),
+        ("window_pool", lambda kv, gate: ops.window_pool(kv, gate, norm_weight.expand(4, hidden)),
+         (randn(ROWS, 4, hidden), randn(ROWS, 4, hidden))),
+        ("rms_norm", lambda x: ops.rms_norm(x, norm_weight, 1e-6), (randn(ROWS, hidden),)),
+        ("softmax", ops.softmax, (randn(ROWS, 1000, dt=torch.float32),)),
+        ("log_softmax", ops.log_softmax, (randn(ROWS, 1000, dt=torch.float32),)),
+        ("sinkhorn", lambda x: ops.sinkhorn(x, 20, 1e-6), (randn(ROWS, 4, 4, dt=torch.float32),)),
+        ("rotary", lambda x, a: ops.rotary(x, *ops.cos_sin(a)), (randn(ROWS, heads, dim), angles)),
+        ("clamped_swiglu", lambda g, u: ops.clamped_swiglu(g, u, 7.0), (randn(ROWS, 300), randn(ROWS, 300))),
+    ]
+
+
+def variant_primitives(ops, dtype: torch.dtype) -> list[str]:
+    """The primitives whose rows, on this CPU, differ between the whole probe batch at the current
+    thread count and parts of it or the whole at one thread (an empty list: all invariant)."""
+    threads = torch.get_num_threads()
+    failed = []
+    for name, fn, inputs in _probes(ops, dtype):
+        whole = fn(*inputs)
+        same = [torch.equal(fn(*(x[part] for x in inputs)), whole[part]) for part in PARTS]
+        if threads > 1:
+            with cpu_isa.cpu_threads(1):
+                same.append(torch.equal(fn(*inputs), whole))
+        if not all(same) and name not in failed:
+            failed.append(name)
+    return failed
+
+
+def library_path() -> str:
+    """The CPU and the library code paths its bits depend on, in one line."""
+    onednn = cpu_isa.probe_onednn()
+    return (f"{cpu_isa.cpu_vendor() or 'unknown vendor'} {cpu_isa.cpu_model() or 'unknown CPU'}; "
+            f"MKL {cpu_isa.mkl_path()}; oneDNN {onednn['isa'] or 'ISA not reported'}, fp32 matmuls "
+            f"{onednn['fp32_matmul'] or 'not oneDNN'}, bf16 matmuls {onednn['bf16_matmul'] or 'not oneDNN'}")
+
+
+def check_cpu_invariance(ops, dtype: torch.dtype) -> dict:
+    """Run the self-test for `ops` (a batch-invariant CPU table) and `dtype` at the current thread
+    count, once per process and key; CpuInvarianceError (one line) when a primitive's rows depend on
+    the batch, unless waived. Returns the record manifests keep."""
+    key = f"{str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads"
+    if key not in _results or _results[key]["ops"] != id(ops):
+        failed = variant_primitives(ops, dtype)
+        _results[key] = {"ops": id(ops), "passed": not failed, "variant": failed, "waived": waived(),
+                         "path": library_path()}
+    record = _results[key]
+    if record["variant"] and not record["waived"]:
+        raise CpuInvarianceError(
+            f"batch-invariant {record['variant'][0]} ({key}) gives rows that depend on the batch on this CPU "
+            f"({record['path']}); set {WAIVER_VARIABLE}=1 to run anyway (recorded in manifests)")
+    return {k: v for k, v in record.items() if k != "ops"}
+
+
+def results() -> dict[str, dict]:
+    """Every self-test this process ran, by "dtype, N threads" (what manifests record)."""
+    return {key: {k: v for k, v in record.items() if k != "ops"} for key, record in _results.items()}
