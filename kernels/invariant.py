@@ -78,7 +78,6 @@ ROW_TILE = 32  # rows per matmul call (benchmarks/results/cpu_invariance_cost.js
 K_BLOCK = 512  # fp32 reduction width per matmul call; the blocks' results are added in order
 KV_BLOCK = 64  # keys per attention / indexer score matrix
 MATRIX_BATCH = 16  # matrices per batched matmul call
-ONEDNN_MIN_WEIGHT = 1 << 15  # fp32 weight blocks from this many elements on go to oneDNN (`_library_linear`)
 POINTWISE_ALIGN = 64  # a multiple of two SIMD vectors on every x86 ISA PyTorch targets
 POINTWISE_PIECE = 16384  # below PyTorch's parallel grain, so one thread runs each piece from its start
 
@@ -163,12 +162,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _library_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """One library call. Weights of at least ONEDNN_MIN_WEIGHT elements go to oneDNN's inner product
-    where PyTorch has oneDNN (its JIT kernels are chosen by instruction set, not by CPU vendor, and
-    it reads the column-major weight as it is: on AMD CPUs, where MKL runs its generic code, it is
-    several times faster); smaller ones to F.linear (MKL), whose calls cost a third of oneDNN's.
-    The choice depends on the weight alone, never on the batch."""
-    if _ONEDNN_LINEAR and weight.numel() >= ONEDNN_MIN_WEIGHT:
+    """One library call: oneDNN's inner product where PyTorch has oneDNN (its JIT kernels are chosen
+    by instruction set, not by CPU vendor, and on AMD CPUs, where MKL runs its generic code, it is
+    several times faster). Not MKL: with one fixed call shape, MKL's generic code (AMD) still gave a
+    row other bits at other places in its tile for a 6-column router weight, and so did its AVX2 code
+    on an Intel Xeon for small weights (kernels/selftest.py found both)."""
+    if _ONEDNN_LINEAR:
         return torch.ops.mkldnn._linear_pointwise(rows, weight, None, "none", [], "")
     return F.linear(rows, weight)
 

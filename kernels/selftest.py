@@ -41,8 +41,8 @@ def waived() -> bool:
 
 def _probes(ops, dtype: torch.dtype) -> list[tuple[str, Callable, tuple]]:
     """Each primitive (some more than once) with seeded inputs whose first dimension is the batch's
-    rows (tokens): `linear` on a weight wide enough for oneDNN with K in blocks (a partial last one,
-    small enough for MKL), and on a small weight."""
+    rows (tokens): `linear` on a weight with K in blocks (a partial last one), a small weight and a
+    router-like one of 6 columns."""
     gen = torch.Generator().manual_seed(0)
 
     def randn(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
@@ -51,6 +51,7 @@ def _probes(ops, dtype: torch.dtype) -> list[tuple[str, Callable, tuple]]:
     hidden, heads, dim, keys = 96, 4, 64, 150
     wide = ops.matmul_layout(randn(96, 1100))  # K past one K block, with a partial last block
     narrow = ops.matmul_layout(randn(80, hidden))
+    router = ops.matmul_layout(randn(6, hidden))  # few columns (MKL's generic code varied there)
     lengths = torch.randint(1, keys, (ROWS,), generator=gen)
     valid = torch.arange(keys) < lengths[:, None]
     sinks, norm_weight = randn(heads, dt=torch.float32), randn(hidden, dt=torch.float32)
@@ -58,6 +59,7 @@ def _probes(ops, dtype: torch.dtype) -> list[tuple[str, Callable, tuple]]:
     return [
         ("linear", lambda x: ops.linear(x, wide), (randn(ROWS, 1100),)),
         ("linear", lambda x: ops.linear(x, narrow), (randn(ROWS, hidden),)),
+        ("linear", lambda x: ops.linear(x, router), (randn(ROWS, hidden),)),
         ("sink_attention", lambda q, kv, v: ops.sink_attention(q, kv, v, sinks, 0.125),
          (randn(ROWS, heads, dim), randn(ROWS, keys, dim), valid)),
         ("indexer_scores", lambda q, k, w, v: ops.indexer_scores(q, k, w, v, 0.125),
