@@ -35,7 +35,7 @@ from kernels.cpu_isa import cpu_model, cpu_vendor, mkl_path
 from kernels.selftest import WAIVER_VARIABLE
 
 BATCHES = (1, 32)
-TILES = (8, 16, 32, 64)
+TILES = (16, 24, 32, 48, 64)
 TILE_ROWS = (1, 4, 16, 32, 64, 256, 1024)
 SMALL_SHAPES = ((8192, 512), (512, 512), (1024, 256), (512, 256), (24, 2048), (2048, 512), (256, 512))
 OLD_ROW_TILE, OLD_K_BLOCK, OLD_KV_BLOCK, OLD_MIN_KEYS = 256, 512, 64, 8

@@ -40,7 +40,8 @@ up to 256 rows with one row paired with a copy of itself, which were invariant o
 path but not on MKL's AVX2 path (it picks sgemm kernels by row count) nor on AMD CPUs (every fp32
 matmul of 3, 5, 13, ... rows differed from the same rows of a larger call).
 ROW_TILE was chosen by measurement (benchmarks/results/cpu_invariance_cost.json): smaller tiles
-cost prefill, larger ones decode.
+cost prefill, larger ones decode, and oneDNN 3.10's AVX2 gemm on a Xeon varied rows inside a 32-row
+tile (benchmarks/results/cpu_invariance_paths_xeon.json was measured with 32).
 
 oneDNN's AMX bf16 kernels (CPUs with amx_bf16) make a row's bits depend on the batch, so importing
 this module caps oneDNN at AVX-512 BF16 (`ONEDNN_MAX_CPU_ISA`, unless already set: kernels/cpu_isa.py).
@@ -74,7 +75,10 @@ from kernels.fast import (  # noqa: F401  (re-exported: already row-invariant)
 )
 from kernels.quant import QuantizedWeight, accepts_quantized
 
-ROW_TILE = 32  # rows per matmul call (benchmarks/results/cpu_invariance_cost.json chose it)
+# rows per matmul call: a multiple of 16 and 24 (oneDNN 3.10's AVX2 fp32 gemm on a Xeon gave rows of a
+# 32-row tile other bits at other places in it; 16, 24, 48, 64 and 96 did not), and the cost sweep of
+# benchmarks/results/cpu_invariance_cost.json between decode (small tiles) and prefill (large ones)
+ROW_TILE = 48
 K_BLOCK = 512  # fp32 reduction width per matmul call; the blocks' results are added in order
 KV_BLOCK = 64  # keys per attention / indexer score matrix
 MATRIX_BATCH = 16  # matrices per batched matmul call

@@ -31,7 +31,10 @@ def _interpreter_patches():
     Triton 3.9.0 of the dev environment:
 
     - `tl.dot` multiplies bfloat16 operands as their raw uint16 storage (still so in 3.9.0); widen them
-      to fp32 first (exact: bf16 products fit fp32, which is how the tensor cores treat them too);
+      to fp32 first (exact: bf16 products fit fp32, which is how the tensor cores treat them too). And it
+      is NumPy's matmul, whose BLAS (OpenBLAS) gives a row other bits in a call of other rows on AMD
+      CPUs, so it runs as elementwise products summed over k in order instead (what a tile's
+      accumulation does on the GPU, one k after another, whatever the tile's rows or layout);
     - with NumPy >= 2.4, `range(0, K, BLOCK)` over a runtime K failed in 3.6: its interpreter converted
       a 1-element array to int implicitly (triton-lang/triton#9171). 3.9.0 converts it itself; the
       replacement below gives the same int there, so it is kept for older Tritons;
@@ -59,7 +62,14 @@ def _interpreter_patches():
         return operand
 
     def patched_dot(self, a, b, d, *args):
-        return dot(self, widen(self, a), widen(self, b), d, *args)
+        a, b = widen(self, a), widen(self, b)
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:
+            return dot(self, a, b, d, *args)
+        left, right = a.data.astype(d.data.dtype), b.data.astype(d.data.dtype)
+        product = left[..., :, :1] * right[..., :1, :]
+        for k in range(1, left.shape[-1]):  # each output summed over k in order, whatever the tile
+            product = product + left[..., :, k:k + 1] * right[..., k:k + 1, :]
+        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
 
     cast = interpreter.InterpreterBuilder.cast_impl
 
