@@ -18,8 +18,8 @@ batch-dependent choice to make:
   invalid keys) and compute each (token, block) pair's [H, D] x [D, KV_BLOCK] product, and attention
   each block's value product, through `batched_matmul`, whose library calls hold exactly
   MATRIX_BATCH matrices; probabilities are summed and applied block by block in block order. Keys
-  beyond a token's own list have probability 0 and add exact zeros; stream mixing (`mix_streams`,
-  one [n, n] x [n, H] product per token) goes through `batched_matmul` too;
+  beyond a token's own list have probability 0 and add exact zeros; stream mixing (`mix_streams`)
+  is written out as elementwise products summed over the source streams in order;
 - top-k breaks ties to the lowest index;
 - transcendental pointwise functions (exp, sigmoid, silu, softplus, cos, sin) go through
   `pointwise`: PyTorch's CPU loops run full SIMD vectors and finish a buffer's tail with the
@@ -41,7 +41,7 @@ path but not on MKL's AVX2 path (it picks sgemm kernels by row count) nor on AMD
 matmul of 3, 5, 13, ... rows differed from the same rows of a larger call).
 ROW_TILE was chosen by measurement (benchmarks/results/cpu_invariance_cost.json): smaller tiles
 cost prefill, larger ones decode, and oneDNN 3.10's AVX2 gemm on a Xeon varied rows inside a 32-row
-tile (benchmarks/results/cpu_invariance_paths_xeon.json was measured with 32).
+tile.
 
 oneDNN's AMX bf16 kernels (CPUs with amx_bf16) make a row's bits depend on the batch, so importing
 this module caps oneDNN at AVX-512 BF16 (`ONEDNN_MAX_CPU_ISA`, unless already set: kernels/cpu_isa.py).
@@ -75,11 +75,11 @@ from kernels.fast import (  # noqa: F401  (re-exported: already row-invariant)
 )
 from kernels.quant import QuantizedWeight, accepts_quantized
 
-# rows per matmul call: a multiple of 16 and 24 (oneDNN 3.10's AVX2 fp32 gemm on a Xeon gave rows of a
-# 32-row tile other bits at other places in it; 16, 24, 48, 64 and 96 did not), and the cost sweep of
-# benchmarks/results/cpu_invariance_cost.json between decode (small tiles) and prefill (large ones)
-ROW_TILE = 48
-K_BLOCK = 512  # fp32 reduction width per matmul call; the blocks' results are added in order
+# rows per matmul call: a multiple of 8 and 24 (oneDNN 3.10's AVX2 fp32 gemm on a Xeon gave rows of a
+# 32-row tile other bits at other places in it; 16, 24, 48, 64 and 96 did not), and the cheapest of
+# those for decode in benchmarks/results/cpu_invariance_cost.json (prefill prefers larger tiles)
+ROW_TILE = 24
+K_BLOCK = 2048  # fp32 reduction width per matmul call; the blocks' results are added in order
 KV_BLOCK = 64  # keys per attention / indexer score matrix
 MATRIX_BATCH = 16  # matrices per batched matmul call
 POINTWISE_ALIGN = 64  # a multiple of two SIMD vectors on every x86 ISA PyTorch targets
@@ -215,9 +215,14 @@ def _filled_chunk(matrices: torch.Tensor) -> torch.Tensor:
 
 
 def mix_streams(comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-    """comb^T @ streams per token: comb [T, n, n], streams [T, n, H] -> [T, n, H], one matrix pair
-    per token through `batched_matmul`."""
-    return batched_matmul(comb.to(streams.dtype).transpose(-1, -2), streams)
+    """comb^T @ streams per token: comb [T, n, n], streams [T, n, H] -> [T, n, H], written out with no
+    library call as the CUDA kernel (kernels/triton_fused.py) defines it: in fp32, the sum over source
+    streams i in order of comb[i, target] (rounded to the streams' dtype) times stream i."""
+    weights = comb.to(streams.dtype).float()
+    mixed = weights[:, 0, :, None] * streams[:, 0, None, :].float()
+    for source in range(1, streams.shape[1]):
+        mixed = mixed + weights[:, source, :, None] * streams[:, source, None, :].float()
+    return mixed.to(streams.dtype)
 
 
 def ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:

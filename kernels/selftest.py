@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from kernels import cpu_isa
-from kernels.invariant import ROW_TILE
+from kernels.invariant import K_BLOCK, ROW_TILE
 
 WAIVER_VARIABLE = "DEEPINFER_ALLOW_VARIANT_CPU"
 ROWS = 2 * ROW_TILE + 5  # three tiles, the last one partial
@@ -49,7 +49,7 @@ def _probes(ops, dtype: torch.dtype) -> list[tuple[str, Callable, tuple]]:
         return torch.randn(*shape, generator=gen).to(dt)
 
     hidden, heads, dim, keys = 96, 4, 64, 150
-    wide = ops.matmul_layout(randn(96, 1100))  # K past one K block, with a partial last block
+    wide = ops.matmul_layout(randn(96, K_BLOCK + 52))  # K past one K block, with a partial last block
     narrow = ops.matmul_layout(randn(80, hidden))
     router = ops.matmul_layout(randn(6, hidden))  # few columns (MKL's generic code varied there)
     lengths = torch.randint(1, keys, (ROWS,), generator=gen)
@@ -57,7 +57,7 @@ def _probes(ops, dtype: torch.dtype) -> list[tuple[str, Callable, tuple]]:
     sinks, norm_weight = randn(heads, dt=torch.float32), randn(hidden, dt=torch.float32)
     angles = randn(ROWS, 16, dt=torch.float32)
     return [
-        ("linear", lambda x: ops.linear(x, wide), (randn(ROWS, 1100),)),
+        ("linear", lambda x: ops.linear(x, wide), (randn(ROWS, K_BLOCK + 52),)),
         ("linear", lambda x: ops.linear(x, narrow), (randn(ROWS, hidden),)),
         ("linear", lambda x: ops.linear(x, router), (randn(ROWS, hidden),)),
         ("sink_attention", lambda q, kv, v: ops.sink_attention(q, kv, v, sinks, 0.125),

@@ -122,12 +122,13 @@ def test_every_library_call_of_a_weight_has_one_shape(monkeypatch):
     monkeypatch.setattr(invariant.torch, "bmm", lambda a, b: shapes.add((a.shape, b.shape, a.stride(), b.stride()))
                         or bmm(a, b))
     for dtype in (torch.float32, torch.bfloat16):
-        weight = invariant.matmul_layout(torch.randn(64, 1100).to(dtype))
+        width = 2 * invariant.K_BLOCK + 100
+        weight = invariant.matmul_layout(torch.randn(64, width).to(dtype))
         shapes.clear()
         for rows in (1, 5, 32, 33, 600):
-            invariant.linear(torch.randn(rows, 1100).to(dtype), weight)
-        width = {torch.float32: 2, torch.bfloat16: 1}[dtype]  # fp32: the full K blocks, and the rest
-        assert len(shapes) == width, shapes
+            invariant.linear(torch.randn(rows, width).to(dtype), weight)
+        calls = {torch.float32: 2, torch.bfloat16: 1}[dtype]  # fp32: the full K blocks, and the rest
+        assert len(shapes) == calls, shapes
     shapes.clear()
     for tokens, keys in ((1, 3), (1, 64), (7, 65), (40, 300)):
         q, kv = torch.randn(tokens, 4, 32), torch.randn(tokens, keys, 32)
