@@ -79,7 +79,7 @@ from kernels.quant import QuantizedWeight, accepts_quantized
 # 32-row tile other bits at other places in it; 16, 24, 48, 64 and 96 did not), and the cheapest of
 # those for decode in benchmarks/results/cpu_invariance_cost.json (prefill prefers larger tiles)
 ROW_TILE = 24
-K_BLOCK = 2048  # fp32 reduction width per matmul call; the blocks' results are added in order
+K_BLOCK = 512  # fp32 reduction width per matmul call (2048 let oneDNN split K over 8+ threads on a Xeon)
 KV_BLOCK = 64  # keys per attention / indexer score matrix
 MATRIX_BATCH = 16  # matrices per batched matmul call
 POINTWISE_ALIGN = 64  # a multiple of two SIMD vectors on every x86 ISA PyTorch targets
