@@ -203,8 +203,9 @@ def probe_onednn() -> dict:
         def run() -> None:
             many = F.linear(x, weight)
             same.extend(torch.equal(F.linear(x[:rows], weight), many[:rows]) for rows in PROBE_ROWS[:-1])
-            fp32 = weight[:64].float()
-            torch.ops.mkldnn._linear_pointwise(x[:2].float(), fp32.mT.contiguous().mT, None, "none", [], "")
+            if torch.backends.mkldnn.is_available():  # the fp32 inner product batch-invariant matmuls run on
+                fp32 = weight[:64].float()
+                torch.ops.mkldnn._linear_pointwise(x[:2].float(), fp32.mT.contiguous().mT, None, "none", [], "")
 
         if torch.backends.mkldnn.is_available():
             lines = _verbose_lines(run)
