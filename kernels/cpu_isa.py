@@ -12,18 +12,17 @@ How: `probe_onednn` runs a few bf16 matmuls with oneDNN's verbose mode on and th
 (file descriptor 1) sent to a temporary file. oneDNN writes the ISA it settled on (an `isa:` info
 line, once per process) and, for every call, the kernel that ran it (`brg_matmul:avx10_1_512_amx`,
 `brg_matmul:avx512_core_bf16`, `gemm:jit:bf16`); AMX in either counts as AMX in use. That is the
-reliable signal. The same matmuls are also a functional check, a backstop for kernels that are not
-AMX but still not invariant: rows 0-1, 0-7 and 0-15 computed alone must equal the same rows of one
-64-row call (PROBE_SHAPE is the small preset's vocabulary projection). It cannot replace the verbose
-check: under AMX, whether a row count's bits differ depends on the data (measured here: with this
-probe's data, 2 rows matched and 4 or more did not; other data differed at 2 rows). Measured here
-with the cap set in time: AVX512_CORE_BF16 (brg_matmul:avx512_core_bf16) and AVX2 (oneDNN runs no
-bf16 matmul at all; PyTorch computes it itself, so no verbose line appears) pass; AVX512_CORE
-(gemm:jit:bf16, no bf16 instructions) fails the functional check with 2 threads (2 rows alone
-differ from the same rows of 64), so a cap below AVX512_CORE_BF16 is no safer for bf16.
+reliable signal. Whether rows depend on the batch under the kernels oneDNN picked is measured at
+the call shapes the engine really makes, by the start self-test (`kernels/selftest.py`); an earlier
+functional check here (rows alone against one 64-row call, a shape batch-invariant matmuls no
+longer make) refused the AVX512_CORE cap's gemm:jit:bf16 although the self-test passes it at the
+fixed tile, on an AMD EPYC and on a Xeon. Under AMX, whether a row's bits differ depends on the data
+(measured on a Xeon with amx_bf16: with one probe's data 2 rows matched and 4 or more did not), so
+AMX stays refused on sight rather than left to a test with some data. Measured with the cap set in
+time: AVX512_CORE_BF16 (brg_matmul:avx512_core_bf16), AVX512_CORE (gemm:jit:bf16) and AVX2 (oneDNN
+runs no bf16 matmul at all; PyTorch computes it itself, so no verbose line appears).
 
-The ISA is fixed for the process once a matmul has run, so it is probed once and cached (the
-functional check runs at the thread count of that first call).
+The ISA is fixed for the process once a matmul has run, so it is probed once and cached.
 """
 
 from __future__ import annotations
@@ -50,8 +49,7 @@ BELOW_AMX = frozenset({
     "SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI", "AVX512_CORE_BF16",
     "AVX512_CORE_FP16", "AVX10_1_512", "AVX10_2_512",
 })
-PROBE_SHAPE = (8192, 512)  # (out_features, in_features)
-PROBE_ROWS = (2, 8, 16, 64)  # the first ones' rows alone must equal theirs within the last
+PROBE_SHAPE = (64, 512)  # (out_features, in_features)
 VERBOSE_PREFIX = "onednn_verbose"
 
 os.environ.setdefault(ISA_VARIABLE, ISA_CAP)  # no AMX: see the module docstring
@@ -190,22 +188,19 @@ def probe_onednn() -> dict:
     already used); bf16_matmul: the kernel(s) that ran the probe's bf16 matmuls (None: not oneDNN);
     fp32_matmul: the kernel of the fp32 inner product batch-invariant fp32 matmuls run on;
     amx_available: the CPU's amx_bf16 flag; amx_used: AMX in the ISA or in a kernel's name (None:
-    unknown, oneDNN's verbose output could not be read); bf16_rows_invariant: the probe's rows came
-    out the same alone as within a larger call (at the thread count of the first call).
+    unknown, oneDNN's verbose output could not be read).
     """
     global _probed
     if _probed is None:
         generator = torch.Generator().manual_seed(0)
         weight = torch.randn(PROBE_SHAPE, generator=generator).to(torch.bfloat16)
-        x = torch.randn(PROBE_ROWS[-1], PROBE_SHAPE[1], generator=generator).to(torch.bfloat16)
-        same: list[bool] = []
+        x = torch.randn(2, PROBE_SHAPE[1], generator=generator).to(torch.bfloat16)
 
         def run() -> None:
-            many = F.linear(x, weight)
-            same.extend(torch.equal(F.linear(x[:rows], weight), many[:rows]) for rows in PROBE_ROWS[:-1])
+            F.linear(x, weight)
             if torch.backends.mkldnn.is_available():  # the fp32 inner product batch-invariant matmuls run on
-                fp32 = weight[:64].float()
-                torch.ops.mkldnn._linear_pointwise(x[:2].float(), fp32.mT.contiguous().mT, None, "none", [], "")
+                fp32 = weight.float()
+                torch.ops.mkldnn._linear_pointwise(x.float(), fp32.mT.contiguous().mT, None, "none", [], "")
 
         if torch.backends.mkldnn.is_available():
             lines = _verbose_lines(run)
@@ -221,7 +216,6 @@ def probe_onednn() -> dict:
             "fp32_matmul": ", ".join(fp32_kernels) or None,
             "amx_available": cpu_has_amx(),
             "amx_used": amx if lines is not None or amx else None,
-            "bf16_rows_invariant": all(same),
         }
     return dict(_probed)
 
@@ -280,12 +274,6 @@ def isa_problem(state: dict) -> str | None:
             why = f"{ISA_VARIABLE} is set to {requested}, which allows AMX"
             fix = f"unset {ISA_VARIABLE} or set it to {ISA_CAP}"
         return f"oneDNN is using AMX bf16 kernels ({why}): bf16 rows would depend on the batch; {fix}"
-    if not state["bf16_rows_invariant"]:
-        where = f"{ISA_VARIABLE}={requested}, " if requested else ""
-        kernel = state["bf16_matmul"] or "PyTorch's own bf16 matmul"
-        fix = ("use dtype float32" if (requested or "").upper() == ISA_CAP
-               else f"unset {ISA_VARIABLE} or set it to {ISA_CAP} (on CPUs with avx512_bf16), or use dtype float32")
-        return f"bf16 matmul rows depend on the batch on this CPU ({where}{kernel}); {fix}"
     return None
 
 
@@ -296,15 +284,15 @@ def describe(state: dict) -> str:
     if state["amx_used"]:
         line = f"oneDNN uses AMX ({ISA_VARIABLE}={state['requested']}; {kernel})"
     else:
-        if state["amx_used"] is None:  # then only the functional probe speaks
+        if state["amx_used"] is None:  # then only the start self-test speaks
             available, kernel = "AMX use unknown", "oneDNN's verbose output could not be read"
         else:
             available = {True: "AMX available, not used", False: "no AMX on this CPU",
                          None: "AMX not used"}[state["amx_available"]]
         cap = f"capped at {state['requested']}" if state["requested"] else "not capped"
         line = f"oneDNN {cap} ({available}; {kernel})"
-    if state["amx_used"] or not state["bf16_rows_invariant"]:
-        line += ": bf16 rows " + ("may depend" if state["bf16_rows_invariant"] else "depend") + " on the batch"
+    if state["amx_used"]:
+        line += ": bf16 rows may depend on the batch"
         if state.get("allow_variant_bf16"):
             line += f" (accepted by {WAIVER_VARIABLE}=1)"
     return line
@@ -315,12 +303,12 @@ class CpuIsaError(RuntimeError):
 
 
 def check_cpu_isa() -> str:
-    """The effective oneDNN ISA in one line (`describe`); CpuIsaError when bf16 rows would depend on
-    the batch (AMX in use, or the probe's rows differ), unless DEEPINFER_ALLOW_VARIANT_BF16=1 waives it.
-    (Where oneDNN's verbose output cannot be read, only the probe's rows decide, and the line says so.)
+    """The effective oneDNN ISA in one line (`describe`); CpuIsaError when oneDNN uses AMX bf16 kernels,
+    unless DEEPINFER_ALLOW_VARIANT_BF16=1 waives it. (Where oneDNN's verbose output cannot be read, the
+    line says so, and only the start self-test decides.)
 
-    For engines in batch_invariant mode on CPU with dtype bfloat16. The first call runs a few small
-    bf16 matmuls (about 0.1 s); later calls reuse what they found.
+    For engines in batch_invariant mode on CPU with dtype bfloat16. The first call runs one small bf16
+    matmul (milliseconds); later calls reuse what it found.
     """
     state = onednn_state()
     problem = isa_problem(state)

@@ -107,7 +107,7 @@ def test_this_process_passes_the_check_and_its_manifests_say_so():
         pytest.skip(f"this process runs under a cap that refuses bf16 (the tests above check that): {refusal}")
     state = cpu_isa.onednn_state()
     assert check_cpu_isa() == state["summary"]
-    assert not state["amx_used"] and state["bf16_rows_invariant"]
+    assert not state["amx_used"]
     assert state["requested"] == os.environ["ONEDNN_MAX_CPU_ISA"]
     from harness.environment import environment_fingerprint
 
@@ -128,21 +128,18 @@ def test_verbose_lines_are_parsed_for_the_isa_and_the_matmul_kernels():
     assert cpu_isa._parse(lines + [inner]) == (isa, ["gemm:jit:bf16"], ["brg_matmul:avx512_core"])
 
 
-def test_rows_that_depend_on_the_batch_without_amx_are_refused_too():
+def test_a_cap_without_amx_is_left_to_the_start_self_test():
+    """No functional probe refuses gemm:jit:bf16 (the AVX512_CORE cap): the self-test measures it at the
+    call shapes the engine makes (tests/test_cpu_paths.py runs it under that cap)."""
     state = {"requested": "AVX512_CORE", "isa": None, "bf16_matmul": "gemm:jit:bf16", "amx_available": True,
-             "amx_used": False, "bf16_rows_invariant": False, "allow_variant_bf16": False}
-    assert cpu_isa.isa_problem(state) == (
-        "bf16 matmul rows depend on the batch on this CPU (ONEDNN_MAX_CPU_ISA=AVX512_CORE, gemm:jit:bf16); unset "
-        "ONEDNN_MAX_CPU_ISA or set it to AVX512_CORE_BF16 (on CPUs with avx512_bf16), or use dtype float32")
-    assert cpu_isa.describe(state) == ("oneDNN capped at AVX512_CORE (AMX available, not used; bf16 matmuls: "
-                                       "gemm:jit:bf16): bf16 rows depend on the batch")
-    assert cpu_isa.isa_problem({**state, "bf16_rows_invariant": True}) is None
+             "amx_used": False, "allow_variant_bf16": False}
+    assert cpu_isa.isa_problem(state) is None
+    assert cpu_isa.describe(state) == "oneDNN capped at AVX512_CORE (AMX available, not used; bf16 matmuls: gemm:jit:bf16)"
 
 
-def test_an_unreadable_verbose_output_is_said_and_leaves_the_rows_to_decide():
+def test_an_unreadable_verbose_output_is_said_and_leaves_the_self_test_to_decide():
     state = {"requested": "AVX512_CORE_BF16", "isa": None, "bf16_matmul": None, "amx_available": True,
-             "amx_used": None, "bf16_rows_invariant": True, "allow_variant_bf16": False}
+             "amx_used": None, "allow_variant_bf16": False}
     assert cpu_isa.describe(state) == ("oneDNN capped at AVX512_CORE_BF16 (AMX use unknown; oneDNN's verbose "
                                        "output could not be read)")
     assert cpu_isa.isa_problem(state) is None
-    assert cpu_isa.isa_problem({**state, "bf16_rows_invariant": False}).startswith("bf16 matmul rows depend")
