@@ -5,9 +5,11 @@ MKL and oneDNN pick their code path once per process, from the CPU and from envi
 so the paths another machine takes can be reached here by setting those variables: MKL's AVX2 path
 (what MKL runs on AVX2-only Intel CPUs, and the path whose kernels depend on the row count), its
 AVX-512 path, its strict and compatible reproducibility modes (MKL_CBWR; COMPATIBLE runs the generic
-code MKL also runs on AMD CPUs), and oneDNN capped at AVX2 (AVX2-only CPUs such as AMD's Zen 2 and
-Zen 3) or at AVX512_CORE (AVX-512 without bf16 instructions). An Intel machine exercises what an AMD
-one runs and the other way round, as far as the libraries let environment variables decide.
+code MKL also runs on AMD CPUs), oneDNN capped at AVX2 or at AVX512_CORE (AVX-512 without bf16
+instructions), and a whole AVX2-only CPU such as AMD's Zen 2 and Zen 3 (`avx2-cpu`: PyTorch's own
+vectorised kernels, whose instruction set changes bits too, oneDNN and MKL all at AVX2). An Intel
+machine exercises what an AMD one runs and the other way round, as far as the libraries let
+environment variables decide.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ LIBRARY_PATHS: dict[str, dict[str, str]] = {
     "mkl-compatible": {"MKL_CBWR": "COMPATIBLE"},
     "onednn-avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
     "onednn-avx512-core": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
+    "avx2-cpu": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
 }
-PATH_VARIABLES = ("MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA", "DEEPINFER_ALLOW_VARIANT_CPU",
-                  "DEEPINFER_ALLOW_VARIANT_BF16")
+PATH_VARIABLES = ("MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
+                  "DEEPINFER_ALLOW_VARIANT_CPU", "DEEPINFER_ALLOW_VARIANT_BF16")
 THREADS = 2
 ROOT = Path(__file__).resolve().parent.parent
 

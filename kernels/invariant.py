@@ -33,9 +33,10 @@ What is still left to the libraries, and so measured on every machine before an 
 (`kernels/selftest.py`), is that one call shape computes a row the same way wherever the row sits
 in its tile and at any thread count, and that PyTorch's own row-wise kernels (norms, softmax,
 Sinkhorn's sums, rotary, the pointwise loops) reduce a row by its length alone. Measured on an AMD
-EPYC (Zen 5, AVX-512 with bf16, no AMX; MKL 2024.2's non-Intel path, oneDNN 3.12, 1 to 16 threads)
-and an Intel Xeon with AMX (torch 2.11: MKL 2024.2's AVX-512 path, oneDNN 3.10, 1 to 16 threads),
-each under seven library paths (benchmarks/results/cpu_invariance_paths*.json). What the fixed shapes replaced: calls of
+EPYC Zen 5 (AVX-512 with bf16, no AMX; MKL 2024.2's non-Intel path, oneDNN 3.12, 1 to 16 threads),
+an AMD EPYC Zen 3 (AVX2 only, 2 threads) and an Intel Xeon with AMX (torch 2.11: MKL 2024.2's
+AVX-512 path, oneDNN 3.10, 1 to 16 threads), each under the library paths of harness/cpu_paths.py
+(benchmarks/results/cpu_invariance_paths*.json). What the fixed shapes replaced: calls of
 up to 256 rows with one row paired with a copy of itself, which were invariant on Intel's AVX-512
 path but not on MKL's AVX2 path (it picks sgemm kernels by row count) nor on AMD CPUs (every fp32
 matmul of 3, 5, 13, ... rows differed from the same rows of a larger call).

@@ -93,9 +93,11 @@ def variant_primitives(ops, dtype: torch.dtype) -> list[str]:
 
 
 def library_path() -> str:
-    """The CPU and the library code paths its bits depend on, in one line."""
+    """The CPU and the library code paths its bits depend on, in one line: PyTorch's own vectorised
+    kernels (norms, softmax, exp; their instruction set changes bits too), MKL's and oneDNN's."""
     onednn = cpu_isa.probe_onednn()
     return (f"{cpu_isa.cpu_vendor() or 'unknown vendor'} {cpu_isa.cpu_model() or 'unknown CPU'}; "
+            f"PyTorch kernels {torch.backends.cpu.get_cpu_capability()}; "
             f"MKL {cpu_isa.mkl_path()}; oneDNN {onednn['isa'] or 'ISA not reported'}, fp32 matmuls "
             f"{onednn['fp32_matmul'] or 'not oneDNN'}, bf16 matmuls {onednn['bf16_matmul'] or 'not oneDNN'}")
 

@@ -30,5 +30,6 @@ def test_every_library_path_is_batch_invariant(reports, path, dtype):
 
 def test_the_paths_are_reported_as_the_libraries_name_them(reports):
     for path, report in reports.items():
-        assert report["path"].count("; ") == 2 and "MKL for " in report["path"], path
+        assert report["path"].count("; ") == 3 and "MKL for " in report["path"], path
     assert "CNR:OFF" in reports["default"]["path"] and "CNR:OFF" not in reports["mkl-compatible"]["path"]
+    assert "; PyTorch kernels AVX2; " in reports["avx2-cpu"]["path"]
