@@ -49,7 +49,7 @@ BELOW_AMX = frozenset({
     "SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI", "AVX512_CORE_BF16",
     "AVX512_CORE_FP16", "AVX10_1_512", "AVX10_2_512",
 })
-PROBE_SHAPE = (64, 512)  # (out_features, in_features)
+PROBE_SHAPE = (8192, 512)  # (out_features, in_features): the small preset's vocabulary projection
 VERBOSE_PREFIX = "onednn_verbose"
 
 os.environ.setdefault(ISA_VARIABLE, ISA_CAP)  # no AMX: see the module docstring
@@ -199,7 +199,7 @@ def probe_onednn() -> dict:
         def run() -> None:
             F.linear(x, weight)
             if torch.backends.mkldnn.is_available():  # the fp32 inner product batch-invariant matmuls run on
-                fp32 = weight.float()
+                fp32 = weight[:64].float()
                 torch.ops.mkldnn._linear_pointwise(x.float(), fp32.mT.contiguous().mT, None, "none", [], "")
 
         if torch.backends.mkldnn.is_available():
