@@ -172,6 +172,9 @@ def _selftest_statement(key: str, record: object) -> str:
     if not isinstance(record, dict):
         return f"self-test ({key}) not readable"
     if record.get("passed"):
+        tiles = record.get("row_tiles")
+        if isinstance(tiles, list) and tiles:
+            return f"self-test passed ({key}; row tiles {', '.join(str(tile) for tile in tiles)})"
         return f"self-test passed ({key})"
     variant = ", ".join(str(name) for name in record.get("variant") or []) or "some primitive"
     waiver = ", waived by DEEPINFER_ALLOW_VARIANT_CPU=1" if record.get("waived") else ""

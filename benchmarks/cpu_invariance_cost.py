@@ -1,9 +1,11 @@
 """What the fixed-shape CPU discipline costs: prefill and decode tokens/s of batch-invariant engines
 built with the CPU primitives before it (variable row tiles up to 256 rows and key lists of any
 width, the discipline of commit 92ea738, reproduced below) and with today's, side by side in one
-process (both warmed up, repetitions interleaved, the median counts), with `fast` as the control;
-plus the row-tile sweep that chose `kernels.invariant.ROW_TILE` (linear alone over the small
-preset's weight shapes at several row counts).
+process (all warmed up, repetitions interleaved, the median counts), with `fast` as the control.
+Today's is measured twice: with every batch cut into ROW_TILE rows ("one tile") and as engines serve
+it, cut into the row tiles the start self-test proved on this machine ("after"). Plus the row-tile
+sweep that chose `kernels.invariant.ROW_TILE` (linear alone over the small preset's weight shapes at
+several row counts, at each single tile and with the proven ones).
 
     .venv/bin/python -m benchmarks.cpu_invariance_cost [--presets tiny small v41-tiny] [--dtype float32] \\
         [--out benchmarks/results/cpu_invariance_cost.json]
@@ -32,7 +34,7 @@ from benchmarks.throughput import checkpoint_for, measure, median_run
 from deepinfer import LLM
 from kernels import fast, invariant
 from kernels.cpu_isa import cpu_model, cpu_vendor, mkl_path
-from kernels.selftest import WAIVER_VARIABLE
+from kernels.selftest import WAIVER_VARIABLE, proven_row_tiles
 
 BATCHES = (1, 32)
 TILES = (16, 24, 32, 48, 64)
@@ -131,7 +133,7 @@ def old_ops() -> kernels.Ops:
 def engines_built_with(ops: kernels.Ops):
     """LLM(...) inside builds its model on `ops` (the self-test's refusal waived)."""
     bind, waiver = kernels.bind, os.environ.get(WAIVER_VARIABLE)
-    kernels.bind = lambda numerics, device: ops
+    kernels.bind = lambda numerics, device, row_tiles=None: ops
     os.environ[WAIVER_VARIABLE] = "1"
     try:
         yield
@@ -149,7 +151,8 @@ def tile_sweep(dtype: torch.dtype, repeats: int = 7) -> list[dict]:
     for rows in TILE_ROWS:
         weights = [invariant.matmul_layout(torch.randn(n, k).to(dtype)) for n, k in SMALL_SHAPES]
         inputs = [torch.randn(rows, k).to(dtype) for _, k in SMALL_SHAPES]
-        candidates = {"before": old_linear, **{f"tile {t}": partial(_linear_at_tile, t) for t in TILES}}
+        candidates = {"before": old_linear, **{f"tile {t}": partial(_linear_at_tile, t) for t in TILES},
+                      "proven tiles": partial(invariant.linear, row_tiles=proven_row_tiles((dtype,)))}
         times: dict[str, list[float]] = {name: [] for name in candidates}
         calls = max(1, 64 // rows)
         for _ in range(repeats):
@@ -184,13 +187,17 @@ def main() -> None:
     results = {"command": "python -m benchmarks.cpu_invariance_cost " + " ".join(sys.argv[1:]),
                "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
                "cpu": cpu_model(), "cpu_vendor": cpu_vendor(), "mkl": mkl_path(), "dtype": args.dtype,
-               "row_tile": invariant.ROW_TILE, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+               "row_tile": invariant.ROW_TILE,
+               "proven_row_tiles": list(proven_row_tiles((getattr(torch, args.dtype),)).tiles(getattr(torch, args.dtype))),
+               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                "repeats": args.repeats, "tiles": tile_sweep(getattr(torch, args.dtype)), "runs": []}
     settings = dict(max_num_seqs=max(BATCHES), max_num_batched_tokens=2048, dtype=args.dtype)
     for preset in args.presets:
         folder = checkpoint_for(preset)
         with engines_built_with(old_ops()):
             engines = {"before": LLM(folder, **settings)}
+        with engines_built_with(kernels.bind("batch_invariant", "cpu")):
+            engines["one tile"] = LLM(folder, **settings)
         engines["after"] = LLM(folder, **settings)
         engines["fast"] = LLM(folder, numerics="fast", **settings)
         for llm in engines.values():
@@ -204,7 +211,10 @@ def main() -> None:
             modes = {name: median_run(runs) for name, runs in samples.items()}
             cost = {kind: round(modes["before"][kind]["tokens_per_s"] / modes["after"][kind]["tokens_per_s"], 2)
                     for kind in ("prefill", "decode")}
-            results["runs"].append({"preset": preset, "batch": batch, **modes, "after_time_over_before": cost})
+            one_tile = {kind: round(modes["before"][kind]["tokens_per_s"] / modes["one tile"][kind]["tokens_per_s"], 2)
+                        for kind in ("prefill", "decode")}
+            results["runs"].append({"preset": preset, "batch": batch, **modes, "after_time_over_before": cost,
+                                    "one_tile_time_over_before": one_tile})
             print(f"{preset:8} batch {batch:3}: " + "  ".join(
                 f"{name} prefill {run['prefill']['tokens_per_s']} decode {run['decode']['tokens_per_s']}"
                 for name, run in modes.items()) + f"  after/before time: {cost}", flush=True)

@@ -60,7 +60,9 @@ for dtype in ("float32", "bfloat16"):
     entry = report["dtypes"][dtype] = {{}}
     bf16_problem = cpu_isa.isa_problem(cpu_isa.onednn_state()) if dtype == "bfloat16" else None
     entry["refused"] = bf16_problem
-    entry["variant"] = selftest.variant_primitives(kernels.bind("batch_invariant", "cpu"), getattr(torch, dtype))
+    tiles = selftest.proven_row_tiles((torch.float32, getattr(torch, dtype)))
+    entry["row_tiles"] = list(tiles.tiles(getattr(torch, dtype)))
+    entry["variant"] = selftest.variant_primitives(kernels.bind("batch_invariant", "cpu", tiles), getattr(torch, dtype))
     if bf16_problem or entry["variant"]:
         continue
     alone = LLM("preset:tiny", dtype=dtype, max_num_seqs=1, max_model_len=128).generate(prompts[:2], params)

@@ -44,8 +44,9 @@ _PRIMITIVES = tuple(name for name in OPS if name not in _COMPOSITES)
 class Ops:
     """Every primitive of one numerics mode on one device type, as attributes (read-only)."""
 
-    def __init__(self, numerics: str, device_type: str, table: dict[str, Callable]) -> None:
-        self.__dict__.update(table, numerics=numerics, device_type=device_type)
+    def __init__(self, numerics: str, device_type: str, table: dict[str, Callable],
+                 row_tiles: invariant.RowTiles = invariant.CANONICAL) -> None:
+        self.__dict__.update(table, numerics=numerics, device_type=device_type, row_tiles=row_tiles)
 
     def __setattr__(self, name: str, value) -> None:
         raise AttributeError("Ops are read-only: bind another numerics mode instead")
@@ -73,9 +74,12 @@ def _complete(table: dict) -> dict:
     return table
 
 
-def _table(numerics: str, device_type: str) -> dict:
+def _table(numerics: str, device_type: str, row_tiles: invariant.RowTiles) -> dict:
     base = fast if numerics == "fast" else invariant
     table = {name: getattr(base, name) for name in _PRIMITIVES}
+    if row_tiles != invariant.CANONICAL:
+        table.update(linear=partial(invariant.linear, row_tiles=row_tiles),
+                     grouped_linear=partial(invariant.grouped_linear, row_tiles=row_tiles))
     if numerics == "batch_invariant" and device_type == "cuda":  # Triton is imported only when CUDA needs it
         from kernels import triton_fused, triton_ops
 
@@ -84,15 +88,20 @@ def _table(numerics: str, device_type: str) -> dict:
     return _complete(table)
 
 
-_bound: dict[tuple[str, str], Ops] = {}
+_bound: dict[tuple[str, str, invariant.RowTiles], Ops] = {}
 
 
-def bind(numerics: str, device: torch.device | str) -> Ops:
-    """The primitives of a numerics mode on `device`'s type (CUDA, or CPU for anything else)."""
+def bind(numerics: str, device: torch.device | str, row_tiles: invariant.RowTiles = invariant.CANONICAL) -> Ops:
+    """The primitives of a numerics mode on `device`'s type (CUDA, or CPU for anything else).
+
+    `row_tiles` (batch-invariant CPU tables only) are the row tiles the start self-test proved on this
+    machine (`kernels.selftest.proven_row_tiles`): `linear` may cut a batch into them."""
     if numerics not in NUMERICS:
         raise ValueError(f"unknown numerics mode {numerics!r} (expected one of {', '.join(NUMERICS)})")
     device_type = "cuda" if torch.device(device).type == "cuda" else "cpu"
-    key = (numerics, device_type)
+    if row_tiles != invariant.CANONICAL and (numerics, device_type) != ("batch_invariant", "cpu"):
+        raise ValueError(f"row tiles are a batch-invariant CPU setting, not one of {numerics} on {device_type}")
+    key = (numerics, device_type, row_tiles)
     if key not in _bound:
-        _bound[key] = Ops(numerics, device_type, _table(numerics, device_type))
+        _bound[key] = Ops(numerics, device_type, _table(numerics, device_type, row_tiles), row_tiles)
     return _bound[key]

@@ -7,10 +7,14 @@ kernels, blockings and thread splits from a call's shape, and what they pick dif
 (MKL runs other code on AMD than on Intel) and library code paths, so the discipline leaves them no
 batch-dependent choice to make:
 
-- matmuls (`linear`) pad the rows to whole tiles of `ROW_TILE` rows and make one library call per
-  tile; fp32 ones also cut K into blocks of `K_BLOCK` columns, one call each, whose results we add
-  in order. So every call a weight makes has one shape ([ROW_TILE, K_BLOCK] x [K_BLOCK, N]), the
-  same for a lone decode row as for a 2,048-token prefill. fp32 calls go to oneDNN's inner product
+- matmuls (`linear`) pad the rows to whole tiles and make one library call per tile; fp32 ones
+  also cut K into blocks of `K_BLOCK` columns, one call each, whose results we add in order. A row's
+  bits are those of a call of `ROW_TILE` rows ([ROW_TILE, K_BLOCK] x [K_BLOCK, N]), the same for a
+  lone decode row as for a 2,048-token prefill. Cutting every batch into ROW_TILE rows costs a lone
+  row 24 rows of work and a prefill many small calls, so batches are cut into other tiles of
+  `ROW_TILES` too (`cut_rows`), each only where the start self-test proved that its calls give
+  every row the bits of ROW_TILE calls (`RowTiles`); a tile that fails is not used, so the bits are
+  the same either way. fp32 calls go to oneDNN's inner product
   (its JIT kernels are chosen by instruction set, not vendor, and it takes the column-major weight
   `matmul_layout` stores without copying it); bf16 ones to F.linear, which PyTorch sends to oneDNN
   too (fp32 accumulation, one rounding at the end, so K stays whole);
@@ -31,7 +35,8 @@ batch-dependent choice to make:
 
 What is still left to the libraries, and so measured on every machine before an engine serves
 (`kernels/selftest.py`), is that one call shape computes a row the same way wherever the row sits
-in its tile and at any thread count, and that PyTorch's own row-wise kernels (norms, softmax,
+in its tile and at any thread count, that calls of the other proven row tiles compute it as a
+ROW_TILE call does, and that PyTorch's own row-wise kernels (norms, softmax,
 Sinkhorn's sums, rotary, the pointwise loops) reduce a row by its length alone. Measured on an AMD
 EPYC Zen 5 (AVX-512 with bf16, no AMX; MKL 2024.2's non-Intel path, oneDNN 3.12, 1 to 16 threads),
 an AMD EPYC Zen 3 (AVX2 only, 2 threads) and an Intel Xeon with AMX (torch 2.11: MKL 2024.2's
@@ -40,9 +45,9 @@ AVX-512 path, oneDNN 3.10, 1 to 16 threads), each under the library paths of har
 up to 256 rows with one row paired with a copy of itself, which were invariant on Intel's AVX-512
 path but not on MKL's AVX2 path (it picks sgemm kernels by row count) nor on AMD CPUs (every fp32
 matmul of 3, 5, 13, ... rows differed from the same rows of a larger call).
-ROW_TILE was chosen by measurement (benchmarks/results/cpu_invariance_cost.json): smaller tiles
-cost prefill, larger ones decode, and oneDNN 3.10's AVX2 gemm on a Xeon varied rows inside a 32-row
-tile.
+ROW_TILE was chosen by measurement (benchmarks/results/cpu_invariance_cost.json): as the only tile,
+smaller ones cost prefill and larger ones decode, and oneDNN 3.10's AVX2 gemm on a Xeon varied rows
+inside a 32-row tile (so 32 is a tile the self-test has to prove, never the one defining the bits).
 
 oneDNN's AMX bf16 kernels (CPUs with amx_bf16) make a row's bits depend on the batch, so importing
 this module caps oneDNN at AVX-512 BF16 (`ONEDNN_MAX_CPU_ISA`, unless already set: kernels/cpu_isa.py).
@@ -59,7 +64,10 @@ kernels of `kernels/triton_ops.py` replace the reductions.
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -76,10 +84,15 @@ from kernels.fast import (  # noqa: F401  (re-exported: already row-invariant)
 )
 from kernels.quant import QuantizedWeight, accepts_quantized
 
-# rows per matmul call: a multiple of 8 and 24 (oneDNN 3.10's AVX2 fp32 gemm on a Xeon gave rows of a
-# 32-row tile other bits at other places in it; 16, 24, 48, 64 and 96 did not), and the cheapest of
-# those for decode in benchmarks/results/cpu_invariance_cost.json (prefill prefers larger tiles)
+# the row tile whose calls define a row's bits: a multiple of 8 and 24 (oneDNN 3.10's AVX2 fp32 gemm
+# on a Xeon gave rows of a 32-row tile other bits at other places in it; 16, 24, 48, 64 and 96 did not)
 ROW_TILE = 24
+# the tiles a batch's rows may be cut into instead, each only where the start self-test proves its
+# calls give every row ROW_TILE's bits (kernels/selftest.py): a lone decode row then costs a 2-row
+# call, 32 decode rows one call and a 2,048-token prefill 256-row ones (one row goes to another
+# kernel in oneDNN's AVX2 code; benchmarks/results/cpu_invariance_cost*.json has the cost)
+ROW_TILES = (2, 4, 8, 16, ROW_TILE, 32, 64, 128, 256)
+CALL_COST_ROWS = 12  # a call's fixed cost in rows of work (oneDNN fp32, 2 threads, N = 512 to 2,048)
 K_BLOCK = 512  # fp32 reduction width per matmul call (2048 let oneDNN split K over 8+ threads on a Xeon)
 KV_BLOCK = 64  # keys per attention / indexer score matrix
 MATRIX_BATCH = 16  # matrices per batched matmul call
@@ -140,11 +153,46 @@ def _column_major(weight: torch.Tensor) -> bool:
     return weight.stride(-2) == 1 and weight.stride(-1) >= weight.shape[-2]
 
 
+@dataclass(frozen=True)
+class RowTiles:
+    """The row tiles `linear` may cut a batch into, per weight dtype: ROW_TILE alone unless the start
+    self-test proved more on this machine (`kernels.selftest.proven_row_tiles`). Whatever the cut, a
+    row's bits are those of a ROW_TILE call: that is what the proof checks."""
+
+    by_dtype: tuple[tuple[torch.dtype, tuple[int, ...]], ...] = ()
+
+    def tiles(self, dtype: torch.dtype) -> tuple[int, ...]:
+        return next((tiles for proven, tiles in self.by_dtype if proven == dtype), (ROW_TILE,))
+
+
+CANONICAL = RowTiles()
+
+
+@functools.lru_cache(maxsize=4096)
+def cut_rows(n: int, tiles: tuple[int, ...]) -> tuple[int, ...]:
+    """The tile sizes (largest first) `linear` cuts n rows into: whole tiles of the largest, the rest
+    covered at the least estimated cost (each call costs its rows plus CALL_COST_ROWS), padding the
+    last one. n = 0 still makes one call of the smallest tile."""
+    largest = max(tiles)
+    return (largest,) * (n // largest) + _cover(n % largest if n else 1, tuple(sorted(tiles)))
+
+
+@functools.lru_cache(maxsize=256)
+def _cover(rows: int, tiles: tuple[int, ...]) -> tuple[int, ...]:
+    best: list[tuple[int, tuple[int, ...]]] = [(0, ())]
+    for covered in range(1, rows + 1):
+        best.append(min((best[max(0, covered - tile)][0] + tile + CALL_COST_ROWS,
+                         tuple(sorted(best[max(0, covered - tile)][1] + (tile,), reverse=True)))
+                        for tile in tiles))
+    return best[rows][1]
+
+
 @accepts_quantized
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, row_tiles: RowTiles = CANONICAL) -> torch.Tensor:
     """`x @ weight.T`; a row's bits depend only on that row (see the module docstring): the rows are
-    padded to whole tiles of ROW_TILE and every library call is one tile against one K block, so
-    all the calls a weight ever makes have one shape, whatever the batch.
+    padded to whole tiles (`cut_rows`) and every library call is one tile against one K block, so the
+    calls a weight makes have one shape per tile size, whatever the batch, and every tile size in
+    `row_tiles` was proven to give a row the bits of a ROW_TILE call.
 
     A weight that is not in `matmul_layout` is converted on every call: load weights through it.
     (Decode calls are small, so this avoids every torch op it can: each costs microseconds.)
@@ -154,13 +202,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if rows.dtype != weight.dtype:
         rows = rows.to(weight.dtype)
     n = rows.shape[0]
-    pad = -n % ROW_TILE
-    if pad or n == 0:
-        rows = F.pad(rows, (0, 0, 0, pad or ROW_TILE))
-    if rows.shape[0] == ROW_TILE:
+    tiles = cut_rows(n, row_tiles.tiles(weight.dtype))
+    if sum(tiles) != n:
+        rows = F.pad(rows, (0, 0, 0, sum(tiles) - n))
+    if len(tiles) == 1:
         out = _tile_linear(rows, weight)
     else:
-        out = torch.cat([_tile_linear(rows[i:i + ROW_TILE], weight) for i in range(0, rows.shape[0], ROW_TILE)])
+        starts = itertools.accumulate(tiles, initial=0)
+        out = torch.cat([_tile_linear(rows[start:start + tile], weight) for start, tile in zip(starts, tiles)])
     if out.shape[0] != n:
         out = out[:n]
     return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.shape[0])
@@ -249,12 +298,12 @@ def window_pool(kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor) -> tor
 
 
 @accepts_quantized
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int, row_tiles: RowTiles = CANONICAL) -> torch.Tensor:
     """Block-diagonal projection: x [T, G, Din], weight [G * Dout, Din] -> [T, G, Dout]."""
     per_group = weight.view(groups, -1, weight.shape[-1])
     if _column_major(weight) and weight.shape[0] != per_group.shape[1]:
         per_group = per_group.mT.contiguous().mT  # each group's own column-major matrix, as oneDNN reads it
-    return torch.stack([linear(x[:, g], per_group[g]) for g in range(groups)], dim=1)
+    return torch.stack([linear(x[:, g], per_group[g], row_tiles) for g in range(groups)], dim=1)
 
 
 def _key_blocks(keys: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,8 +9,10 @@ machine, at start: `check_cpu_invariance(ops, dtype)` runs every primitive the e
 small batch of seeded inputs, then on parts of that batch (rows alone, runs that start mid-tile, at
 one thread and at the engine's thread count), and refuses in one line, naming the first primitive
 whose rows differ, the CPU and the library path, unless DEEPINFER_ALLOW_VARIANT_CPU=1 waives it (the
-waiver is recorded, like every result). It costs about a tenth of a second per dtype and thread
-count, once per process (`results()` is what manifests record).
+waiver is recorded, like every result). Before it, `proven_row_tiles` finds which row tiles of
+`ROW_TILES` give every row the bits of ROW_TILE calls here; the table under test cuts batches into
+those, so the self-test covers what engines serve. Both together cost a few tenths of a second per
+dtype and thread count, once per process (`results()` is what manifests record).
 """
 
 from __future__ import annotations
@@ -20,14 +22,20 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import cpu_isa
-from kernels.invariant import K_BLOCK, ROW_TILE
+import kernels
+from kernels import cpu_isa, invariant
+from kernels.invariant import K_BLOCK, ROW_TILE, ROW_TILES, RowTiles
 
 WAIVER_VARIABLE = "DEEPINFER_ALLOW_VARIANT_CPU"
 ROWS = 2 * ROW_TILE + 5  # three tiles, the last one partial
 PARTS = (slice(0, 1), slice(ROWS - 1, ROWS), slice(3, 4), slice(ROW_TILE - 2, ROW_TILE + 3), slice(1, ROWS - 2))
 
+# weights the row tiles are proven on: K past one block (a partial last one), a small weight, a
+# router-like one of 6 columns and a wide one (oneDNN splits work over N there)
+TILE_PROBE_WEIGHTS = ((96, K_BLOCK + 52), (80, 96), (6, 96), (1024, K_BLOCK))
+
 _results: dict[str, dict] = {}
+_proven: dict[str, tuple[int, ...]] = {}
 
 
 class CpuInvarianceError(RuntimeError):
@@ -92,6 +100,41 @@ def variant_primitives(ops, dtype: torch.dtype) -> list[str]:
     return failed
 
 
+def _tile_keeps_the_bits(tile: int, dtype: torch.dtype, gen: torch.Generator) -> bool:
+    """Whether cutting rows into tiles of `tile` gives every row of the probe weights the bits of
+    ROW_TILE calls: batches starting at three places in a tile (each ending in a padded partial one),
+    at the current thread count and at one thread."""
+    only = RowTiles(((dtype, (tile,)),))
+    for out_features, in_features in TILE_PROBE_WEIGHTS:
+        weight = invariant.matmul_layout(torch.randn(out_features, in_features, generator=gen).to(dtype))
+        x = torch.randn(2 * tile + 3, in_features, generator=gen).to(dtype)
+        canonical = invariant.linear(x, weight)
+        for start in (0, 1, tile // 2 + 1):
+            if not torch.equal(invariant.linear(x[start:], weight, only), canonical[start:]):
+                return False
+        if torch.get_num_threads() > 1:
+            with cpu_isa.cpu_threads(1):
+                if not torch.equal(invariant.linear(x, weight, only), canonical):
+                    return False
+    return True
+
+
+def proven_row_tiles(dtypes: tuple[torch.dtype, ...]) -> RowTiles:
+    """The tiles of ROW_TILES that `linear` may cut batches into on this machine, for each dtype: those
+    whose calls give every row the bits of ROW_TILE calls at the current thread count (ROW_TILE
+    itself always; its own invariance is what `check_cpu_invariance` tests). Measured once per
+    process, dtype and thread count; the self-test's record says which served."""
+    proven = []
+    for dtype in dict.fromkeys(dtypes):
+        key = f"{str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads"
+        if key not in _proven:
+            gen = torch.Generator().manual_seed(1)
+            _proven[key] = tuple(tile for tile in ROW_TILES
+                                 if tile == ROW_TILE or _tile_keeps_the_bits(tile, dtype, gen))
+        proven.append((dtype, _proven[key]))
+    return RowTiles(tuple(proven))
+
+
 def library_path() -> str:
     """The CPU and the library code paths its bits depend on, in one line: PyTorch's own vectorised
     kernels (norms, softmax, exp; their instruction set changes bits too), MKL's and oneDNN's."""
@@ -110,13 +153,24 @@ def check_cpu_invariance(ops, dtype: torch.dtype) -> dict:
     if key not in _results or _results[key]["ops"] != id(ops):
         failed = variant_primitives(ops, dtype)
         _results[key] = {"ops": id(ops), "passed": not failed, "variant": failed, "waived": waived(),
-                         "path": library_path()}
+                         "path": library_path(), "row_tiles": list(ops.row_tiles.tiles(dtype))}
     record = _results[key]
     if record["variant"] and not record["waived"]:
         raise CpuInvarianceError(
             f"batch-invariant {record['variant'][0]} ({key}) gives rows that depend on the batch on this CPU "
             f"({record['path']}); set {WAIVER_VARIABLE}=1 to run anyway (recorded in manifests)")
     return {k: v for k, v in record.items() if k != "ops"}
+
+
+def checked_cpu_ops(dtype: torch.dtype) -> kernels.Ops:
+    """The batch-invariant CPU table an engine of `dtype` serves with on this machine: oneDNN's ISA
+    checked for bf16 (`check_cpu_isa`), the row tiles proven for `dtype` and fp32 (hyper-connection
+    weights stay fp32), and the table self-tested. CpuIsaError / CpuInvarianceError in one line."""
+    if dtype != torch.float32:
+        cpu_isa.check_cpu_isa()  # oneDNN's AMX kernels would make bf16 rows depend on the batch
+    ops = kernels.bind("batch_invariant", "cpu", proven_row_tiles((torch.float32, dtype)))
+    check_cpu_invariance(ops, dtype)
+    return ops
 
 
 def results() -> dict[str, dict]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import kernels
 from audit.certificate import cpu_isa_statement
@@ -22,6 +24,7 @@ WAIVER_HINT = "; set DEEPINFER_ALLOW_VARIANT_CPU=1 to run anyway (recorded in ma
 def own_results(monkeypatch):
     """Each test's self-tests are its own: a deliberately variant table must not reach later manifests."""
     monkeypatch.setattr(selftest, "_results", {})
+    monkeypatch.setattr(selftest, "_proven", {})
     monkeypatch.delenv(selftest.WAIVER_VARIABLE, raising=False)
 
 
@@ -76,14 +79,14 @@ def test_fast_numerics_would_fail_the_self_test_where_the_library_varies():
 
 
 def test_an_engine_on_a_variant_table_refuses_to_start(monkeypatch):
-    monkeypatch.setattr(kernels, "bind", lambda numerics, device: VARIANTS["linear"]())
+    monkeypatch.setattr(kernels, "bind", lambda numerics, device, row_tiles=None: VARIANTS["linear"]())
     with pytest.raises(DeepInferError) as refused:
         LLM("preset:tiny", max_model_len=64)
     assert str(refused.value) == _refusal("linear", "float32") and "\n" not in str(refused.value)
 
 
 def test_the_waiver_runs_anyway_and_the_manifest_and_certificate_say_so(monkeypatch):
-    monkeypatch.setattr(kernels, "bind", lambda numerics, device: VARIANTS["linear"]())
+    monkeypatch.setattr(kernels, "bind", lambda numerics, device, row_tiles=None: VARIANTS["linear"]())
     monkeypatch.setenv(selftest.WAIVER_VARIABLE, "1")
     LLM("preset:tiny", max_model_len=64)
     environment = environment_fingerprint()
@@ -105,14 +108,18 @@ def test_manifests_record_the_cpu_and_its_library_paths():
     assert cpu["mkl"]["path"] and cpu["mkl"]["cnr"] and cpu["onednn"]["fp32_matmul"]
     key = f"float32, {torch.get_num_threads()} threads"
     assert cpu["selftest"][key]["passed"]
+    tiles = selftest.proven_row_tiles((torch.float32,)).tiles(torch.float32)
+    assert cpu["selftest"][key]["row_tiles"] == list(tiles) and invariant.ROW_TILE in tiles
     statement = cpu_isa_statement({"environment": environment})
     assert statement == (f"CPU: {environment['cpu']} ({environment['cpu_vendor']}); MKL for {cpu['mkl']['path']}, "
-                         f"CNR:{cpu['mkl']['cnr']}; {cpu['onednn']['summary']}; self-test passed ({key})")
+                         f"CNR:{cpu['mkl']['cnr']}; {cpu['onednn']['summary']}; self-test passed "
+                         f"({key}; row tiles {', '.join(map(str, tiles))})")
 
 
-def test_every_library_call_of_a_weight_has_one_shape(monkeypatch):
-    """The discipline itself, whatever the library does: the calls a weight makes, and the batched
-    attention products, have one shape (and one memory layout) for any batch."""
+def test_every_library_call_of_a_weight_has_one_shape_per_row_tile(monkeypatch):
+    """The discipline itself, whatever the library does: the calls a weight makes have one shape (and
+    one memory layout) per row tile for any batch, one shape in all with ROW_TILE alone; the batched
+    attention products have one shape each."""
     shapes = set()
     library = invariant._library_linear
     monkeypatch.setattr(invariant, "_library_linear", lambda rows, w: shapes.add((rows.shape, w.shape)) or library(rows, w))
@@ -121,17 +128,57 @@ def test_every_library_call_of_a_weight_has_one_shape(monkeypatch):
     bmm = torch.bmm
     monkeypatch.setattr(invariant.torch, "bmm", lambda a, b: shapes.add((a.shape, b.shape, a.stride(), b.stride()))
                         or bmm(a, b))
+    ladder = invariant.RowTiles(((torch.float32, invariant.ROW_TILES), (torch.bfloat16, invariant.ROW_TILES)))
     for dtype in (torch.float32, torch.bfloat16):
         width = 2 * invariant.K_BLOCK + 100
         weight = invariant.matmul_layout(torch.randn(64, width).to(dtype))
+        calls = {torch.float32: 2, torch.bfloat16: 1}[dtype]  # fp32: the full K blocks, and the rest
         shapes.clear()
         for rows in (1, 5, 32, 33, 600):
             invariant.linear(torch.randn(rows, width).to(dtype), weight)
-        calls = {torch.float32: 2, torch.bfloat16: 1}[dtype]  # fp32: the full K blocks, and the rest
-        assert len(shapes) == calls, shapes
+        assert len(shapes) == calls and {shape[0][0] for shape in shapes} == {invariant.ROW_TILE}, shapes
+        for rows in (1, 5, 32, 33, 600):
+            shapes.clear()
+            invariant.linear(torch.randn(rows, width).to(dtype), weight, ladder)
+            cut = set(invariant.cut_rows(rows, invariant.ROW_TILES))
+            assert {shape[0][0] for shape in shapes} == cut and len(shapes) == calls * len(cut), shapes
     shapes.clear()
     for tokens, keys in ((1, 3), (1, 64), (7, 65), (40, 300)):
         q, kv = torch.randn(tokens, 4, 32), torch.randn(tokens, keys, 32)
         invariant.sink_attention(q, kv, torch.ones(tokens, keys, dtype=torch.bool), torch.zeros(4), 0.1)
     assert {(a[0], b[0]) for a, b, _, _ in shapes} == {(invariant.MATRIX_BATCH, invariant.MATRIX_BATCH)}
     assert len(shapes) == 2, shapes  # scores and values: one shape and one layout each (MKL's kernels differ by both)
+
+
+@given(st.integers(0, 3000), st.sets(st.sampled_from(invariant.ROW_TILES), min_size=1))
+def test_rows_are_cut_into_whole_tiles_of_the_allowed_sizes(n, allowed):
+    tiles = tuple(sorted(allowed))
+    cut = invariant.cut_rows(n, tiles)
+    assert set(cut) <= allowed and list(cut) == sorted(cut, reverse=True)
+    assert cut.count(max(tiles)) >= n // max(tiles) and n <= sum(cut) < max(n, 1) + max(tiles)
+    if len(tiles) == 1:  # one tile: the rows padded to the fewest whole tiles
+        assert cut == (tiles[0],) * max(1, -(-n // tiles[0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_proven_row_tiles_give_every_row_the_bits_of_one_row_tile(dtype):
+    """What engines serve with: whatever cut a batch gets, each row has the bits of ROW_TILE calls."""
+    row_tiles = selftest.proven_row_tiles((dtype,))
+    assert invariant.ROW_TILE in row_tiles.tiles(dtype)
+    gen = torch.Generator().manual_seed(3)
+    weight = invariant.matmul_layout(torch.randn(200, invariant.K_BLOCK + 40, generator=gen).to(dtype))
+    x = torch.randn(300, invariant.K_BLOCK + 40, generator=gen).to(dtype)
+    canonical = invariant.linear(x, weight)
+    for start, stop in ((0, 1), (7, 9), (3, 40), (10, 300), (0, 257)):
+        assert torch.equal(invariant.linear(x[start:stop], weight, row_tiles), canonical[start:stop]), (start, stop)
+
+
+def test_a_row_tile_that_changes_the_bits_is_not_proven_and_engines_do_not_cut_into_it(monkeypatch):
+    tile_linear = invariant._tile_linear
+    monkeypatch.setattr(invariant, "_tile_linear",
+                        lambda rows, w: tile_linear(rows, w) * (1 + (rows.shape[0] == 8) * 2.0 ** -20))
+    tiles = selftest.proven_row_tiles((torch.float32,)).tiles(torch.float32)
+    assert 8 not in tiles and invariant.ROW_TILE in tiles
+    LLM("preset:tiny", max_model_len=64)
+    key = f"float32, {torch.get_num_threads()} threads"
+    assert environment_fingerprint()["torch_cpu"]["selftest"][key]["row_tiles"] == list(tiles)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import kernels
 from kernels import fast, invariant
@@ -55,3 +56,14 @@ def test_unknown_mode_is_refused():
         kernels.bind("exact", "cpu")
     with pytest.raises(AttributeError, match="no attribute 'matmul'"):
         kernels.bind("fast", "cpu").matmul  # noqa: B018
+
+
+def test_row_tiles_bind_a_table_whose_matmuls_cut_batches_into_them():
+    tiles = invariant.RowTiles(((torch.float32, (2, invariant.ROW_TILE)),))
+    ops = kernels.bind("batch_invariant", "cpu", tiles)
+    assert ops.row_tiles is tiles and ops.linear.keywords == {"row_tiles": tiles}
+    assert ops.moe_experts.keywords["matmul"] is ops.linear and ops.grouped_linear.keywords == {"row_tiles": tiles}
+    assert kernels.bind("batch_invariant", "cpu").row_tiles is invariant.CANONICAL
+    with pytest.raises(ValueError) as refused:
+        kernels.bind("fast", "cpu", tiles)
+    assert str(refused.value) == "row tiles are a batch-invariant CPU setting, not one of fast on cpu"

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 import kernels
-from kernels.cpu_isa import CpuIsaError, check_cpu_isa
-from kernels.selftest import CpuInvarianceError, check_cpu_invariance
+from kernels.cpu_isa import CpuIsaError
+from kernels.selftest import CpuInvarianceError, checked_cpu_ops
 from deepinfer.checkpoint import CheckpointError, default_checkpoint, load_checkpoint, preset_config
 from deepinfer.checkpoint.layout import weight_dtype_name
 from deepinfer.checkpoint.layout_v41 import is_draft_tensor
@@ -111,14 +111,13 @@ class LLM:
             config = EngineConfig.from_dict(settings, where="LLM")
         self.device, self.dtype = config.torch_device, config.torch_dtype
         self.numerics = config.numerics
-        ops = kernels.bind(config.numerics, self.device)
         if config.numerics == "batch_invariant" and self.device.type == "cpu":
             try:
-                if self.dtype != torch.float32:
-                    check_cpu_isa()  # oneDNN's AMX kernels would make bf16 rows depend on the batch
-                check_cpu_invariance(ops, self.dtype)  # the primitives, measured on this CPU
+                ops = checked_cpu_ops(self.dtype)  # the primitives, measured on this CPU
             except (CpuIsaError, CpuInvarianceError) as err:
                 raise DeepInferError(str(err)) from None
+        else:
+            ops = kernels.bind(config.numerics, self.device)
         self.layout = start_layout(config.expert_parallel, config.data_parallel, config.context_parallel, self.device)
         quantized_as = self.dtype if config.keeps_weights_quantized else None
         self.weight_storage = "quantized" if quantized_as is not None else "decoded"
