@@ -188,7 +188,7 @@ def main() -> None:
                "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
                "cpu": cpu_model(), "cpu_vendor": cpu_vendor(), "mkl": mkl_path(), "dtype": args.dtype,
                "row_tile": invariant.ROW_TILE,
-               "proven_row_tiles": list(proven_row_tiles((getattr(torch, args.dtype),)).tiles(getattr(torch, args.dtype))),
+               "proven_row_tiles": list(proven_row_tiles((getattr(torch, args.dtype),)).candidates[getattr(torch, args.dtype)]),
                "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                "repeats": args.repeats, "tiles": tile_sweep(getattr(torch, args.dtype)), "runs": []}
     settings = dict(max_num_seqs=max(BATCHES), max_num_batched_tokens=2048, dtype=args.dtype)

@@ -61,7 +61,7 @@ for dtype in ("float32", "bfloat16"):
     bf16_problem = cpu_isa.isa_problem(cpu_isa.onednn_state()) if dtype == "bfloat16" else None
     entry["refused"] = bf16_problem
     tiles = selftest.proven_row_tiles((torch.float32, getattr(torch, dtype)))
-    entry["row_tiles"] = list(tiles.tiles(getattr(torch, dtype)))
+    entry["row_tiles"] = list(tiles.candidates[getattr(torch, dtype)])
     entry["variant"] = selftest.variant_primitives(kernels.bind("batch_invariant", "cpu", tiles), getattr(torch, dtype))
     if bf16_problem or entry["variant"]:
         continue
@@ -70,6 +70,7 @@ for dtype in ("float32", "bfloat16"):
     together = llm.generate(prompts, params)
     entry["batch_invariant"] = digest(alone) == digest(together[:2])
     entry["bits"] = digest(together)
+    entry["row_tiles_by_shape"] = selftest.results()[dtype + ", {threads} threads"]["row_tiles_by_shape"]
 print(json.dumps(report))
 """
 

@@ -77,7 +77,7 @@ def _complete(table: dict) -> dict:
 def _table(numerics: str, device_type: str, row_tiles: invariant.RowTiles) -> dict:
     base = fast if numerics == "fast" else invariant
     table = {name: getattr(base, name) for name in _PRIMITIVES}
-    if row_tiles != invariant.CANONICAL:
+    if row_tiles is not invariant.CANONICAL:
         table.update(linear=partial(invariant.linear, row_tiles=row_tiles),
                      grouped_linear=partial(invariant.grouped_linear, row_tiles=row_tiles))
     if numerics == "batch_invariant" and device_type == "cuda":  # Triton is imported only when CUDA needs it
@@ -95,11 +95,12 @@ def bind(numerics: str, device: torch.device | str, row_tiles: invariant.RowTile
     """The primitives of a numerics mode on `device`'s type (CUDA, or CPU for anything else).
 
     `row_tiles` (batch-invariant CPU tables only) are the row tiles the start self-test proved on this
-    machine (`kernels.selftest.proven_row_tiles`): `linear` may cut a batch into them."""
+    machine (`kernels.selftest.proven_row_tiles`): `linear` may cut a batch into those of them proven
+    again on each weight."""
     if numerics not in NUMERICS:
         raise ValueError(f"unknown numerics mode {numerics!r} (expected one of {', '.join(NUMERICS)})")
     device_type = "cuda" if torch.device(device).type == "cuda" else "cpu"
-    if row_tiles != invariant.CANONICAL and (numerics, device_type) != ("batch_invariant", "cpu"):
+    if row_tiles is not invariant.CANONICAL and (numerics, device_type) != ("batch_invariant", "cpu"):
         raise ValueError(f"row tiles are a batch-invariant CPU setting, not one of {numerics} on {device_type}")
     key = (numerics, device_type, row_tiles)
     if key not in _bound:

@@ -39,7 +39,7 @@ in its tile and at any thread count, that calls of the other proven row tiles co
 ROW_TILE call does, and that PyTorch's own row-wise kernels (norms, softmax,
 Sinkhorn's sums, rotary, the pointwise loops) reduce a row by its length alone. Measured on an AMD
 EPYC Zen 5 (AVX-512 with bf16, no AMX; MKL 2024.2's non-Intel path, oneDNN 3.12, 1 to 16 threads),
-an AMD EPYC Zen 3 (AVX2 only, 2 threads) and an Intel Xeon with AMX (torch 2.11: MKL 2024.2's
+an AMD EPYC Zen 4 (the same, 2 threads), an AMD EPYC Zen 3 (AVX2 only, 2 threads) and an Intel Xeon with AMX (torch 2.11: MKL 2024.2's
 AVX-512 path, oneDNN 3.10, 1 to 16 threads), each under the library paths of harness/cpu_paths.py
 (benchmarks/results/cpu_invariance_paths*.json). What the fixed shapes replaced: calls of
 up to 256 rows with one row paired with a copy of itself, which were invariant on Intel's AVX-512
@@ -67,12 +67,11 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_isa import check_cpu_isa  # noqa: F401  (importing it caps oneDNN below AMX)
+from kernels.cpu_isa import check_cpu_isa, cpu_threads  # noqa: F401  (importing it caps oneDNN below AMX)
 from kernels.fast import (  # noqa: F401  (re-exported: already row-invariant)
     log_softmax,
     rms_norm,
@@ -153,19 +152,50 @@ def _column_major(weight: torch.Tensor) -> bool:
     return weight.stride(-2) == 1 and weight.stride(-1) >= weight.shape[-2]
 
 
-@dataclass(frozen=True)
 class RowTiles:
-    """The row tiles `linear` may cut a batch into, per weight dtype: ROW_TILE alone unless the start
-    self-test proved more on this machine (`kernels.selftest.proven_row_tiles`). Whatever the cut, a
-    row's bits are those of a ROW_TILE call: that is what the proof checks."""
+    """The row tiles `linear` may cut a batch into. Per weight dtype, the candidates the start self-test
+    proved on its probe weights (`kernels.selftest.proven_row_tiles`); per weight shape and thread
+    count, those of them proven again on the weight itself at its first call (`proven_tiles`), since
+    the kernel a library runs depends on the call's shape (on a Xeon, oneDNN's AVX2 code passed the
+    probes with tiles that changed a tiny model's bits). ROW_TILE alone where nothing was proven;
+    whatever the cut, a row's bits are those of ROW_TILE calls: that is what each proof checks."""
 
-    by_dtype: tuple[tuple[torch.dtype, tuple[int, ...]], ...] = ()
+    def __init__(self, candidates: dict[torch.dtype, tuple[int, ...]] | None = None) -> None:
+        self.candidates = dict(candidates or {})
+        self.by_shape: dict[tuple[torch.dtype, int, int, int], tuple[int, ...]] = {}
 
-    def tiles(self, dtype: torch.dtype) -> tuple[int, ...]:
-        return next((tiles for proven, tiles in self.by_dtype if proven == dtype), (ROW_TILE,))
+    def tiles(self, weight: torch.Tensor) -> tuple[int, ...]:
+        candidates = self.candidates.get(weight.dtype, (ROW_TILE,))
+        if candidates == (ROW_TILE,):
+            return candidates
+        key = (weight.dtype, weight.shape[0], weight.shape[1], torch.get_num_threads())
+        if key not in self.by_shape:
+            self.by_shape[key] = proven_tiles(weight, candidates)
+        return self.by_shape[key]
 
 
 CANONICAL = RowTiles()
+
+
+def proven_tiles(weight: torch.Tensor, candidates: tuple[int, ...]) -> tuple[int, ...]:
+    """The tiles of `candidates` whose calls give every row of `x @ weight.T` the bits of ROW_TILE
+    calls on this machine (ROW_TILE itself always): seeded batches starting at three places in a
+    tile, each ending in a padded partial one, at the current thread count and at one thread."""
+    gen = torch.Generator().manual_seed(0)
+    proven = []
+    for tile in candidates:
+        if tile != ROW_TILE:
+            x = torch.randn(2 * tile + 3, weight.shape[1], generator=gen).to(weight.dtype)
+            canonical = _cut_linear(x, weight, (ROW_TILE,))
+            if not all(torch.equal(_cut_linear(x[start:], weight, (tile,)), canonical[start:])
+                       for start in (0, 1, tile // 2 + 1)):
+                continue
+            if torch.get_num_threads() > 1:
+                with cpu_threads(1):
+                    if not torch.equal(_cut_linear(x, weight, (tile,)), canonical):
+                        continue
+        proven.append(tile)
+    return tuple(proven)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -191,8 +221,8 @@ def _cover(rows: int, tiles: tuple[int, ...]) -> tuple[int, ...]:
 def linear(x: torch.Tensor, weight: torch.Tensor, row_tiles: RowTiles = CANONICAL) -> torch.Tensor:
     """`x @ weight.T`; a row's bits depend only on that row (see the module docstring): the rows are
     padded to whole tiles (`cut_rows`) and every library call is one tile against one K block, so the
-    calls a weight makes have one shape per tile size, whatever the batch, and every tile size in
-    `row_tiles` was proven to give a row the bits of a ROW_TILE call.
+    calls a weight makes have one shape per tile size, whatever the batch, and every tile size
+    `row_tiles` allows for the weight was proven to give a row the bits of a ROW_TILE call.
 
     A weight that is not in `matmul_layout` is converted on every call: load weights through it.
     (Decode calls are small, so this avoids every torch op it can: each costs microseconds.)
@@ -201,18 +231,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, row_tiles: RowTiles = CANONICA
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if rows.dtype != weight.dtype:
         rows = rows.to(weight.dtype)
+    out = _cut_linear(rows, weight, row_tiles.tiles(weight))
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _cut_linear(rows: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, ...]) -> torch.Tensor:
+    """rows [n, K] (in the weight's dtype) @ weight.T, one `_tile_linear` call per tile of the cut."""
     n = rows.shape[0]
-    tiles = cut_rows(n, row_tiles.tiles(weight.dtype))
-    if sum(tiles) != n:
-        rows = F.pad(rows, (0, 0, 0, sum(tiles) - n))
-    if len(tiles) == 1:
+    cut = cut_rows(n, tiles)
+    if sum(cut) != n:
+        rows = F.pad(rows, (0, 0, 0, sum(cut) - n))
+    if len(cut) == 1:
         out = _tile_linear(rows, weight)
     else:
-        starts = itertools.accumulate(tiles, initial=0)
-        out = torch.cat([_tile_linear(rows[start:start + tile], weight) for start, tile in zip(starts, tiles)])
-    if out.shape[0] != n:
-        out = out[:n]
-    return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.shape[0])
+        starts = itertools.accumulate(cut, initial=0)
+        out = torch.cat([_tile_linear(rows[start:start + tile], weight) for start, tile in zip(starts, cut)])
+    return out[:n] if out.shape[0] != n else out
 
 
 def _library_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,7 @@ def test_unknown_mode_is_refused():
 
 
 def test_row_tiles_bind_a_table_whose_matmuls_cut_batches_into_them():
-    tiles = invariant.RowTiles(((torch.float32, (2, invariant.ROW_TILE)),))
+    tiles = invariant.RowTiles({torch.float32: (2, invariant.ROW_TILE)})
     ops = kernels.bind("batch_invariant", "cpu", tiles)
     assert ops.row_tiles is tiles and ops.linear.keywords == {"row_tiles": tiles}
     assert ops.moe_experts.keywords["matmul"] is ops.linear and ops.grouped_linear.keywords == {"row_tiles": tiles}
