@@ -218,7 +218,7 @@ def _cover(rows: int, tiles: tuple[int, ...]) -> tuple[int, ...]:
 
 
 @accepts_quantized
-def linear(x: torch.Tensor, weight: torch.Tensor, row_tiles: RowTiles = CANONICAL) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, *, row_tiles: RowTiles = CANONICAL) -> torch.Tensor:
     """`x @ weight.T`; a row's bits depend only on that row (see the module docstring): the rows are
     padded to whole tiles (`cut_rows`) and every library call is one tile against one K block, so the
     calls a weight makes have one shape per tile size, whatever the batch, and every tile size
@@ -332,12 +332,13 @@ def window_pool(kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor) -> tor
 
 
 @accepts_quantized
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int, row_tiles: RowTiles = CANONICAL) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int, *,
+                   row_tiles: RowTiles = CANONICAL) -> torch.Tensor:
     """Block-diagonal projection: x [T, G, Din], weight [G * Dout, Din] -> [T, G, Dout]."""
     per_group = weight.view(groups, -1, weight.shape[-1])
     if _column_major(weight) and weight.shape[0] != per_group.shape[1]:
         per_group = per_group.mT.contiguous().mT  # each group's own column-major matrix, as oneDNN reads it
-    return torch.stack([linear(x[:, g], per_group[g], row_tiles) for g in range(groups)], dim=1)
+    return torch.stack([linear(x[:, g], per_group[g], row_tiles=row_tiles) for g in range(groups)], dim=1)
 
 
 def _key_blocks(keys: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

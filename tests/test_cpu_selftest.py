@@ -142,7 +142,7 @@ def test_every_library_call_of_a_weight_has_one_shape_per_row_tile(monkeypatch):
         tiles = ladder.tiles(weight)  # proven on the weight at its first call
         for rows in (1, 5, 32, 33, 600):
             shapes.clear()
-            invariant.linear(torch.randn(rows, width).to(dtype), weight, ladder)
+            invariant.linear(torch.randn(rows, width).to(dtype), weight, row_tiles=ladder)
             cut = set(invariant.cut_rows(rows, tiles))
             assert {shape[0][0] for shape in shapes} == cut and len(shapes) == calls * len(cut), shapes
     shapes.clear()
@@ -175,7 +175,7 @@ def test_the_proven_row_tiles_give_every_row_the_bits_of_one_row_tile(dtype):
     x = torch.randn(300, invariant.K_BLOCK + 40, generator=gen).to(dtype)
     canonical = invariant.linear(x, weight)
     for start, stop in ((0, 1), (7, 9), (3, 40), (10, 300), (0, 257)):
-        assert torch.equal(invariant.linear(x[start:stop], weight, row_tiles), canonical[start:stop]), (start, stop)
+        assert torch.equal(invariant.linear(x[start:stop], weight, row_tiles=row_tiles), canonical[start:stop]), (start, stop)
 
 
 def test_a_row_tile_that_changes_the_bits_is_not_proven_and_engines_do_not_cut_into_it(monkeypatch):
@@ -204,4 +204,4 @@ def test_a_tile_that_changes_the_bits_of_one_weight_shape_only_is_not_used_for_i
     x = torch.randn(30, 72, generator=gen)
     for weight in (odd, usual):
         canonical = invariant.linear(x, weight)
-        assert all(torch.equal(invariant.linear(x[i:i + 1], weight, row_tiles), canonical[i:i + 1]) for i in range(30))
+        assert all(torch.equal(invariant.linear(x[i:i + 1], weight, row_tiles=row_tiles), canonical[i:i + 1]) for i in range(30))
