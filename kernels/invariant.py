@@ -12,8 +12,8 @@ batch-dependent choice to make:
   bits are those of a call of `ROW_TILE` rows ([ROW_TILE, K_BLOCK] x [K_BLOCK, N]), the same for a
   lone decode row as for a 2,048-token prefill. Cutting every batch into ROW_TILE rows costs a lone
   row 24 rows of work and a prefill many small calls, so batches are cut into other tiles of
-  `ROW_TILES` too (`cut_rows`), each only where the start self-test proved that its calls give
-  every row the bits of ROW_TILE calls (`RowTiles`); a tile that fails is not used, so the bits are
+  `ROW_TILES` too (`cut_rows`), each only where it was proven, at start and again on each weight,
+  to give every row the bits of ROW_TILE calls (`RowTiles`, fp32 only); a tile that fails is not used, so the bits are
   the same either way. fp32 calls go to oneDNN's inner product
   (its JIT kernels are chosen by instruction set, not vendor, and it takes the column-major weight
   `matmul_layout` stores without copying it); bf16 ones to F.linear, which PyTorch sends to oneDNN
@@ -86,8 +86,8 @@ from kernels.quant import QuantizedWeight, accepts_quantized
 # the row tile whose calls define a row's bits: a multiple of 8 and 24 (oneDNN 3.10's AVX2 fp32 gemm
 # on a Xeon gave rows of a 32-row tile other bits at other places in it; 16, 24, 48, 64 and 96 did not)
 ROW_TILE = 24
-# the tiles a batch's rows may be cut into instead, each only where the start self-test proves its
-# calls give every row ROW_TILE's bits (kernels/selftest.py): a lone decode row then costs a 2-row
+# the tiles a batch's rows may be cut into instead, each only where the start self-test and each
+# weight's first call prove its calls give every row ROW_TILE's bits (RowTiles): a lone decode row then costs a 2-row
 # call, 32 decode rows one call and a 2,048-token prefill 256-row ones (one row goes to another
 # kernel in oneDNN's AVX2 code; benchmarks/results/cpu_invariance_cost*.json has the cost)
 ROW_TILES = (2, 4, 8, 16, ROW_TILE, 32, 64, 128, 256)
