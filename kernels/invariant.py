@@ -87,10 +87,11 @@ from kernels.quant import QuantizedWeight, accepts_quantized
 # on a Xeon gave rows of a 32-row tile other bits at other places in it; 16, 24, 48, 64 and 96 did not)
 ROW_TILE = 24
 # the tiles a batch's rows may be cut into instead, each only where the start self-test and each
-# weight's first call prove its calls give every row ROW_TILE's bits (RowTiles): a lone decode row then costs a 2-row
-# call, 32 decode rows one call and a 2,048-token prefill 256-row ones (one row goes to another
-# kernel in oneDNN's AVX2 code; benchmarks/results/cpu_invariance_cost*.json has the cost)
-ROW_TILES = (2, 4, 8, 16, ROW_TILE, 32, 64, 128, 256)
+# weight's first call prove its calls give every row ROW_TILE's bits (RowTiles): a lone decode row then costs a 1-row
+# call (no padding) where oneDNN's AVX-512 code runs it and a 2-row one under its AVX2 code (which
+# sends one row to another kernel, so the proof rejects tile 1 there), 32 decode rows one call and a
+# 2,048-token prefill 256-row ones (benchmarks/results/cpu_invariance_cost*.json has the cost)
+ROW_TILES = (1, 2, 4, 8, 16, ROW_TILE, 32, 64, 128, 256)
 CALL_COST_ROWS = 12  # a call's fixed cost in rows of work (oneDNN fp32, 2 threads, N = 512 to 2,048)
 K_BLOCK = 512  # fp32 reduction width per matmul call (2048 let oneDNN split K over 8+ threads on a Xeon)
 KV_BLOCK = 64  # keys per attention / indexer score matrix
