@@ -92,7 +92,11 @@ ROW_TILE = 24
 # sends one row to another kernel, so the proof rejects tile 1 there), 32 decode rows one call and a
 # 2,048-token prefill 256-row ones (benchmarks/results/cpu_invariance_cost*.json has the cost)
 ROW_TILES = (1, 2, 4, 8, 16, ROW_TILE, 32, 64, 128, 256)
-CALL_COST_ROWS = 12  # a call's fixed cost in rows of work (oneDNN fp32, 2 threads, N = 512 to 2,048)
+# a call's fixed cost, in rows of its own work: CALL_COST_ROWS plus CALL_COST_MACS multiply-adds' worth
+# (oneDNN fp32, 2 threads, AMD EPYC Zen 4: ~23 us a call plus ~18 rows' streaming of its weight, at
+# ~1e-5 us a multiply-add), so a small weight's few rows are padded to one tile rather than cut in two
+CALL_COST_ROWS = 12
+CALL_COST_MACS = 2_000_000
 K_BLOCK = 512  # fp32 reduction width per matmul call (2048 let oneDNN split K over 8+ threads on a Xeon)
 KV_BLOCK = 64  # keys per attention / indexer score matrix
 MATRIX_BATCH = 16  # matrices per batched matmul call
@@ -199,20 +203,25 @@ def proven_tiles(weight: torch.Tensor, candidates: tuple[int, ...]) -> tuple[int
     return tuple(proven)
 
 
-@functools.lru_cache(maxsize=4096)
-def cut_rows(n: int, tiles: tuple[int, ...]) -> tuple[int, ...]:
+def call_cost_rows(weight: torch.Tensor) -> int:
+    """A library call's fixed cost against `weight` ([N, K]), in rows of that call's work."""
+    return CALL_COST_ROWS + CALL_COST_MACS // (min(weight.shape[1], K_BLOCK) * max(weight.shape[0], 1))
+
+
+@functools.lru_cache(maxsize=8192)
+def cut_rows(n: int, tiles: tuple[int, ...], call_cost: int = CALL_COST_ROWS) -> tuple[int, ...]:
     """The tile sizes (largest first) `linear` cuts n rows into: whole tiles of the largest, the rest
-    covered at the least estimated cost (each call costs its rows plus CALL_COST_ROWS), padding the
+    covered at the least estimated cost (each call costs its rows plus `call_cost`), padding the
     last one. n = 0 still makes one call of the smallest tile."""
     largest = max(tiles)
-    return (largest,) * (n // largest) + _cover(n % largest if n else 1, tuple(sorted(tiles)))
+    return (largest,) * (n // largest) + _cover(n % largest if n else 1, tuple(sorted(tiles)), call_cost)
 
 
-@functools.lru_cache(maxsize=256)
-def _cover(rows: int, tiles: tuple[int, ...]) -> tuple[int, ...]:
+@functools.lru_cache(maxsize=8192)
+def _cover(rows: int, tiles: tuple[int, ...], call_cost: int) -> tuple[int, ...]:
     best: list[tuple[int, tuple[int, ...]]] = [(0, ())]
     for covered in range(1, rows + 1):
-        best.append(min((best[max(0, covered - tile)][0] + tile + CALL_COST_ROWS,
+        best.append(min((best[max(0, covered - tile)][0] + tile + call_cost,
                          tuple(sorted(best[max(0, covered - tile)][1] + (tile,), reverse=True)))
                         for tile in tiles))
     return best[rows][1]
@@ -239,7 +248,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, row_tiles: RowTiles = CANON
 def _cut_linear(rows: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, ...]) -> torch.Tensor:
     """rows [n, K] (in the weight's dtype) @ weight.T, one `_tile_linear` call per tile of the cut."""
     n = rows.shape[0]
-    cut = cut_rows(n, tiles)
+    cut = cut_rows(n, tiles, call_cost_rows(weight))
     if sum(cut) != n:
         rows = F.pad(rows, (0, 0, 0, sum(cut) - n))
     if len(cut) == 1:

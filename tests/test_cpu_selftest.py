@@ -143,7 +143,7 @@ def test_every_library_call_of_a_weight_has_one_shape_per_row_tile(monkeypatch):
         for rows in (1, 5, 32, 33, 600):
             shapes.clear()
             invariant.linear(torch.randn(rows, width).to(dtype), weight, row_tiles=ladder)
-            cut = set(invariant.cut_rows(rows, tiles))
+            cut = set(invariant.cut_rows(rows, tiles, invariant.call_cost_rows(weight)))
             assert {shape[0][0] for shape in shapes} == cut and len(shapes) == calls * len(cut), shapes
     shapes.clear()
     for tokens, keys in ((1, 3), (1, 64), (7, 65), (40, 300)):
@@ -153,14 +153,15 @@ def test_every_library_call_of_a_weight_has_one_shape_per_row_tile(monkeypatch):
     assert len(shapes) == 2, shapes  # scores and values: one shape and one layout each (MKL's kernels differ by both)
 
 
-@given(st.integers(0, 3000), st.sets(st.sampled_from(invariant.ROW_TILES), min_size=1))
-def test_rows_are_cut_into_whole_tiles_of_the_allowed_sizes(n, allowed):
+@given(st.integers(0, 3000), st.sets(st.sampled_from(invariant.ROW_TILES), min_size=1), st.integers(0, 400))
+def test_rows_are_cut_into_whole_tiles_of_the_allowed_sizes(n, allowed, call_cost):
     tiles = tuple(sorted(allowed))
-    cut = invariant.cut_rows(n, tiles)
+    cut = invariant.cut_rows(n, tiles, call_cost)
     assert set(cut) <= allowed and list(cut) == sorted(cut, reverse=True)
     assert cut.count(max(tiles)) >= n // max(tiles) and n <= sum(cut) < max(n, 1) + max(tiles)
     if len(tiles) == 1:  # one tile: the rows padded to the fewest whole tiles
         assert cut == (tiles[0],) * max(1, -(-n // tiles[0]))
+    assert len(invariant.cut_rows(n, tiles, call_cost + 50)) <= len(cut)  # dearer calls: never more of them
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
