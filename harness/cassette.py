@@ -2,9 +2,10 @@
 
 A cassette is JSONL, editable by hand. Line 1 is the header:
 
-    {"format": "deepinfer-cassette/1", "mode": "teacher-forced" | "free-running", "run_seed": 0,
+    {"format": "deepinfer-cassette/2", "mode": "teacher-forced" | "free-running", "run_seed": 0,
      "traces": {"path": ..., "content_hash": ...}, "errors": [{"line": N, "message": ...}],
-     "prefill": {"prompt_tokens": ..., "unique_tokens": ...}, "manifest": {...}}
+     "prefill": {"prompt_tokens": ..., "unique_tokens": ...}, "manifest": {...},
+     "seal": {"algorithm": "sha256", "header": {field: digest}, "entries": [digest, ...]}}
 
 `manifest` is the audit run manifest of the recording engine (checkpoint content hash, engine
 configuration, hardware and software, git state); `errors` are the trace file's malformed lines. Each
@@ -12,16 +13,25 @@ other line is one episode of the trace file in its canonical Chat Completions fo
 per turn the token ids, fp32 logprobs, top-2 logprobs, finish reason, text, parsed message and stream
 hashes, and the episode's outcome. Verifying replays every episode from its inputs in the recorded mode
 and compares it with `recorded`.
+
+`seal` holds the SHA-256 of each other header field (its canonical JSON) and of each episode line as
+written, so verifying names whatever changed after recording: a changed header field refuses the whole
+cassette (it says how to replay), a changed, added or missing episode line is reported as `altered` and
+the intact episodes still verify. It is a checksum, not a signature: an edit made on purpose is resealed
+with `sealed_lines`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from audit.files import atomic_write
+from audit.streams import canonical_json
 from deepinfer import LLM
 from deepinfer.errors import DeepInferError
 from harness.replay import (
@@ -40,8 +50,14 @@ from harness.suites import file_hash
 from harness.sweep import Variant, variant_from_dict
 from harness.traces import Episode, Recording, TraceError, load_traces, parse_trace_lines
 
-CASSETTE_FORMAT = "deepinfer-cassette/1"
-_HEADER_KEYS = {"format", "mode", "run_seed", "traces", "errors", "prefill", "manifest"}
+CASSETTE_FORMAT = "deepinfer-cassette/2"
+_UNSEALED_FORMAT = "deepinfer-cassette/1"
+_HEADER_KEYS = {"format", "mode", "run_seed", "traces", "errors", "prefill", "manifest", "seal"}
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+class AlteredCassette(DeepInferError):
+    """The cassette's header, or its seal, changed after recording: nothing in it can be trusted."""
 
 
 @dataclass
@@ -75,6 +91,7 @@ class Cassette:
     header: dict
     episodes: list[Episode]
     errors: list[TraceError]  # lines of the cassette itself that do not parse
+    altered: list[TraceError]  # episode lines changed, added or missing since recording (line 0: missing)
 
     @property
     def mode(self) -> str:
@@ -106,8 +123,8 @@ def record_cassette(llm: LLM, traces: str | Path, out: str | Path, *, mode: str,
             run_seed=run_seed, variant=variant.to_dict(),
         ),
     }
-    lines = [_json_line(header)] + [_json_line(e.to_json()) for e in recorded]
-    atomic_write(out, "".join(lines).encode("utf-8"))
+    lines = sealed_lines(header, [_json_line(e.to_json()).rstrip("\n") for e in recorded])
+    atomic_write(out, "".join(line + "\n" for line in lines).encode("utf-8"))
     ordered = sorted([(e.line, r) for e, r in zip(episodes, results)] + [(e.line, _malformed(e)) for e in errors],
                      key=lambda item: item[0])
     return ReplayReport(mode, [r for _, r in ordered], cost, hits)
@@ -131,8 +148,46 @@ def read_cassette(path: str | Path) -> Cassette:
     except UnicodeDecodeError:
         raise DeepInferError(f"{path}: not UTF-8 text") from None
     header = _header(lines[0] if lines else "", path)
-    episodes, errors = parse_trace_lines(str(path), list(enumerate(lines, start=1))[1:])
-    return Cassette(path, header, episodes, errors)
+    intact, altered = _check_seal(header["seal"], list(enumerate(lines, start=1))[1:], path)
+    episodes, errors = parse_trace_lines(str(path), intact)
+    return Cassette(path, header, episodes, errors, altered)
+
+
+def sealed_lines(header: dict, entries: list[str]) -> list[str]:
+    """The cassette's lines (without newlines): `header` with the seal over its fields and over
+    `entries`, the episode lines as they will be written, then the entries."""
+    fields = {key: value for key, value in header.items() if key != "seal"}
+    seal = {"algorithm": "sha256", "header": _field_digests(fields), "entries": [_digest(line) for line in entries]}
+    return [_json_line({**fields, "seal": seal}).rstrip("\n"), *entries]
+
+
+def _digest(line: str) -> str:
+    return hashlib.sha256(line.encode("utf-8")).hexdigest()
+
+
+def _field_digests(fields: dict) -> dict[str, str]:
+    return {key: hashlib.sha256(canonical_json(value)).hexdigest() for key, value in fields.items()}
+
+
+def _check_seal(seal: dict, lines: list[tuple[int, str]], path: Path
+                ) -> tuple[list[tuple[int, str]], list[TraceError]]:
+    """The episode lines that are as recorded, and one error per line changed or added since, plus
+    one (line 0) when recorded lines are missing from the end."""
+    recorded = seal["entries"]
+    intact, altered = [], []
+    for number, line in lines:
+        position = number - 2
+        if position < len(recorded) and _digest(line) == recorded[position]:
+            intact.append((number, line))
+            continue
+        problem = ("changed after recording (the seal does not match)" if position < len(recorded) else
+                   f"added after recording (the seal has {len(recorded)} episode lines)")
+        altered.append(TraceError(number, f"{path}:{number}: {problem}", problem))
+    if len(lines) < len(recorded):
+        problem = (f"{len(recorded) - len(lines)} of the {len(recorded)} recorded episode line(s) missing "
+                   f"after line {len(lines) + 1} (cut off or removed)")
+        altered.append(TraceError(0, f"{path}: {problem}", problem))
+    return intact, altered
 
 
 def verify_cassette(llm: LLM, cassette: Cassette) -> ReplayReport:
@@ -145,6 +200,9 @@ def verify_cassette(llm: LLM, cassette: Cassette) -> ReplayReport:
     runs, hits = _replay_counting_hits(llm, cassette.episodes, cassette.mode, cassette.header["run_seed"])
     found = [(e.line, _verify_episode(run, llm)) for e, run in zip(cassette.episodes, runs)]
     found += [(e.line, EpisodeResult(f"line-{e.line}", "error", detail=e.message)) for e in cassette.errors]
+    found += [(e.line or len(cassette.header["seal"]["entries"]) + 2,
+               EpisodeResult(f"line-{e.line}" if e.line else "missing", "altered", detail=e.message))
+              for e in cassette.altered]
     malformed = [EpisodeResult(f"line-{e['line']}", "malformed", detail=e["message"])
                  for e in cassette.header["errors"]]
     return ReplayReport(cassette.mode, malformed + [r for _, r in sorted(found, key=lambda item: item[0])],
@@ -185,8 +243,22 @@ def _header(line: str, path: Path) -> dict:
         header = json.loads(line)
     except json.JSONDecodeError:
         header = None
+    if isinstance(header, dict) and header.get("format") == _UNSEALED_FORMAT:
+        raise DeepInferError(f"{path}:1: a {_UNSEALED_FORMAT} cassette is not sealed against changes: "
+                             "record it again with `deepinfer audit replay record`")
     if not isinstance(header, dict) or header.get("format") != CASSETTE_FORMAT:
         raise DeepInferError(f"{path}:1: not a cassette (the first line must be a {CASSETTE_FORMAT} header)")
+    seal = header.get("seal")
+    if not (isinstance(seal, dict) and set(seal) == {"algorithm", "header", "entries"}
+            and seal["algorithm"] == "sha256" and isinstance(seal["header"], dict)
+            and all(isinstance(d, str) and _DIGEST.fullmatch(d) for d in seal["header"].values())
+            and isinstance(seal["entries"], list)
+            and all(isinstance(d, str) and _DIGEST.fullmatch(d) for d in seal["entries"])):
+        raise AlteredCassette(f"{path}:1: seal: missing or malformed (the cassette cannot be checked for changes)")
+    digests = _field_digests({key: value for key, value in header.items() if key != "seal"})
+    changed = sorted(key for key in set(digests) | set(seal["header"]) if digests.get(key) != seal["header"].get(key))
+    if changed:
+        raise AlteredCassette(f"{path}:1: header {', '.join(changed)} changed after recording (the seal does not match)")
     if set(header) != _HEADER_KEYS:
         raise DeepInferError(f"{path}:1: header keys must be {', '.join(sorted(_HEADER_KEYS))}")
     if header["mode"] not in MODES:

@@ -40,7 +40,7 @@ from harness.suite_base import generated_fields
 from harness.traces import Episode, RecordedTurn, Recording, ToolResult, canonical_arguments, turn_request_id
 
 MODES = ("teacher-forced", "free-running")
-STATUSES = ("identical", "completed", "diverged", "unrecorded_call", "error", "malformed")
+STATUSES = ("identical", "completed", "diverged", "unrecorded_call", "error", "malformed", "altered")
 _COMPARED_COLUMNS = ("index", "request_id", "prompt_token_ids", "token_ids", "logprobs", "top_token_ids",
                      "top_logprobs", "finish_reason", "error_kind", "error")
 

@@ -45,8 +45,10 @@ def add_replay_commands(audit_commands: argparse._SubParsersAction) -> None:
     verify = sub.add_parser(
         "verify", help="replay a cassette and compare it with its recording",
         description="Replay the cassette's episodes in its mode and report, per episode, identical or the first "
-                    "turn, token and top-2 margin where the replay diverged. Exit 0 when every episode is "
-                    "identical, 1 otherwise. Progress goes to stderr as for record.")
+                    "turn, token and top-2 margin where the replay diverged. The cassette's seal is checked "
+                    "first: a header changed since recording refuses the cassette, a changed, added or missing "
+                    "episode line is reported as altered (the intact episodes still verify). Exit 0 when every "
+                    "episode is identical, 1 otherwise. Progress goes to stderr as for record.")
     verify.add_argument("cassette", help="a cassette written by `replay record`")
     verify.add_argument("--model", help="checkpoint folder (default: the path the cassette records)")
     verify.add_argument("--device", help="replay on this device instead of the recorded one")
@@ -80,9 +82,13 @@ def _cmd_record(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from harness.cassette import cassette_engine, read_cassette, verify_cassette
+    from harness.cassette import AlteredCassette, cassette_engine, read_cassette, verify_cassette
 
-    cassette = read_cassette(Path(args.cassette))
+    try:
+        cassette = read_cassette(Path(args.cassette))
+    except AlteredCassette as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_DIFFERENT
     llm = cassette_engine(cassette, args.model, device=args.device, dtype=args.dtype, numerics=args.numerics)
     report = verify_cassette(llm, cassette)
     for result in report.results:

@@ -27,7 +27,7 @@ from deepinfer.recipe.tokenizer import (
     TOOL_SEP,
     TextTokenizer,
 )
-from harness.cassette import read_cassette, record_cassette, verify_cassette
+from harness.cassette import AlteredCassette, read_cassette, record_cassette, sealed_lines, verify_cassette
 from harness.replay import EpisodeRun, ToolStub, TurnRun, free_running, prefill_cost, teacher_forced
 from harness.replay_cli import add_replay_commands
 from harness.sweep import Variant
@@ -68,14 +68,16 @@ def write_lines(path: Path, rows: list) -> Path:
     return path
 
 
-def edit_cassette(path: Path, edits: dict) -> None:
-    """Apply `edits[episode id](line)` to the cassette lines in place."""
+def edit_cassette(path: Path, edits: dict, *, reseal: bool = True) -> None:
+    """Apply `edits[episode id](line)` to the cassette lines in place, resealed (an edit made on
+    purpose, to see how verify compares it) unless `reseal` is False (tampering)."""
     lines = path.read_text(encoding="utf-8").splitlines()
-    out = [lines[0]]
+    out = []
     for text in lines[1:]:
         line = json.loads(text)
         edits.get(line["id"], lambda _: None)(line)
         out.append(json.dumps(line, ensure_ascii=False))
+    out = sealed_lines(json.loads(lines[0]), out) if reseal else [lines[0], *out]
     path.write_text("\n".join(out) + "\n", encoding="utf-8")
 
 
@@ -107,9 +109,9 @@ def test_shipped_sample_replays_in_both_modes_and_verifies(llm, tmp_path) -> Non
 
     verified = verify_cassette(llm, read_cassette(cassettes["free-running"]))
     assert {r.status for r in verified.results} == {"identical"} and len(verified.results) == len(episodes)
-    # teacher-forced verification of a few episodes keeps the test short; the cassette is cut after line 4
+    # teacher-forced verification of a few episodes keeps the test short: the cassette cut after line 4, resealed
     lines = cassettes["teacher-forced"].read_text(encoding="utf-8").splitlines()
-    write_lines(tmp_path / "head.jsonl", lines[:4])
+    write_lines(tmp_path / "head.jsonl", sealed_lines(json.loads(lines[0]), lines[1:4]))
     verified = verify_cassette(llm, read_cassette(tmp_path / "head.jsonl"))
     assert [r.describe() for r in verified.results] == [
         f"{e.episode_id}: identical ({e.turns} turn(s) reproduced bit for bit)" for e in episodes[:3]
@@ -167,12 +169,76 @@ def test_a_damaged_cassette_line_is_an_error_and_the_rest_verifies(llm, tmp_path
     cassette = tmp_path / "c.jsonl"
     record_cassette(llm, traces, cassette, mode="free-running", variant=VARIANT)
     lines = cassette.read_text(encoding="utf-8").splitlines()
-    lines[1] = lines[1].replace('"turn": 1', '"turn": 2')
-    write_lines(cassette, lines)
+    header, entries = json.loads(lines[0]), lines[1:]
+    entries[0] = entries[0].replace('"turn": 1', '"turn": 2')
+    write_lines(cassette, sealed_lines(header, entries))  # resealed: the line is checked as a recording
     results = verify_cassette(llm, read_cassette(cassette)).results
     assert [r.describe() for r in results] == [
         f"line-2: error: {cassette}:2: recorded.turns[0].turn: expected 1, got 2",
         "b: identical (1 turn(s) reproduced bit for bit)",
+    ]
+
+
+@pytest.fixture(scope="module")
+def sealed(llm, tmp_path_factory) -> tuple[Path, list[str]]:
+    """A free-running cassette of episodes a and b, and its lines."""
+    folder = tmp_path_factory.mktemp("sealed")
+    cassette = folder / "c.jsonl"
+    record_cassette(llm, write_lines(folder / "t.jsonl", [episode("a"), episode("b")]), cassette,
+                    mode="free-running", variant=VARIANT)
+    return cassette, cassette.read_text(encoding="utf-8").splitlines()
+
+
+def tampered(sealed, tmp_path: Path, lines: list[str], ending: str = "\n") -> Path:
+    path = tmp_path / "tampered.jsonl"
+    path.write_text("\n".join(lines) + ending, encoding="utf-8")
+    return path
+
+
+def test_a_byte_changed_in_a_recorded_message_is_reported_and_the_rest_verifies(llm, sealed, tmp_path) -> None:
+    cassette, lines = sealed
+    assert "Rome is warmer." in lines[1]
+    path = tampered(sealed, tmp_path, [lines[0], lines[1].replace("Rome is warmer.", "Rome is warmes."), lines[2]])
+    report = verify_cassette(llm, read_cassette(path))
+    assert [r.describe() for r in report.results] == [
+        f"line-2: altered: {path}:2: changed after recording (the seal does not match)",
+        "b: identical (1 turn(s) reproduced bit for bit)",
+    ]
+    assert report.summary().splitlines()[0] == "2 entries (free-running): 1 identical, 1 altered"
+
+
+@pytest.mark.parametrize("field, old, new", [("manifest", '"engine_version": "', '"engine_version": "9'),
+                                             ("run_seed", '"run_seed": 0', '"run_seed": 1'),
+                                             ("seal", '"algorithm": "sha256"', '"algorithm": "md5"')])
+def test_a_changed_header_refuses_the_cassette(sealed, tmp_path, field, old, new) -> None:
+    _, lines = sealed
+    assert old in lines[0]
+    path = tampered(sealed, tmp_path, [lines[0].replace(old, new, 1), *lines[1:]])  # the header's own field first
+    expected = (f"{path}:1: seal: missing or malformed (the cassette cannot be checked for changes)" if field == "seal"
+                else f"{path}:1: header {field} changed after recording (the seal does not match)")
+    with pytest.raises(AlteredCassette) as caught:
+        read_cassette(path)
+    assert str(caught.value) == expected
+
+
+def test_a_cut_off_or_extended_cassette_names_the_lines(llm, sealed, tmp_path) -> None:
+    _, lines = sealed
+    path = tampered(sealed, tmp_path, [lines[0], lines[1], lines[2][: len(lines[2]) // 2]], ending="")
+    results = verify_cassette(llm, read_cassette(path)).results
+    assert [r.describe() for r in results] == [
+        "a: identical (1 turn(s) reproduced bit for bit)",
+        f"line-3: altered: {path}:3: changed after recording (the seal does not match)",
+    ]
+    path = tampered(sealed, tmp_path, lines[:2])
+    assert [r.describe() for r in verify_cassette(llm, read_cassette(path)).results] == [
+        "a: identical (1 turn(s) reproduced bit for bit)",
+        f"missing: altered: {path}: 1 of the 2 recorded episode line(s) missing after line 2 (cut off or removed)",
+    ]
+    path = tampered(sealed, tmp_path, [*lines, lines[1]])
+    assert [r.describe() for r in verify_cassette(llm, read_cassette(path)).results] == [
+        "a: identical (1 turn(s) reproduced bit for bit)",
+        "b: identical (1 turn(s) reproduced bit for bit)",
+        f"line-4: altered: {path}:4: added after recording (the seal has 2 episode lines)",
     ]
 
 
@@ -372,9 +438,18 @@ def test_replay_commands_record_and_verify(tiny_checkpoint, tmp_path, capsys) ->
     code, out, _ = run_cli(["audit", "replay", "verify", str(cassette)], capsys)
     assert code == 1 and out.splitlines()[2].startswith("b: diverged at turn 1 token 0 (margin ")
 
+    edit_cassette(cassette, {"b": change_first_token}, reseal=False)  # tampering: the seal no longer matches
+    code, out, _ = run_cli(["audit", "replay", "verify", str(cassette)], capsys)
+    assert code == 1 and out.splitlines()[2] == f"line-3: altered: {cassette}:3: changed after recording (the seal does not match)"
+    lines = cassette.read_text(encoding="utf-8").splitlines()
+    cassette.write_text("\n".join([lines[0].replace('"mode": "free-running"', '"mode": "teacher-forced"', 1), *lines[1:]]) + "\n",
+                        encoding="utf-8")
+    code, out, err = run_cli(["audit", "replay", "verify", str(cassette)], capsys)
+    assert (code, out, err) == (1, "", f"error: {cassette}:1: header mode changed after recording (the seal does not match)\n")
+
     code, _, err = run_cli(["audit", "replay", "record", "--traces", str(traces), "--out", str(cassette),
                             "--model", str(tiny_checkpoint)], capsys)
     assert (code, err) == (2, f"error: {cassette}: exists (a cassette is never overwritten)\n")
     code, _, err = run_cli(["audit", "replay", "verify", str(traces)], capsys)
-    assert (code, err) == (2, f"error: {traces}:1: not a cassette (the first line must be a deepinfer-cassette/1 "
+    assert (code, err) == (2, f"error: {traces}:1: not a cassette (the first line must be a deepinfer-cassette/2 "
                               "header)\n")
