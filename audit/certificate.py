@@ -33,7 +33,8 @@ CERTIFICATE_FORMAT = "deepinfer-certificate/2"
 CERTIFICATE = "certificate.json"
 ROLES = ("reference", "variant", "control")
 BITWISE, TOKEN, DIVERGENT = "BITWISE_REPRODUCIBLE", "TOKEN_REPRODUCIBLE", "DIVERGENT"
-VERDICTS = (BITWISE, TOKEN, DIVERGENT)
+NOTHING_SERVED = "NO_REQUESTS_SERVED"  # every request errored (or the suite was empty): nothing was compared
+VERDICTS = (BITWISE, TOKEN, DIVERGENT, NOTHING_SERVED)
 COMPARISON_KEYS = ("equal", "logprob_drift", "diverged", "near_tie", "missing", "error")
 RUN_FILES = (MANIFEST, STREAMS, ROOT)
 
@@ -66,7 +67,9 @@ def verdict(configurations: list[dict]) -> tuple[str, dict]:
     """The verdict over the variant configurations (certificate entries) against the reference.
 
     BITWISE_REPRODUCIBLE: every variant's logit_root equals the reference's; TOKEN_REPRODUCIBLE: all
-    token_roots equal but some logit_root differs; DIVERGENT otherwise. Controls do not count.
+    token_roots equal but some logit_root differs; DIVERGENT otherwise; NO_REQUESTS_SERVED where the
+    roots agree but the reference served no request (equal roots then only say the errors were
+    equal). Controls do not count.
     `requests_diverged` sums the diverged requests over the variants. Errored requests are part of
     the roots (an error row hashes its kind and detail), so equal roots mean they errored identically;
     the counts say how many requests that covers: `requests`, `served` and `errored` (by kind) in the
@@ -90,8 +93,11 @@ def verdict(configurations: list[dict]) -> tuple[str, dict]:
         "errored_by_kind": dict(sorted(reference["errors"].items())),
         "requests_errored_differently": sum(c["comparison"]["error"] for c in variants),
     }
-    overall = DIVERGENT if counts["divergent"] else TOKEN if counts["token_only"] else BITWISE
-    return overall, counts
+    if counts["divergent"]:
+        return DIVERGENT, counts
+    if not counts["served"]:
+        return NOTHING_SERVED, counts
+    return (TOKEN if counts["token_only"] else BITWISE), counts
 
 
 def verdict_summary(cert: dict) -> str:
@@ -322,6 +328,8 @@ def _finite_float(text: str) -> float:
 
 
 def _read(path: Path) -> tuple[bytes, dict]:
+    if path.is_symlink():  # what it vouches for would be read from wherever the link points
+        raise AuditError(f"{path}: is a symbolic link; a certificate must be a real file in its certification folder")
     try:
         raw = path.read_bytes()
     except OSError as exc:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from audit.certificate import (CERTIFICATE, build_certificate, load_certificate, reference_run, seal, sign,
                                write_certificate)
-from audit.files import atomic_write, json_bytes
+from audit.files import atomic_write, folder_lock, json_bytes
 from audit.store import read_run
 from deepinfer.checkpoint import DEFAULT_PRESET, content_hash, default_checkpoint
 from deepinfer.engine.llm import PRESET_PREFIX
@@ -60,6 +60,12 @@ def certify(
             record_run(model, suite, variant, out_dir / RUNS / variant.name, run_seed=run_seed, resume=resume,
                        progress=False)
         return None
+    with folder_lock(out_dir):  # a second certify (or --resume) of the same folder is refused meanwhile
+        return _certify(model, suite_spec, sweep, out_dir, run_seed, resume, sign_key, progress)
+
+
+def _certify(model: str | Path | None, suite_spec: str, sweep: Sweep, out_dir: Path, run_seed: int, resume: bool,
+             sign_key: Path | None, progress: bool) -> dict:
     resuming = _check_out(out_dir, sweep, resume)  # before hashing what may be a large checkpoint
     suite = load_suite(suite_spec)
     for _, variant in sweep.configurations():

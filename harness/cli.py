@@ -160,8 +160,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_certify(args: argparse.Namespace) -> int:
     """Exit 0 when the verdict is reproducible and every request was served; 1 when it is DIVERGENT or
-    (without --allow-errors) when any request errored; the certificate and report are written either way."""
-    from audit.certificate import CERTIFICATE, DIVERGENT, verdict_summary
+    NO_REQUESTS_SERVED, or (without --allow-errors) when any request errored; the certificate and report
+    are written either way."""
+    from audit.certificate import CERTIFICATE, DIVERGENT, NOTHING_SERVED, verdict_summary
     from harness.certify import certify
     from reports import render_report
 
@@ -183,7 +184,7 @@ def _cmd_certify(args: argparse.Namespace) -> int:
         print(f"FAIL: requests errored ({counts['errored']} of {counts['requests']} in the reference, "
               f"{counts['requests_errored_differently']} differently in a variant); the verdict covers only the "
               "served ones (--allow-errors accepts that)", file=sys.stderr)
-    failed = cert["verdict"] == DIVERGENT or (errored and not args.allow_errors)
+    failed = cert["verdict"] in (DIVERGENT, NOTHING_SERVED) or (errored and not args.allow_errors)
     return EXIT_DIFFERENT if failed else 0
 
 
@@ -226,13 +227,16 @@ def _control_counts(control: dict) -> str:
 def _cmd_verify(args: argparse.Namespace) -> int:
     """Exit 1 on any problem; when intact, also say who signed it, since a valid signature by an unknown
     key (anyone can re-sign) proves nothing until the key is pinned with --public-key."""
-    from audit.certificate import load_certificate, signer_statement, verify_certificate
+    from audit.certificate import CERTIFICATE, load_certificate, signer_statement, verify_certificate
     from harness.certify import rerun_reference
 
     overrides = [flag for flag in ("model", "suite") if getattr(args, flag) is not None]
     if overrides and not args.rerun:
         raise DeepInferError(f"--{overrides[0]} only applies with --rerun")
     public_key = _read(args.public_key) if args.public_key else None
+    file = Path(args.certificate) / CERTIFICATE if Path(args.certificate).is_dir() else Path(args.certificate)
+    if not file.exists() and not file.is_symlink():  # nothing to verify: a wrong path, not a failed check
+        raise DeepInferError(f"{file}: cannot read (No such file or directory)")
     problems = verify_certificate(Path(args.certificate), public_key)
     if not problems and args.rerun:
         problems = rerun_reference(Path(args.certificate), args.model, args.suite, progress=args.progress)

@@ -8,13 +8,15 @@ do not depend on what else is in the batch, the resumed run reaches the same roo
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import replace
 from pathlib import Path
 
+from audit.files import folder_lock
 from deepinfer import LLM
 from deepinfer.errors import DeepInferError
-from deepinfer.parallel import from_rank_zero
+from deepinfer.parallel import from_rank_zero, process_rank
 from deepinfer.progress import Progress
 from harness.run_writer import FLUSH_ROWS, FLUSH_SECONDS, STATS_FILE, completed_root, open_run, run_manifest
 from harness.serve import serve
@@ -29,8 +31,10 @@ def record_run(
     model: str | Path | None, suite: Suite, variant: Variant, run_dir: Path, *, run_seed: int = 0,
     resume: bool = False, progress: bool = True,
 ) -> dict:
-    """Serve `suite` under `variant` into `run_dir`; returns the run's root (root.json contents)."""
-    with cpu_threads(variant.threads):
+    """Serve `suite` under `variant` into `run_dir`, locked against a second writer (rank 0 writes);
+    returns the run's root (root.json contents)."""
+    writer_lock = folder_lock(Path(run_dir)) if process_rank() == 0 else contextlib.nullcontext()
+    with writer_lock, cpu_threads(variant.threads):
         return _record_run(model, suite, variant, Path(run_dir), run_seed, resume, progress)
 
 
@@ -66,10 +70,12 @@ def _record_run(model: str | Path | None, suite: Suite, variant: Variant, run_di
     bar = Progress(variant.name, len(suite.requests), len(done), enabled=progress and writing)
     bar.update(refused)
     for shard in range(variant.shards):  # one engine per share of the suite, over the same weights
+        mine = [j for j, index in enumerate(job_index) if index % variant.shards == shard]
+        if shard and not mine:  # a share with nothing to serve needs no engine (nor its cache)
+            continue
         engine = llm if shard == 0 else llm.with_engine(llm.engine_config)
         if shard and writing:
             writer.serving(engine)
-        mine = [j for j, index in enumerate(job_index) if index % variant.shards == shard]
         for finished in serve(engine, [jobs[j] for j in mine], variant):
             if not writing:
                 continue

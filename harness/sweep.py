@@ -23,6 +23,7 @@ from deepinfer.errors import DeepInferError
 
 ROLES = ("reference", "variant", "control")
 RUN_FIELDS = ("shuffle", "stagger", "threads", "warm", "shards")
+MAX_SHARDS = 64  # each shard that has requests is an engine of its own, with its own cache
 # The run seed comes from the suite, so a configuration does not set the engine's seed.
 ENGINE_FIELDS = tuple(f.name for f in fields(EngineConfig) if f.name != "seed")
 
@@ -215,8 +216,8 @@ def check_variant(variant: Variant, where: str) -> Variant:
                              f"(not starting with '.'), got {name!r}")
     if variant.stagger < 0:
         raise DeepInferError(f"{where}: stagger must be >= 0, got {variant.stagger}")
-    if variant.shards < 1:
-        raise DeepInferError(f"{where}: shards must be >= 1, got {variant.shards}")
+    if not 1 <= variant.shards <= MAX_SHARDS:
+        raise DeepInferError(f"{where}: shards must be from 1 to {MAX_SHARDS} (one engine each), got {variant.shards}")
     cores = os.cpu_count() or 1
     if variant.threads is not None and not 1 <= variant.threads <= cores:
         raise DeepInferError(f"{where}: threads must be between 1 and this machine's {cores} CPUs, "

@@ -14,7 +14,8 @@ from reports.load import AuditData
 
 COUNTED = ("equal", "logprob_drift", "diverged", "near_tie", "missing", "error")
 GROUP_KINDS = (("diverged", "diverged"), ("drift", "with logprob drift only"), ("identical", "identical"))
-VERDICT_LEVELS = {"BITWISE_REPRODUCIBLE": "good", "TOKEN_REPRODUCIBLE": "warn", "DIVERGENT": "bad"}
+VERDICT_LEVELS = {"BITWISE_REPRODUCIBLE": "good", "TOKEN_REPRODUCIBLE": "warn", "DIVERGENT": "bad",
+                  "NO_REQUESTS_SERVED": "bad"}
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 
 from audit.certificate import seal, write_certificate
+from audit.files import folder_lock
 from audit.store import check_run, file_digests, make_row
 from audit.streams import STREAM_SCHEMA, run_root
 from harness.cli import main
@@ -290,6 +291,13 @@ def test_a_resealed_certificate_fails_only_against_the_signers_key(capsys, certi
     assert (code, out, err) == (1, "", "FAIL: certificate.json: not signed, but a public key was given\n")
 
 
+def test_verify_of_a_missing_certificate_is_a_user_error(capsys, tmp_path):
+    assert_user_error(capsys, ["verify", tmp_path / "none.json"], f"{tmp_path / 'none.json'}: cannot read (No such "
+                                                                   "file or directory)")
+    assert_user_error(capsys, ["verify", tmp_path], f"{tmp_path / 'certificate.json'}: cannot read (No such file or "
+                                                    "directory)")
+
+
 def test_verify_reports_a_missing_run_folder(capsys, cert_copy):
     shutil.rmtree(cert_copy.parent / "runs" / "chunk-16")
     code, out, err = audit(capsys, "verify", cert_copy)
@@ -536,6 +544,52 @@ def test_certify_resume_of_a_complete_certification_reissues_the_same_verdict(ca
     assert audit(capsys, "verify", cert_copy)[0] == 0
 
 
+def test_a_second_certify_of_a_folder_being_written_is_refused_and_the_first_stays_intact(
+        capsys, certified, cert_copy, tiny_checkpoint, tmp_path):
+    """A certify still running holds its folder's lock (taken here as that process would); a second one
+    (here a --resume) is refused before it touches anything, and the folder still verifies afterwards."""
+    folder = cert_copy.parent
+    before = {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()}
+    argv = ["certify", "--model", tiny_checkpoint, "--suite", certified.suite, "--sweep", certified.sweep,
+            "--no-progress"]
+    with folder_lock(folder):
+        assert_user_error(capsys, [*argv, "--out", folder, "--resume"],
+                          f"{folder}: another process is writing this folder; wait for it to end (or stop it), "
+                          "then --resume")
+    assert {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()} == before
+    assert audit(capsys, "verify", cert_copy)[0] == 0
+    fresh = tmp_path / "fresh"
+    with folder_lock(fresh):
+        assert_user_error(capsys, [*argv, "--out", fresh],
+                          f"{fresh}: another process is writing this folder; wait for it to end (or stop it), "
+                          "then --resume")
+    assert not fresh.exists()  # the lock's folder, empty, is removed again
+
+
+def test_a_resume_beside_a_running_run_is_refused_and_the_run_loses_nothing(capsys, long_suite, tiny_checkpoint,
+                                                                            uninterrupted, tmp_path):
+    out = tmp_path / "run"
+    argv = ["audit", "run", "--model", str(tiny_checkpoint), "--suite", str(long_suite), "--max-num-seqs", "1",
+            "--out", str(out), "--no-progress"]
+    code = ("import sys; import harness.run_writer as writer; writer.FLUSH_ROWS = 3; "
+            "from harness.cli import main; "
+            f"sys.exit(main({argv!r}))")
+    child = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not (out / "parts").is_dir() or not any((out / "parts").glob("part-*.parquet")):
+        assert child.poll() is None, child.stderr.read().decode()
+        assert time.monotonic() < deadline, "no part file within 60 s"
+        time.sleep(0.01)
+    assert_user_error(capsys, [*argv[1:], "--resume"],
+                      f"{out}: another process is writing this folder; wait for it to end (or stop it), then --resume")
+    stdout, stderr = child.communicate(timeout=120)
+    expected = json.loads((uninterrupted / "root.json").read_text())
+    assert (child.returncode, stderr) == (0, b"")
+    assert stdout.decode() == f"run {out}: {len(LONG_SUITE)} requests, logit root {expected['logit_root']}\n"
+    assert check_run(out) == [] and json.loads((out / "root.json").read_text()) == expected
+
+
 def test_certify_refuses_a_non_empty_folder(capsys, certified, cert_copy, tiny_checkpoint, tmp_path):
     argv = ["certify", "--model", tiny_checkpoint, "--suite", certified.suite, "--sweep", certified.sweep,
             "--no-progress"]
@@ -630,7 +684,9 @@ def test_bad_run_flags(capsys, long_suite, tiny_checkpoint, tmp_path):
     assert_user_error(capsys, ["run", "--model", tiny_checkpoint, "--suite", long_suite, "--out", tmp_path / "out",
                                "--stagger", "-1"], "flags: stagger must be >= 0, got -1")
     assert_user_error(capsys, ["run", "--model", tiny_checkpoint, "--suite", long_suite, "--out", tmp_path / "out",
-                               "--shards", "0"], "flags: shards must be >= 1, got 0")
+                               "--shards", "0"], "flags: shards must be from 1 to 64 (one engine each), got 0")
+    assert_user_error(capsys, ["run", "--model", tiny_checkpoint, "--suite", long_suite, "--out", tmp_path / "out",
+                               "--shards", "1000"], "flags: shards must be from 1 to 64 (one engine each), got 1000")
     assert_user_error(capsys, ["run", "--model", tiny_checkpoint, "--suite", long_suite, "--out", tmp_path / "out",
                                "--expert-parallel", "2"],
                       "expert_parallel=2 needs 2 processes (torchrun --nproc-per-node 2); this run has 1")

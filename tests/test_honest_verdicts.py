@@ -96,6 +96,24 @@ def test_certify_counts_errored_requests_in_the_verdict_and_fails_by_default(cer
     assert capsys.readouterr().out.splitlines()[0] == verdict
 
 
+def test_a_certification_that_served_nothing_says_so_and_fails_even_with_errors_allowed(traces, tiny_checkpoint,
+                                                                                      tmp_path, capsys):
+    suite = tmp_path / "all-bad.jsonl"
+    suite.write_text("\n".join(trace_lines()[2:5]) + "\n", encoding="utf-8")  # 2 malformed lines, 1 too long
+    out = tmp_path / "out"
+    code = main(["audit", "certify", "--model", str(tiny_checkpoint), "--suite", f"traces:{suite}", "--sweep",
+                 str(traces.parent / "sweep.json"), "--out", str(out), "--no-progress", "--allow-errors"])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert captured.out.splitlines()[0] == (
+        "verdict: NO_REQUESTS_SERVED over 0 of 4 requests; 4 errored identically in every variant (2 malformed, "
+        "2 prompt too long); 1 variant vs reference ref: 0 request divergences, 0 logprob-only drifts")
+    cert = json.loads((out / "certificate.json").read_text())
+    assert (cert["verdict"], cert["verdict_counts"]["served"]) == ("NO_REQUESTS_SERVED", 0)
+    assert main(["audit", "verify", str(out / "certificate.json")]) == 0  # the certificate itself is intact
+    assert "NO_REQUESTS_SERVED" in (out / "report.md").read_text(encoding="utf-8")
+
+
 def test_error_rows_keep_kind_and_path_free_detail(certified, traces):
     _, out = certified
     streams = read_run(out / "runs" / "ref").streams.filter(pl.col("finish_reason") == "error")
@@ -174,3 +192,13 @@ def test_nan_weights_become_counted_error_rows_while_the_other_requests_finish(c
     assert rows["clean"]["finish_reason"] == "length" and len(rows["clean"]["token_ids"]) == 4
     assert (rows["poisoned"]["finish_reason"], rows["poisoned"]["error_kind"], rows["poisoned"]["error"]) == (
         "error", "non_finite_logits", "non-finite logits at position 16")
+
+    # generate writes every line, names the errored request on stderr and exits 1
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_token_ids": ids, "sampling": {"max_tokens": 4}}) + "\n"
+                               for ids in (list(range(100, 110)), list(range(40, 57)))))
+    results = tmp_path / "out.jsonl"
+    assert main(["generate", "--model", str(poisoned), "--prompts-file", str(prompts), "--out", str(results)]) == 1
+    assert capsys.readouterr().err == f"error: {prompts}:2: non-finite logits at position 16\n"
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [line["finish_reason"] for line in lines] == ["length", "error"]

@@ -163,6 +163,20 @@ def test_a_suite_split_over_shards_has_the_root_of_one_engine(tiny_checkpoint, t
     assert queried[0] == queried[1] > 0  # every shard's engine admitted its requests, and was counted
 
 
+def test_shards_beyond_the_requests_start_no_engine(tiny_checkpoint, tmp_path, monkeypatch):
+    """64 shards of a 2-request suite: only the shares that hold a request get an engine (and a cache)."""
+    suite = tmp_path / "two.jsonl"
+    suite.write_text("".join((ROOT / "harness" / "suites" / "smoke.jsonl").read_text().splitlines(True)[:2]))
+    started = []
+    with_engine = LLM.with_engine
+    monkeypatch.setattr(LLM, "with_engine", lambda self, config: started.append(config) or with_engine(self, config))
+    one = record_run(tiny_checkpoint, load_suite(f"native:{suite}"), Variant.of("one", threads=1), tmp_path / "one",
+                     progress=False)
+    many = record_run(tiny_checkpoint, load_suite(f"native:{suite}"), Variant.of("many", shards=64, threads=1),
+                      tmp_path / "many", progress=False)
+    assert len(started) == 1 and many == one
+
+
 def test_a_certification_over_two_processes_has_the_roots_of_one(tmp_path):
     """`torchrun -m harness.cli audit certify` with expert and data parallel configurations: rank 0
     writes the certificate, every configuration's root is the one a single process records."""

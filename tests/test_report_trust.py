@@ -125,6 +125,22 @@ def test_a_run_reached_through_a_symbolic_link_is_a_problem(capsys, layout, link
     assert _snapshot(outside) == before
 
 
+def test_a_certificate_that_is_a_symbolic_link_is_refused(capsys, layout):
+    """A link could point at any certificate, vouching for runs of another folder: verify fails (exit 1)
+    and report refuses (exit 2), both in one line, and nothing is written."""
+    folder, outside = layout
+    file = folder / "certificate.json"
+    shutil.move(file, outside / "certificate.json")
+    file.symlink_to(outside / "certificate.json")  # the same bytes, only reached through the link
+    before = _snapshot(outside)
+    problem = f"{file}: is a symbolic link; a certificate must be a real file in its certification folder"
+    assert verify_certificate(folder) == [problem]
+    assert _audit(capsys, "verify", file) == (1, "", f"FAIL: {problem}\n")
+    code, out, err = _audit(capsys, "report", folder)
+    assert (code, out, err) == (2, "", f"error: {problem}\n")
+    assert not (folder / "report.md").exists() and _snapshot(outside) == before
+
+
 def _fingerprint(public_pem: bytes) -> str:
     key = serialization.load_pem_public_key(public_pem)
     raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
