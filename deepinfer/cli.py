@@ -264,7 +264,9 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
                     "(+ optional 'tools'), and optionally 'sampling' overrides such as max_tokens, "
                     "temperature, top_p, top_k, min_p, seed, stop). Each result is one JSON line on stdout "
                     "(or --out) in input order. Without --model the embedded default checkpoint (v41-tiny) is used "
-                    "(created once in $DEEPINFER_HOME).",
+                    "(created once in $DEEPINFER_HOME). A request that errors while it is served (non-finite "
+                    "logits, say) still gets its line, with finish_reason 'error' and 'error'; each is also named "
+                    "on stderr, and the exit code is then 1.",
     )
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one text prompt")
@@ -328,7 +330,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     finally:
         if sink is not sys.stdout:
             sink.close()
-    return 0
+    errored = [(request, output) for request, output in zip(requests, outputs) if output.error is not None]
+    for request, output in errored:
+        print(f"error: {request.where}: {output.error}", file=sys.stderr)
+    return 1 if errored else 0
 
 
 def _check_new_file(path: Path) -> None:

@@ -3,7 +3,9 @@
 One JSON object per line with exactly one of `prompt` (text), `prompt_token_ids` or `messages`
 (OpenAI Chat Completions shape, plus optional `tools` and `tool_choice`), an optional `sampling`
 object of `SamplingParams` fields and an optional string `id`. Blank lines are skipped. Every error
-names `file:line`. A messages request whose `sampling` says `"structured": "tool_call"` is constrained
+names `file:line`. Files are read a line at a time with bounds (`MAX_LINE_BYTES` a line,
+`MAX_FILE_BYTES` a file, `MAX_NESTING` levels of JSON), so an endless input (/dev/zero) or a hostile
+line is refused in one line, promptly, and SIGTERM is honoured while reading. A messages request whose `sampling` says `"structured": "tool_call"` is constrained
 to tool calls of its `tools` as its `tool_choice` allows (`recipe.chat.tool_call_constraint`).
 """
 
@@ -21,6 +23,9 @@ from deepinfer.sampling_params import TOOL_CALL, SamplingParams
 if TYPE_CHECKING:
     from deepinfer.engine.llm import LLM
 
+MAX_LINE_BYTES = 64 << 20  # a request line (a 1M-token prompt is ~4 MB of text)
+MAX_FILE_BYTES = 1 << 30
+MAX_NESTING = 100  # JSON levels of one line (tool schemas included)
 SOURCES = ("prompt", "prompt_token_ids", "messages")
 FIELDS = {*SOURCES, "tools", "tool_choice", "sampling", "id"}
 
@@ -83,25 +88,57 @@ def read_prompts_file(path: str) -> list[PromptRequest]:
 
 
 def read_jsonl_lines(path: str | Path) -> list[tuple[int, str]]:
-    """The numbered lines (from 1) of a UTF-8 text file; one-line errors for unreadable files."""
+    """The numbered lines (from 1, without their line ends) of a UTF-8 text file, split at newlines
+    only (JSON text may hold U+2028 and other Unicode line separators); one-line errors for an
+    unreadable file, a line over MAX_LINE_BYTES or a file over MAX_FILE_BYTES."""
+    lines: list[tuple[int, str]] = []
+    total = 0
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as file:
+            while raw := file.readline(MAX_LINE_BYTES + 1):
+                number = len(lines) + 1
+                if len(raw) > MAX_LINE_BYTES:
+                    raise DeepInferError(f"{path}:{number}: longer than {MAX_LINE_BYTES >> 20} MiB (a request line "
+                                         "is at most that)")
+                total += len(raw)
+                if total > MAX_FILE_BYTES:
+                    raise DeepInferError(f"{path}: larger than {MAX_FILE_BYTES >> 30} GiB (split it into several files)")
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise DeepInferError(f"{path}:{number}: not UTF-8 text") from None
+                lines.append((number, text.removesuffix("\n").removesuffix("\r")))
     except OSError as err:
         raise DeepInferError(f"{path}: cannot read ({err.strerror or err})") from None
-    except UnicodeDecodeError:
-        raise DeepInferError(f"{path}: not UTF-8 text") from None
-    return list(enumerate(text.splitlines(), start=1))
+    return lines
 
 
 def json_object(line: str, where: str) -> dict:
     """One JSONL line that must hold a JSON object; errors name `where` (file:line)."""
     try:
         value = json.loads(line)
+        too_deep = _nesting(value) > MAX_NESTING
     except json.JSONDecodeError as err:
         raise DeepInferError(f"invalid JSON ({err.msg} at column {err.colno})", where=where, kind="malformed") from None
+    except RecursionError:  # deeper than Python's parser goes, so deeper than MAX_NESTING too
+        too_deep = True
+    if too_deep:
+        raise DeepInferError(f"JSON nested more than {MAX_NESTING} levels deep", where=where, kind="malformed")
     if not isinstance(value, dict):
         raise DeepInferError(f"expected a JSON object, got {type(value).__name__}", where=where, kind="malformed")
     return value
+
+
+def _nesting(value: object) -> int:
+    """How many levels of objects and arrays `value` has (walked without recursion), stopping past
+    MAX_NESTING."""
+    deepest, stack = 0, [(value, 1)]
+    while stack and deepest <= MAX_NESTING:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def parse_request_line(line: str, where: str, default_id: str) -> PromptRequest:

@@ -34,6 +34,7 @@ from audit.files import atomic_write
 from audit.streams import canonical_json
 from deepinfer import LLM
 from deepinfer.errors import DeepInferError
+from deepinfer.prompts_file import read_jsonl_lines
 from harness.replay import (
     MODES,
     STATUSES,
@@ -141,14 +142,9 @@ def _replay_counting_hits(llm: LLM, episodes: list[Episode], mode: str, run_seed
 def read_cassette(path: str | Path) -> Cassette:
     """The header (which must be intact) and the episodes; a damaged episode line becomes an error."""
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as err:
-        raise DeepInferError(f"{path}: cannot read ({err.strerror or err})") from None
-    except UnicodeDecodeError:
-        raise DeepInferError(f"{path}: not UTF-8 text") from None
-    header = _header(lines[0] if lines else "", path)
-    intact, altered = _check_seal(header["seal"], list(enumerate(lines, start=1))[1:], path)
+    lines = read_jsonl_lines(path)
+    header = _header(lines[0][1] if lines else "", path)
+    intact, altered = _check_seal(header["seal"], lines[1:], path)
     episodes, errors = parse_trace_lines(str(path), intact)
     return Cassette(path, header, episodes, errors, altered)
 

@@ -169,7 +169,7 @@ def test_unreadable_prompts_files(capsys, tmp_path, tiny_checkpoint):
     latin1 = tmp_path / "latin1.jsonl"
     latin1.write_bytes('{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
     assert_user_error(capsys, ["--model", str(tiny_checkpoint), "--prompts-file", str(latin1)],
-                      f"{latin1}: not UTF-8 text")
+                      f"{latin1}:1: not UTF-8 text")
 
 
 def test_bad_flags_and_outputs(capsys, tmp_path, tiny_checkpoint):

@@ -157,6 +157,8 @@ def test_confident_lengths_count_the_leading_slots_above_the_threshold(rows: lis
                         "preset:tiny:seed=0 has none"),
     ("preset:v41-tiny", {"draft_confidence": 1.5}, "draft_confidence must be a number from 0 to 1, got 1.5"),
     ("preset:v41-tiny", {"draft_confidence": "high"}, "draft_confidence must be a number from 0 to 1, got 'high'"),
+    ("preset:v41-tiny", {"draft_tokens": 6}, "draft_tokens=6: the checkpoint's dspark draft model proposes at most 5 "
+                                             "tokens per step"),
 ])
 def test_bad_dspark_settings_are_refused_in_one_line(model: str, settings: dict, message: str) -> None:
     with pytest.raises(DeepInferError) as err:

@@ -116,6 +116,8 @@ def test_ngram_speculation_keeps_outputs_and_turns_async_scheduling_off(tiny_che
 @pytest.mark.parametrize("settings,message", [
     ({"speculation": "medusa"}, "unknown speculation 'medusa' (expected one of off, ngram, dspark, mtp)"),
     ({"draft_tokens": 0}, "draft_tokens must be a positive integer, got 0"),
+    ({"draft_tokens": 1000}, "draft_tokens must be from 1 to 16 (a step verifies at most that many drafts per "
+                             "sequence), got 1000"),
 ])
 def test_bad_speculation_settings_are_refused(settings: dict, message: str) -> None:
     with pytest.raises(DeepInferError) as err:

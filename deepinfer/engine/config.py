@@ -18,6 +18,8 @@ from deepinfer.errors import DeepInferError
 from deepinfer.sampling_params import UNSEEDED_SEEDS
 from kernels import NUMERICS
 
+MAX_DRAFT_TOKENS = 16  # each costs a verified position per sequence and step; past a few, most are rejected
+
 WEIGHT_STORAGE = ("auto", "quantized", "decoded")
 ENGRAM_TABLES = ("device", "host")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -78,7 +80,8 @@ class EngineConfig:
                                 "verifies a sequence's drafts in one step and keeps each only where it equals the "
                                 "token it samples there, so with batch_invariant numerics outputs are the same bits "
                                 "either way; runs with synchronous scheduling", choices=SPECULATION)
-    draft_tokens: int = _setting(5, "with speculation: most draft tokens one sequence verifies per step")
+    draft_tokens: int = _setting(5, f"with speculation: most draft tokens one sequence verifies per step (1 to "
+                                    f"{MAX_DRAFT_TOKENS}; dspark: at most its block size)")
     draft_confidence: float = _setting(0.0, "with speculation=dspark or mtp: verify a sequence's drafts only as far "
                                        "as the draft's confidence head gives all of them at least this chance to hold "
                                        "(0 to 1; 0: always draft_tokens)")
@@ -115,6 +118,9 @@ class EngineConfig:
         _check_choice("weight_storage", self.weight_storage, WEIGHT_STORAGE)
         _check_choice("engram_tables", self.engram_tables, ENGRAM_TABLES)
         _check_choice("speculation", self.speculation, SPECULATION)
+        if self.draft_tokens > MAX_DRAFT_TOKENS:
+            raise DeepInferError(f"draft_tokens must be from 1 to {MAX_DRAFT_TOKENS} (a step verifies at most that many "
+                                 f"drafts per sequence), got {self.draft_tokens}")
         if isinstance(self.draft_confidence, bool) or not isinstance(self.draft_confidence, (int, float)) \
                 or not 0 <= self.draft_confidence <= 1:
             raise DeepInferError(f"draft_confidence must be a number from 0 to 1, got {self.draft_confidence!r}")

@@ -176,6 +176,9 @@ class LLM:
         draft = None
         if config.speculation in DEVICE_SPECULATION:
             draft = self._draft_model(config.speculation, config.cache_qdq)
+            if draft.max_drafts is not None and config.draft_tokens > draft.max_drafts:
+                raise DeepInferError(f"draft_tokens={config.draft_tokens}: the checkpoint's {config.speculation} "
+                                     f"draft model proposes at most {draft.max_drafts} tokens per step")
         self.pools = draft_pools(self.model.pools, draft) if draft is not None else self.model.pools
         if config.max_model_len is None:  # ranks sharing requests must make the same steps: the same cache
             config = replace(config, max_model_len=agree(self._default_max_model_len(config)))

@@ -164,6 +164,11 @@ class DSpark(DraftDecoder):
         self.main_rope = RotaryTable(config, ops, "main")
         self.compress_rope = self.main_rope  # no compressed layers: `load_tensors` moves the one table
 
+    @property
+    def max_drafts(self) -> int:
+        """One block per step: `dspark_block_size` tokens."""
+        return self.config.dspark_block_size
+
     @torch.inference_mode()
     def features(self, streams_at: dict[int, torch.Tensor]) -> torch.Tensor:
         """`target_features` of the target layers this draft reads [T, 3 * hidden]."""

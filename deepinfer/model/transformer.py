@@ -160,6 +160,12 @@ class DraftDecoder(Decoder):
 
     _shared: tuple[nn.Embedding, Linear] | None = None
 
+    @property
+    def max_drafts(self) -> int | None:
+        """The most tokens this draft model proposes per sequence and step (a larger `draft_tokens` is
+        refused); None: no bound of its own (V4's MTP block chains one pass per token)."""
+        return None
+
     def share(self, target: Decoder) -> None:
         """Use `target`'s embedding and head."""
         self._shared = (target.embed, target.head)
