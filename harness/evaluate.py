@@ -32,6 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import lm_eval  # noqa: E402
 import polars as pl  # noqa: E402
+import yaml  # noqa: E402  (lm-eval's own dependency)
 from lm_eval.tasks import TaskManager  # noqa: E402
 from lm_eval.utils import handle_non_serializable  # noqa: E402
 
@@ -88,8 +89,33 @@ def parse_tasks(spec: str, manager: TaskManager) -> list[str]:
         raise EvalError(f"--tasks names no task: {spec!r}")
     for name in tasks:
         if name not in manager.all_tasks:
-            raise EvalError(f"unknown task {name!r} (known: {', '.join(manager.all_tasks)})")
+            broken = broken_task_files(manager.include_path or [])
+            why = f"; lm-eval skipped {'; '.join(broken)}" if broken else ""
+            raise EvalError(f"unknown task {name!r} (known: {', '.join(manager.all_tasks)}){why}")
     return tasks
+
+
+class _TaskYamlLoader(yaml.SafeLoader):
+    """YAML as lm-eval's task files write it: tags such as `!function module.name` are accepted unread."""
+
+
+_TaskYamlLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
+
+
+def broken_task_files(folders: Sequence[str | Path]) -> list[str]:
+    """The YAML files under `folders` that do not parse, each as `file:line: problem`: lm-eval skips
+    them without a word, so a task defined in one is just 'not found'."""
+    broken = []
+    for folder in map(Path, folders):
+        for file in sorted(folder.rglob("*.yaml")):
+            try:
+                yaml.load(file.read_text(encoding="utf-8"), Loader=_TaskYamlLoader)
+            except (yaml.YAMLError, UnicodeDecodeError) as err:
+                mark = getattr(err, "problem_mark", None)
+                at = f":{mark.line + 1}" if mark is not None else ""
+                problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+                broken.append(f"{file}{at}: not valid YAML ({problem})")
+    return broken
 
 
 def folder_hash(folder: Path) -> str:

@@ -22,12 +22,15 @@ import argparse
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 from deepinfer.errors import DeepInferError
 
 # A prefix no command-line argument can contain, so argparse sees lm-eval's flags (--help too) as plain
 # words: a REMAINDER positional alone rejects a flag that comes first ("unrecognized arguments").
 NO_OPTIONS = "\0"
+# `pip install deepinfer[eval]` would install DeepSeek's own package of that name from PyPI, not this project
+LM_EVAL_HINT = "pip install -e '.[eval]' in this project's checkout (or pip install 'lm-eval>=0.4.13')"
 
 
 @contextmanager
@@ -38,7 +41,18 @@ def needs_lm_eval(command: str) -> Iterator[None]:
     except ModuleNotFoundError as err:
         if (err.name or "").partition(".")[0] != "lm_eval":
             raise
-        raise DeepInferError(f"{command} needs lm-eval: pip install 'deepinfer[eval]'") from None
+        raise DeepInferError(f"{command} needs lm-eval: {LM_EVAL_HINT}") from None
+
+
+def _include_paths(argv: Sequence[str]) -> list[str]:
+    """The folders of `--include_path DIR` / `--include_path=DIR` in lm-eval's arguments."""
+    folders = []
+    for flag, value in zip(argv, [*argv[1:], ""]):
+        if flag == "--include_path":
+            folders.append(value)
+        elif flag.startswith("--include_path="):
+            folders.append(flag.partition("=")[2])
+    return [folder for folder in folders if folder and Path(folder).is_dir()]
 
 
 def add_lm_eval_command(commands: argparse._SubParsersAction) -> None:
@@ -62,7 +76,7 @@ def run_lm_eval(argv: Sequence[str]) -> int:
         import harness.lm_eval_model  # noqa: F401  registers the model "deepinfer"
         from lm_eval.__main__ import cli_evaluate
 
-        from harness.evaluate import SUITES
+        from harness.evaluate import SUITES, broken_task_files
 
     if not any(arg == "--include_path" or arg.startswith("--include_path=") for arg in argv):
         argv = [*argv, "--include_path", str(SUITES)]  # our shipped offline tasks: deepinfer, deepinfer_mc, ...
@@ -73,7 +87,9 @@ def run_lm_eval(argv: Sequence[str]) -> int:
     except DeepInferError:
         raise
     except ValueError as err:  # lm-eval reports an unknown task or a bad setting this way
-        raise DeepInferError(f"lm-eval: {err}") from None
+        broken = broken_task_files(_include_paths(argv)) if "not found" in str(err).lower() else []
+        why = f"; lm-eval skipped {'; '.join(broken)}" if broken else ""
+        raise DeepInferError(f"lm-eval: {str(err).strip()}{why}") from None
     finally:
         sys.argv = saved
     return 0

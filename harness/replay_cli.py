@@ -77,6 +77,9 @@ def _cmd_record(args: argparse.Namespace) -> int:
         else:
             print(result.describe())
     print(report.summary())
+    if report.counts().get("diverged"):
+        print("note: record compares the model's turns with the trace's own, which only the model that wrote the "
+              "trace reproduces (a random-weight checkpoint never does); replay verify checks the cassette itself")
     print(f"cassette: {args.out}")
     return EXIT_DIFFERENT if report.counts().get("malformed") else 0
 

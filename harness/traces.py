@@ -299,7 +299,10 @@ def _chat(obj: dict) -> tuple[list[dict], list[dict] | None]:
 
 
 def _chat_message(message: dict, i: int, before: list[Any]) -> dict:
-    """Message `i` with its legacy shape converted; `before` holds the messages before it, converted."""
+    """Message `i` with its legacy shape converted; `before` holds the messages before it, converted.
+    A null field is an absent one (SDK dumps write `"function_call": null` beside `tool_calls`), except
+    `content`, whose null is what an assistant message with only tool calls has."""
+    message = {key: value for key, value in message.items() if value is not None or key == "content"}
     if "function_call" in message:
         if "tool_calls" in message:
             raise TraceFormatError(f"message {i}: has both function_call and tool_calls (use one)")

@@ -148,7 +148,8 @@ def test_missing_lm_eval_is_a_one_line_error(monkeypatch, capsys):
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval now fails as if it were not installed
     assert main(["lm-eval", "--model", "deepinfer", "--tasks", "my_tasks"]) == 2
-    assert capsys.readouterr().err == "error: deepinfer lm-eval needs lm-eval: pip install 'deepinfer[eval]'\n"
+    assert capsys.readouterr().err == ("error: deepinfer lm-eval needs lm-eval: pip install -e '.[eval]' in this project's "
+                                         "checkout (or pip install 'lm-eval>=0.4.13')\n")
 
 
 def test_the_shipped_tasks_are_found_and_an_unknown_task_is_one_line(runs):

@@ -135,10 +135,31 @@ def test_bad_lm_eval_suite_specs(capsys, tiny_checkpoint, tmp_path, spec, messag
     assert not (tmp_path / "run").exists()
 
 
+BROKEN_YAML = "task: my_broken\ndataset_path: json\noutput_type: [generate_until\n"
+YAML_PROBLEM = "my_broken.yaml:4: not valid YAML (expected ',' or ']', but got '<stream end>')"
+
+
+def test_a_task_whose_yaml_does_not_parse_is_named_with_the_yaml_error(capsys, tiny_checkpoint, tmp_path):
+    tasks = tmp_path / "tasks"
+    shutil.copytree(USER_TASKS, tasks)
+    (tasks / "my_broken.yaml").write_text(BROKEN_YAML)
+    code, out, err = audit(capsys, "run", "--model", tiny_checkpoint, "--suite", f"lm-eval:my_broken?include_path={tasks}",
+                           "--out", tmp_path / "run")
+    assert (code, out) == (2, "")
+    assert err == ("error: unknown task 'my_broken' (known: count_gen, deepinfer, deepinfer_gen, deepinfer_mc, "
+                   f"deepinfer_ppl, my_tasks, pets_mc); lm-eval skipped {tasks / YAML_PROBLEM}\n")
+    code = main(["lm-eval", "--model", "deepinfer", "--tasks", "my_broken", "--include_path", str(tasks)])
+    err = capsys.readouterr().err
+    assert (code, err.splitlines()[-1]) == (2, f"error: lm-eval: Tasks not found: my_broken; lm-eval skipped "
+                                               f"{tasks / YAML_PROBLEM}")
+
+
 def test_missing_lm_eval_is_a_one_line_error(monkeypatch):
     prefixes = ("lm_eval.", "harness.lm_eval", "harness.eval")
     for name in [m for m in sys.modules if m == "lm_eval" or m.startswith(prefixes)]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval now fails as if it were not installed
-    with pytest.raises(DeepInferError, match=r"^an lm-eval suite needs lm-eval: pip install 'deepinfer\[eval\]'$"):
+    with pytest.raises(DeepInferError) as raised:
         load_suite("lm-eval:deepinfer")
+    assert str(raised.value) == ("an lm-eval suite needs lm-eval: pip install -e '.[eval]' in this project's checkout "
+                                 "(or pip install 'lm-eval>=0.4.13')")

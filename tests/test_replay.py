@@ -422,6 +422,11 @@ def test_replay_commands_record_and_verify(tiny_checkpoint, tmp_path, capsys) ->
     assert out.splitlines()[:2] == ["a: completed (1 turn(s) and 0 tool call(s) answered; the trace has 3 turn(s))",
                                     "b: completed (1 turn(s) and 0 tool call(s) answered; the trace has 3 turn(s))"]
     assert out.splitlines()[-1] == f"cassette: {cassette}"
+    code, out, _ = run_cli(["audit", "replay", "record", "--traces", str(traces), "--out", str(tmp_path / "tf.jsonl"),
+                            "--model", str(tiny_checkpoint), "--max-model-len", "1024"], capsys)
+    assert code == 1 and out.splitlines()[-2] == (  # random weights never write the trace's turns
+        "note: record compares the model's turns with the trace's own, which only the model that wrote the trace "
+        "reproduces (a random-weight checkpoint never does); replay verify checks the cassette itself")
 
     code, out, err = run_cli(["audit", "replay", "verify", str(cassette)], capsys)
     assert (code, err) == (0, "")

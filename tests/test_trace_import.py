@@ -130,6 +130,22 @@ def test_legacy_function_calls_become_tool_calls() -> None:
     assert "'rating': 8.9" in prompt(e, 3) and '"final_answer":"Casa do Rio (LIS-2291)' in whole(e)
 
 
+def test_an_openai_sdk_dump_with_null_fields_reads_as_the_fields_absent() -> None:
+    """`ChatCompletionMessage.model_dump()` writes every field, unset ones as null."""
+    call = {"id": "call_9", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    dumped = {"role": "assistant", "content": None, "refusal": None, "audio": None, "function_call": None,
+              "tool_calls": [call], "annotations": None}
+    line = {"id": "sdk", "messages": [{"role": "user", "content": "Oslo?", "name": None}, dumped,
+                                      {"role": "tool", "tool_call_id": "call_9", "content": "4 C"},
+                                      {"role": "assistant", "content": "4 C in Oslo.", "refusal": None,
+                                       "function_call": None, "tool_calls": None}]}
+    plain = {"id": "sdk", "messages": [{"role": "user", "content": "Oslo?"},
+                                       {"role": "assistant", "content": None, "tool_calls": [call]},
+                                       {"role": "tool", "tool_call_id": "call_9", "content": "4 C"},
+                                       {"role": "assistant", "content": "4 C in Oslo."}]}
+    assert parse_trace_line(json.dumps(line), "t.jsonl", 1).messages == parse_trace_line(json.dumps(plain), "t.jsonl", 1).messages
+
+
 def test_the_legacy_episode_as_responses_items_renders_the_same_prompts() -> None:
     legacy = episodes("toolbench_legacy_chat.jsonl")["toolbench-lisbon-hotel"]
     responses = episodes("toolbench_legacy_responses.jsonl")["toolbench-lisbon-hotel-responses"]
