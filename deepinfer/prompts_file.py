@@ -4,7 +4,7 @@ One JSON object per line with exactly one of `prompt` (text), `prompt_token_ids`
 (OpenAI Chat Completions shape, plus optional `tools` and `tool_choice`), an optional `sampling`
 object of `SamplingParams` fields and an optional string `id`. Blank lines are skipped. Every error
 names `file:line`. Files are read a line at a time with bounds (`MAX_LINE_BYTES` a line,
-`MAX_FILE_BYTES` a file, `MAX_NESTING` levels of JSON), so an endless input (/dev/zero) or a hostile
+`MAX_FILE_BYTES` a file, `MAX_JSON_NESTING` levels of JSON), so an endless input (/dev/zero) or a hostile
 line is refused in one line, promptly, and SIGTERM is honoured while reading. A messages request whose `sampling` says `"structured": "tool_call"` is constrained
 to tool calls of its `tools` as its `tool_choice` allows (`recipe.chat.tool_call_constraint`).
 """
@@ -18,14 +18,13 @@ from typing import TYPE_CHECKING
 
 from deepinfer.errors import DeepInferError
 from deepinfer.recipe.chat import encode_messages, tool_call_constraint
-from deepinfer.sampling_params import TOOL_CALL, SamplingParams
+from deepinfer.sampling_params import MAX_JSON_NESTING, TOOL_CALL, SamplingParams, json_nesting
 
 if TYPE_CHECKING:
     from deepinfer.engine.llm import LLM
 
 MAX_LINE_BYTES = 64 << 20  # a request line (a 1M-token prompt is ~4 MB of text)
 MAX_FILE_BYTES = 1 << 30
-MAX_NESTING = 100  # JSON levels of one line (tool schemas included)
 SOURCES = ("prompt", "prompt_token_ids", "messages")
 FIELDS = {*SOURCES, "tools", "tool_choice", "sampling", "id"}
 
@@ -117,28 +116,16 @@ def json_object(line: str, where: str) -> dict:
     """One JSONL line that must hold a JSON object; errors name `where` (file:line)."""
     try:
         value = json.loads(line)
-        too_deep = _nesting(value) > MAX_NESTING
+        too_deep = json_nesting(value) > MAX_JSON_NESTING
     except json.JSONDecodeError as err:
         raise DeepInferError(f"invalid JSON ({err.msg} at column {err.colno})", where=where, kind="malformed") from None
-    except RecursionError:  # deeper than Python's parser goes, so deeper than MAX_NESTING too
+    except RecursionError:  # deeper than Python's parser goes, so deeper than MAX_JSON_NESTING too
         too_deep = True
     if too_deep:
-        raise DeepInferError(f"JSON nested more than {MAX_NESTING} levels deep", where=where, kind="malformed")
+        raise DeepInferError(f"JSON nested more than {MAX_JSON_NESTING} levels deep", where=where, kind="malformed")
     if not isinstance(value, dict):
         raise DeepInferError(f"expected a JSON object, got {type(value).__name__}", where=where, kind="malformed")
     return value
-
-
-def _nesting(value: object) -> int:
-    """How many levels of objects and arrays `value` has (walked without recursion), stopping past
-    MAX_NESTING."""
-    deepest, stack = 0, [(value, 1)]
-    while stack and deepest <= MAX_NESTING:
-        item, depth = stack.pop()
-        if isinstance(item, (dict, list)):
-            deepest = max(deepest, depth)
-            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
-    return deepest
 
 
 def parse_request_line(line: str, where: str, default_id: str) -> PromptRequest:

@@ -39,6 +39,21 @@ TOOL_CALL = "tool_call"  # the assistant turn as tool calls of the request's too
 GRAMMAR_SYNTAXES = ("lark", "ebnf")
 
 
+MAX_JSON_NESTING = 100  # levels of objects and arrays in a request line or a JSON schema
+
+
+def json_nesting(value: object) -> int:
+    """How many levels of objects and arrays `value` has, walked without recursion (a hostile value
+    may be nested deeper than Python's recursion limit); the count stops just past MAX_JSON_NESTING."""
+    deepest, stack = 0, [(value, 1)]
+    while stack and deepest <= MAX_JSON_NESTING:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
 def structured_problem(value: object) -> str | None:
     """What is wrong with the shape of a `structured` constraint (compiling it is the engine's job), or
     None: one of {"regex": str}, {"json_schema": dict | JSON text}, {"choice": [str, ...]},
@@ -67,8 +82,12 @@ def structured_problem(value: object) -> str | None:
                 spec = json.loads(spec)
             except json.JSONDecodeError as err:
                 return f"json_schema is not valid JSON: {err}"
+            except RecursionError:
+                return f"json_schema nested more than {MAX_JSON_NESTING} levels deep"
         if not isinstance(spec, (dict, bool)):
             return f"json_schema must be an object (or its JSON text), got {type(spec).__name__}"
+        if json_nesting(spec) > MAX_JSON_NESTING:
+            return f"json_schema nested more than {MAX_JSON_NESTING} levels deep"
     return None
 
 

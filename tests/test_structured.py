@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -43,11 +44,44 @@ def test_every_battery_output_is_valid(llm, temperature):
     assert len({output.text for output in outputs}) > len(BATTERY) // 2  # the model, not the mask, picks
 
 
+def nested(levels: int) -> dict:
+    """A schema of `levels` objects, each the only property of the one around it (2 JSON levels each)."""
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"x": schema}, "required": ["x"]}
+    return schema
+
+
+def test_the_schema_true_accepts_any_json_value_and_a_deep_one_compiles(llm):
+    outputs = llm.generate(["Answer:"] * 2, [SamplingParams(max_tokens=40, structured={"json_schema": True}),
+                                             SamplingParams(max_tokens=120, structured={"json_schema": nested(45)})])
+    for output in outputs:
+        if output.finish_reason == "stop":
+            json.loads(output.text)
+    assert outputs[0].finish_reason in ("stop", "length") and outputs[0].text
+
+
+def test_a_regex_whose_dfa_explodes_compiles_lazily_within_the_limits(llm):
+    """(a|b)*a(a|b){24} has 2^25 DFA states: outlines-core's build is stopped at its time or memory limit
+    and llguidance's lazy lexer serves it; the output still matches."""
+    started = time.monotonic()
+    output = llm.generate(["Answer:"], [SamplingParams(max_tokens=40, structured={"regex": "(a|b)*a(a|b){24}"})])[0]
+    assert time.monotonic() - started < structured.COMPILE_SECONDS + 5
+    assert re.fullmatch("[ab]*", output.text) and (output.finish_reason == "length" or
+                                                    re.fullmatch("(a|b)*a(a|b){24}", output.text))
+
+
 @pytest.mark.parametrize("constraint, message", [
     ({"regex": "[a-"}, "invalid regex: unclosed character class"),
     ({"json_schema": {"type": "foo"}}, "invalid JSON schema: Invalid type: foo"),
     ({"grammar": "start: foo", "syntax": "lark"}, 'invalid grammar: at 1(8): unknown name: "foo"'),
     ({"grammar": "root ::= foo", "syntax": "ebnf"}, "invalid EBNF grammar: "),
+    ({"json_schema": False}, "invalid JSON schema: false accepts no value"),
+    ({"regex": "[^\\x00-\\U0010FFFF]"}, "invalid regex: no output satisfies it"),  # an empty character class
+    ({"json_schema": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}},
+     "invalid JSON schema: no output satisfies it"),
+    ({"json_schema": {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(70000)}}},
+     "invalid JSON schema: schema too large"),
 ])
 def test_a_constraint_that_does_not_compile_fails_at_submission_in_one_line(llm, constraint, message):
     with pytest.raises(StructuredError) as raised:
@@ -66,6 +100,9 @@ def test_a_constraint_that_does_not_compile_fails_at_submission_in_one_line(llm,
     ({"choice": []}, "structured choice must be a non-empty list of non-empty strings"),
     ({"json_schema": "{oops"}, "structured json_schema is not valid JSON: Expecting property name enclosed in "
                                "double quotes: line 1 column 2 (char 1)"),
+    ({"json_schema": nested(60)}, "structured json_schema nested more than 100 levels deep"),
+    ({"json_schema": '{"properties": {"x": ' * 5000 + "{}" + "}}" * 5000},  # past Python's own JSON parser
+     "structured json_schema nested more than 100 levels deep"),
 ])
 def test_a_malformed_constraint_is_refused_by_the_params(constraint, message):
     with pytest.raises(SamplingParamsError, match=f"^{re.escape('invalid sampling params: ' + message)}$"):

@@ -14,7 +14,14 @@ Regexes, schemas and choices compile with outlines-core (`json_schema.build_rege
 (`LLMatcher`), which also takes a regex or schema outlines-core cannot compile, and a schema using a
 keyword outlines-core would not enforce (`OUTLINES_SCHEMA_KEYWORDS`: numeric bounds, for one). Compiled
 constraints are cached by (tokenizer content hash, constraint). A constraint that compiles in neither
-fails its request at submission with the compiler's one-line error.
+fails its request at submission with the compiler's one-line error, and so does one that no output
+can even start (an empty character class, a `$ref` loop) or the schema `false`; the schema `true`
+is `{}`.
+
+Compiling is bounded: outlines-core builds a DFA, which can be exponential in the regex
+(`(a|b)*a(a|b){24}`) or huge for a huge schema, so it runs in a forked child limited to
+`COMPILE_SECONDS` and `COMPILE_BYTES` more memory, and a constraint that does not fit goes to
+llguidance instead, whose lazy lexer and parser work within its own limits (`LLParserLimits`).
 
 Each request holds a `Matcher`: its constraint's state after the tokens it has generated. The mask
 allows the tokens the constraint allows there, and the end token only where the output may end; an
@@ -27,7 +34,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
+import pickle
 import re
+import resource
+import select
+import signal
+import time
+from collections.abc import Callable
 
 import llguidance
 import outlines_core
@@ -47,6 +61,8 @@ OUTLINES_SCHEMA_KEYWORDS = frozenset({
     "$schema", "$id", "title", "description", "default", "examples"})
 LITERAL_KEYWORDS = frozenset({"enum", "const", "default", "examples", "required"})
 MAX_ROLLBACK = 64  # tokens a matcher can take back: a step's pending token and its drafts
+COMPILE_SECONDS = 4.0  # an outlines-core index that takes longer is left to llguidance
+COMPILE_BYTES = 1 << 30  # nor may it take more memory than this
 
 
 class StructuredError(DeepInferError, ValueError):
@@ -237,25 +253,89 @@ def _compile_uncached(compiler: StructuredCompiler, structured: dict) -> outline
                 text = gbnf_to_lark(text)
             except Exception as err:  # GbnfToLarkError, or a bare Exception for an undefined rule
                 raise StructuredError(f"invalid EBNF grammar: {_first_line(err)}") from None
-        return _guidance_grammar(compiler, llguidance.LLMatcher.grammar_from_lark(text), "grammar")
+        return _guidance_grammar(compiler, _guidance_source(lambda: llguidance.LLMatcher.grammar_from_lark(text),
+                                                            "grammar"), "grammar")
     if "json_schema" in structured:
-        schema = json.dumps(structured["json_schema"])
-        try:
-            if not _outlines_enforces(structured["json_schema"]):
-                raise ValueError("a keyword outlines-core does not enforce")
-            regex = outlines_core.json_schema.build_regex_from_schema(schema, JSON_WHITESPACE)
-        except Exception:  # outlines-core raises ValueError or its own error types
-            return _guidance_grammar(compiler, llguidance.LLMatcher.grammar_from_json_schema(
-                schema, defaults={"whitespace_flexible": False}), "JSON schema")
-        kind = "JSON schema"
-    elif "choice" in structured:
+        if structured["json_schema"] is False:
+            raise StructuredError("invalid JSON schema: false accepts no value")
+        schema_value = {} if structured["json_schema"] is True else structured["json_schema"]
+        schema = json.dumps(schema_value)
+        return _index_or_grammar(
+            compiler, "JSON schema",
+            (lambda: outlines_core.json_schema.build_regex_from_schema(schema, JSON_WHITESPACE))
+            if _outlines_enforces(schema_value) else None,
+            lambda: llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False}))
+    if "choice" in structured:
         regex, kind = "|".join(re.escape(choice) for choice in structured["choice"]), "choice"
     else:
         regex, kind = structured["regex"], "regex"
+    return _index_or_grammar(compiler, kind, lambda: regex, lambda: llguidance.LLMatcher.grammar_from_regex(regex))
+
+
+def _index_or_grammar(compiler: StructuredCompiler, kind: str, regex: Callable[[], str] | None,
+                      grammar: Callable[[], str]) -> outlines_core.Index | str:
+    """outlines-core's index of `regex()` where it can be made within the limits (`regex` None: it
+    would not enforce the constraint), else llguidance's `grammar()`; StructuredError when neither
+    compiles or no output can start."""
+    vocabulary = _vocabulary(compiler)  # built here, once: a child's copy would be lost with it
+    index = None if regex is None else _within_limits(lambda: outlines_core.Index(regex(), vocabulary))
+    if index is None:
+        return _guidance_grammar(compiler, _guidance_source(grammar, kind), kind)
+    start = index.get_initial_state()
+    if not index.is_final_state(start) and not set(index.get_allowed_tokens(start)) - {compiler.eos}:
+        raise StructuredError(f"invalid {kind}: no output satisfies it")
+    return index
+
+
+def _within_limits(build: Callable[[], outlines_core.Index]) -> outlines_core.Index | None:
+    """`build()` run in a forked child with COMPILE_SECONDS and COMPILE_BYTES more memory than this
+    process has, its result sent back pickled; None when it raised, ran out of either, or died."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: nothing but the build, then exit without running any cleanup
+        code = 1
+        try:
+            os.close(read)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # an allocation failure aborts with a message: not ours
+            limit = _address_space() + COMPILE_BYTES
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+            data = pickle.dumps(build())
+            with os.fdopen(write, "wb") as pipe:
+                pipe.write(data)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    chunks, deadline = [], time.monotonic() + COMPILE_SECONDS
     try:
-        return outlines_core.Index(regex, _vocabulary(compiler))
-    except Exception:  # outlines-core raises ValueError or its own error types
-        return _guidance_grammar(compiler, llguidance.LLMatcher.grammar_from_regex(regex), kind)
+        while (left := deadline - time.monotonic()) > 0 and select.select([read], [], [], left)[0]:
+            chunk = os.read(read, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        os.close(read)
+        _, status = os.waitpid(pid, 0)
+    return pickle.loads(b"".join(chunks)) if os.waitstatus_to_exitcode(status) == 0 else None
+
+
+def _address_space() -> int:
+    """This process's virtual memory size in bytes (VmSize)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no VmSize in /proc/self/status")
+
+
+def _guidance_source(convert: Callable[[], str], kind: str) -> str:
+    """llguidance's grammar of a regex or schema; StructuredError with its message when it has none."""
+    try:
+        return convert()
+    except Exception as err:  # ValueError, or its own error types (a schema nested too deep, say)
+        raise StructuredError(f"invalid {kind}: {_first_line(err)}") from None
 
 
 def _outlines_enforces(schema: object) -> bool:
@@ -277,11 +357,20 @@ def _outlines_enforces(schema: object) -> bool:
 
 
 def _guidance_grammar(compiler: StructuredCompiler, grammar: str, kind: str) -> str:
-    """`grammar` once llguidance has compiled it for the tokenizer; StructuredError with llguidance's
-    message otherwise (it names the problem more precisely than outlines-core's, when both failed)."""
-    error = llguidance.LLMatcher(compiler.guidance, grammar).get_error()
+    """`grammar` once llguidance has compiled it for the tokenizer and it lets an output start;
+    StructuredError with llguidance's message otherwise (it names the problem more precisely than
+    outlines-core's, when both failed)."""
+    matcher = llguidance.LLMatcher(compiler.guidance, grammar)
+    error = matcher.get_error()
     if error:
         raise StructuredError(f"invalid {kind}: {_first_line(error)}")
+    if not matcher.is_accepting():
+        mask = torch.zeros(1, mask_words(compiler.guidance.vocab_size), dtype=torch.int32)
+        matcher.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * 4)
+        allowed = allowed_tokens(mask, compiler.guidance.vocab_size)[0]
+        allowed[compiler.eos] = False
+        if matcher.is_error() or not allowed.any():
+            raise StructuredError(f"invalid {kind}: no output satisfies it")
     return grammar
 
 
