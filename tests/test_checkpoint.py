@@ -26,6 +26,7 @@ from deepinfer.checkpoint.hashing import cache_path
 from deepinfer.checkpoint.layout import FP32, INDEX, WEIGHT
 from deepinfer.checkpoint.layout_v41 import released_format
 from deepinfer.checkpoint.random_init import RandomTensors, random_tensor
+from deepinfer import LLM, SamplingParams
 from deepinfer.cli import main
 from deepinfer.config import CSA, HCA, SLIDING, ConfigError
 
@@ -362,6 +363,37 @@ def _set(name, value):
 def test_bad_tensors(tiny_checkpoint, tmp_path, mutate, message):
     folder = _with_tensors(tiny_checkpoint, tmp_path / "c", mutate)
     assert _error(load_checkpoint, folder) == message
+
+
+def _as_bfloat16(src: Path, dst: Path, keep_float32: tuple[str, ...] = ()) -> Path:
+    """A copy of `src` declared and stored as bfloat16, except the weights in `keep_float32`, stored as
+    float32 (with the same bfloat16 values, widened exactly)."""
+    layout = expected_tensors(preset_config("tiny"), include_mtp=True)
+
+    def narrow(tensors: dict) -> None:
+        for name, tensor in tensors.items():
+            if layout[name].kind == WEIGHT:
+                narrow_value = tensor.to(torch.bfloat16)
+                tensors[name] = narrow_value.float() if name in keep_float32 else narrow_value
+
+    folder = _with_tensors(src, dst, narrow)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    return folder
+
+
+def test_weights_stored_wider_than_the_checkpoint_dtype_load_and_are_recorded(tiny_checkpoint, tmp_path):
+    """A bfloat16 checkpoint that stores some weights as float32 (NeMo's V4.1 export does) loads; the
+    manifest names them; with the same values the outputs are the same bits as the all-bfloat16 one."""
+    narrow = _as_bfloat16(tiny_checkpoint, tmp_path / "bf16")
+    mixed = _as_bfloat16(tiny_checkpoint, tmp_path / "mixed", keep_float32=("head.weight", "model.embed_tokens.weight"))
+    outputs = {}
+    for folder in (narrow, mixed):
+        llm = LLM(folder)
+        outputs[folder] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, logprobs=1))[0]
+    assert outputs[narrow].token_ids == outputs[mixed].token_ids and outputs[narrow].logprobs == outputs[mixed].logprobs
+    assert llm.stored_formats == {"weights": "bfloat16", "float32_weights": "head.weight, model.embed_tokens.weight"}
+    assert load_checkpoint(narrow).formats == {"weights": "bfloat16"}
 
 
 def test_partial_mtp_set(tiny_checkpoint, tmp_path):

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -274,3 +275,26 @@ def test_generate_content_seeds_are_the_same_in_any_order(capsys, tiny_checkpoin
     by_order = seeds_and_tokens(rows)
     assert [seed for seed, _ in by_order] == [derive_seed(0, i) for i in range(3)]
     assert [seed for seed, _ in seeds_and_tokens(rows[::-1])] == [seed for seed, _ in by_order]
+
+
+def _resident_mb() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) // 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def test_a_default_cache_for_a_million_positions_takes_ram_only_as_it_fills(tiny_checkpoint, tmp_path):
+    """max_position_embeddings of 1M: the default cache is sized for it (from physical RAM, the same on
+    every run), but its pages are committed only when written, so the engine's resident memory grows by
+    what its sequences use, not by the cache's size; the cache still reads as zeros."""
+    folder = tmp_path / "long"
+    shutil.copytree(tiny_checkpoint, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1 << 20}))
+    before = _resident_mb()
+    llm = LLM(folder)
+    cache_mb = sum(t.numel() * t.element_size() for t in llm.cache.storage.values()) >> 20
+    output = llm.generate([list(range(2, 300))], SamplingParams(max_tokens=4))[0]
+    grown = _resident_mb() - before
+    assert output.finish_reason == "length" and llm.max_model_len > 64 * 1024
+    assert cache_mb > 2048 and grown < 600, (cache_mb, grown)
+    assert not llm.cache.storage[next(iter(llm.cache.storage))][:, -4096:].any()  # untouched rows read as zeros

@@ -54,7 +54,7 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu", *,
     config = load_config(folder)
     files = weight_files(folder)
     with WeightReader(files, device) as reader:
-        has_mtp, weight_dtype = check_tensors(config, reader.headers)
+        has_mtp, weight_dtype, wider = check_tensors(config, reader.headers)
         tensors = {name: reader.get(name) for name in sorted(reader.headers)}
     _check_routing_tables(config, tensors)
     digest = cached_hash(files)
@@ -63,7 +63,7 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu", *,
         store_hash(files, digest)
     tensors = {name: tensor for name, tensor in tensors.items() if not unused_tensor(config, name)}
     tensors = weights_in_memory(config, tensors, quantized_as)
-    formats = stored_formats(config, weight_dtype)
+    formats = stored_formats(config, weight_dtype, wider)
     return Checkpoint(folder, config, tensors, has_mtp, digest, _tokenizer(folder), formats)
 
 
@@ -93,7 +93,7 @@ def _draft_tensors(folder: str | Path, device: str | torch.device, quantized_as:
     if not has_draft(config):
         raise CheckpointError(f"{folder}: the config has no {what}")
     with WeightReader(weight_files(folder), device) as reader:
-        has_mtp, _ = check_tensors(config, reader.headers)
+        has_mtp, _, _ = check_tensors(config, reader.headers)
         if not has_mtp:
             raise CheckpointError(f"{folder}: the checkpoint has no {what} (mtp.* tensors)")
         tensors = {name: reader.get(name) for name in sorted(reader.headers) if is_draft_tensor(name)}
@@ -110,9 +110,17 @@ def weights_in_memory(config: ModelConfig | V41Config, tensors: dict[str, torch.
     return quantized_weights(config, tensors, quantized_as)
 
 
-def stored_formats(config: ModelConfig | V41Config, weight_dtype: str) -> dict[str, str]:
+def stored_formats(config: ModelConfig | V41Config, weight_dtype: str, wider: list[str] = ()) -> dict[str, str]:
     """How the checkpoint stores its weights, by part (runs record it): `weight_dtype` throughout, or
-    the quantized parts' formats (number format, scale tile, scale format) beside it."""
+    the quantized parts' formats (number format, scale tile, scale format) beside it, and the weights
+    stored wider than `weight_dtype` (`check_tensors`), if any."""
+    formats = _part_formats(config, weight_dtype)
+    if wider:
+        formats["float32_weights"] = ", ".join(wider[:3]) + (f" (and {len(wider) - 3} more)" if len(wider) > 3 else "")
+    return formats
+
+
+def _part_formats(config: ModelConfig | V41Config, weight_dtype: str) -> dict[str, str]:
     if config.quantization_config is None:
         return {"weights": weight_dtype}
     if isinstance(config, V41Config):
@@ -133,7 +141,7 @@ def inspect_checkpoint(folder: str | Path, *, verify: bool = False) -> Checkpoin
     has_weights = (folder / INDEX_NAME).is_file() or any(folder.glob("*.safetensors"))
     has_mtp, dtype, digest = False, weight_dtype_name(config), None
     if has_weights:
-        has_mtp, dtype = check_tensors(config, read_headers(weight_files(folder)))
+        has_mtp, dtype, _ = check_tensors(config, read_headers(weight_files(folder)))
         digest = content_hash(folder, trust_cache=not verify)
     return CheckpointInfo(folder, config, has_weights, has_mtp, dtype, digest, _tokenizer(folder))
 
@@ -142,8 +150,12 @@ FIXED_DTYPES = {FP32: ("float32",), INDEX: ("int64",), FP8: ("float8_e4m3fn",), 
                 SCALE: ("float8_e8m0fnu", "uint8")}
 
 
-def check_tensors(config: ModelConfig, headers: dict[str, tuple[Path, str, tuple[int, ...]]]) -> tuple[bool, str]:
-    """Check names, shapes and dtypes (from headers) against the layout; returns (has_mtp, weight dtype)."""
+def check_tensors(config: ModelConfig, headers: dict[str, tuple[Path, str, tuple[int, ...]]]
+                  ) -> tuple[bool, str, list[str]]:
+    """Check names, shapes and dtypes (from headers) against the layout; returns (has_mtp, weight dtype,
+    the weights stored wider than it: float32 in a bfloat16 checkpoint, as releases and NeMo's exports
+    keep some; they load exactly and the engine casts them as it casts the rest). A weight stored
+    narrower than the checkpoint's dtype is an error: its lost bits cannot come back."""
     present = {name for name in headers if not unchecked_tensor(config, name)}
     has_mtp = any(name.startswith(MTP_PREFIX) for name in headers)
     expected = expected_tensors(config, include_mtp=has_mtp)
@@ -158,6 +170,7 @@ def check_tensors(config: ModelConfig, headers: dict[str, tuple[Path, str, tuple
     if unexpected:
         raise CheckpointError(f"unexpected tensor {_some(unexpected)}")
     weight_dtype = weight_dtype_name(config)
+    wider = []
     for name in sorted(expected):
         spec = expected[name]
         path, dtype, shape = headers[name]
@@ -171,9 +184,11 @@ def check_tensors(config: ModelConfig, headers: dict[str, tuple[Path, str, tuple
             if dtype not in ("float32", "bfloat16"):
                 raise CheckpointError(f"{name}: dtype {dtype}, expected float32 or bfloat16")
             weight_dtype = dtype
+        elif (dtype, weight_dtype) == ("float32", "bfloat16"):
+            wider.append(name)
         elif dtype != weight_dtype:
             raise CheckpointError(f"{name}: dtype {dtype} does not match checkpoint dtype {weight_dtype}")
-    return has_mtp, weight_dtype or "float32"
+    return has_mtp, weight_dtype or "float32", wider
 
 
 def _check_routing_tables(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:

@@ -33,6 +33,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy
 import torch
 
 from deepinfer.errors import DeepInferError
@@ -53,6 +54,17 @@ def cache_bytes(specs: list[PoolSpec], *, max_num_seqs: int, max_model_len: int,
     rows = sum((spec.max_blocks_per_seq(max_model_len, step, block_size) * max_num_seqs + 1) * block_size
                * len(spec.layers) * spec.width for spec in specs)  # + 1: the null block
     return rows * itemsize
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """torch.zeros(shape), whose memory on CPU is only committed as it is first written: numpy's
+    calloc takes a large block as fresh anonymous pages, which the kernel hands out zeroed when first
+    touched, so a default cache sized for max_position_embeddings costs RAM as sequences fill it
+    (torch.zeros writes every byte at once)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(numpy.zeros(nbytes, dtype=numpy.uint8)).view(dtype).view(shape)
 
 
 def cache_memory(device: torch.device, weight_bytes: int) -> int:
@@ -142,9 +154,7 @@ class CacheManager:
             one_seq = spec.max_blocks_per_seq(max_model_len, max_step_tokens, block_size)
             count = max(num_blocks, one_seq) if num_blocks is not None else one_seq * max_num_seqs
             self.num_blocks[spec.name] = count
-            self.storage[spec.name] = torch.zeros(
-                len(spec.layers), (count + 1) * block_size, spec.width, dtype=dtype, device=device
-            )
+            self.storage[spec.name] = zeroed((len(spec.layers), (count + 1) * block_size, spec.width), dtype, device)
             self.free_blocks[spec.name] = [b for b in range(count, -1, -1) if b != NULL_BLOCK]
             self.refs[spec.name] = [0] * (count + 1)
         self.layer_views = self._layer_views()
