@@ -31,6 +31,12 @@ def _png(fig: Figure) -> bytes:
     return buf.getvalue()
 
 
+def _legend_outside(ax, entries: int) -> None:
+    """The legend right of the plot, in columns of at most 12 entries, so it never covers a point."""
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0,
+              ncol=max(1, -(-entries // 12)), frameon=False)
+
+
 def _others(data: AuditData) -> list[str]:
     """Non-reference configuration names; a configuration's colour is C<its position here> in every plot."""
     return [c.name for c in data.configurations if c.role != "reference"]
@@ -55,7 +61,7 @@ def invariance_heatmap(data: AuditData) -> bytes:
     request_ids = frame.filter(pl.col("configuration") == names[0])["request_id"].to_list()
     labelled = len(request_ids) <= MAX_LABELLED_REQUESTS
 
-    fig = Figure(figsize=(10, 1.6 + 0.45 * len(names) + (1.0 if labelled else 0.0)))
+    fig = Figure(figsize=(10, 1.6 + 0.45 * len(names) + (1.0 if labelled else 0.0)), layout="constrained")
     ax = fig.add_subplot()
     cmap = ListedColormap([colour for _, colour in CATEGORIES])
     ax.imshow(matrix, cmap=cmap, vmin=-0.5, vmax=len(CATEGORIES) - 0.5, aspect="auto", interpolation="nearest")
@@ -65,10 +71,9 @@ def invariance_heatmap(data: AuditData) -> bytes:
     else:
         ax.set_xlabel("request index")
     ax.set_title("Invariance: each configuration against the reference")
-    ax.legend(
+    fig.legend(  # below the tick labels, however tall they are: no gap, no overlap
         handles=[Patch(facecolor=colour, label=label) for label, colour in CATEGORIES],
-        loc="upper center", bbox_to_anchor=(0.5, -0.25 if labelled else -0.12),
-        ncol=len(CATEGORIES), frameon=False, fontsize=8,
+        loc="outside lower center", ncol=len(CATEGORIES), frameon=False, fontsize=8,
     )
     return _png(fig)
 
@@ -96,7 +101,7 @@ def divergence_histogram(data: AuditData) -> bytes | None:
     ax.set_title("Where streams first diverge")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.legend(fontsize=8)
+    _legend_outside(ax, len(shown))
     return _png(fig)
 
 
@@ -119,5 +124,5 @@ def drift_plot(data: AuditData) -> bytes | None:
     ax.set_xlabel("request index")
     ax.set_ylabel("max |Δ logprob| on common prefix")
     ax.set_title("Logprob drift against the reference (requests with zero drift not drawn)")
-    ax.legend(fontsize=8)
+    _legend_outside(ax, len(ax.get_legend_handles_labels()[0]))
     return _png(fig)

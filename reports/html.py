@@ -33,6 +33,7 @@ h2 { margin-top: 2rem; border-bottom: 1px solid #ddd; padding-bottom: 0.2rem; }
 table { border-collapse: collapse; font-size: 0.8rem; margin: 0.5rem 0; background: #fff; }
 th, td { border: 1px solid #ddd; padding: 0.2rem 0.4rem; text-align: left; white-space: nowrap; }
 th { background: #eeeeee; white-space: normal; vertical-align: bottom; }
+td.wrap { white-space: normal; min-width: 14rem; max-width: 28rem; overflow-wrap: anywhere; }
 td { font-family: ui-monospace, "DejaVu Sans Mono", Menlo, Consolas, monospace; }
 tbody tr:nth-child(even) { background: #f7f7f7; }
 figure { margin: 0.5rem 0; }
@@ -41,11 +42,15 @@ figcaption { font-size: 0.85rem; color: #555; }
 """
 
 
+WRAP_CHARS = 48  # a cell longer than this may wrap: the others keep to one line
+
+
 def html_table(frame: pl.DataFrame) -> str:
-    """A plain HTML table of the frame's string cells, all escaped."""
+    """A plain HTML table of the frame's string cells, all escaped; a long cell wraps (`td.wrap`)."""
     head = "".join(f"<th>{escape(c)}</th>" for c in frame.columns)
     body = "".join(
-        "<tr>" + "".join(f"<td>{escape(v)}</td>" for v in row) + "</tr>" for row in frame.iter_rows()
+        "<tr>" + "".join(f'<td class="wrap">{escape(v)}</td>' if len(v) > WRAP_CHARS else f"<td>{escape(v)}</td>"
+                         for v in row) + "</tr>" for row in frame.iter_rows()
     )
     return f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
 

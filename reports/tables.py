@@ -102,8 +102,9 @@ def shared_settings(data: AuditData) -> str:
 
 
 def configurations_table(data: AuditData) -> pl.DataFrame:
-    """One row per configuration: role, the knobs that differ, short roots, comparison counts, throughput
-    and first-token latency."""
+    """One row per configuration: role, the knobs that differ (one `settings` cell of key=value pairs, so
+    the table keeps to the page's width however many knobs a sweep turns), short roots, comparison
+    counts, throughput and first-token latency."""
     knobs = _knobs(data)[0]
     rows = []
     for c in data.configurations:
@@ -113,7 +114,7 @@ def configurations_table(data: AuditData) -> pl.DataFrame:
             {
                 "configuration": c.name,
                 "role": c.role,
-                **{k: cell(c.config[k]) if k in c.config else "" for k in knobs},
+                "settings": ", ".join(f"{k}={cell(c.config[k])}" for k in knobs if k in c.config) or "–",
                 "token root": c.token_root[:ROOT_CHARS],
                 "logit root": c.logit_root[:ROOT_CHARS],
                 "equal": str(n["equal"]),

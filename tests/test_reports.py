@@ -8,6 +8,7 @@ import re
 from html.parser import HTMLParser
 from pathlib import Path
 
+import polars as pl
 import pytest
 
 from audit.certificate import build_certificate, control_verdicts, seal, verdict, write_certificate
@@ -15,6 +16,7 @@ from audit.errors import AuditError
 from audit.store import RunStore, make_row
 from reports import render_report
 from reports.groups import request_grouping
+from reports.html import html_table
 
 PROMPTS = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
 REQUEST_IDS = ["greet", "sum", "poem", "code"]
@@ -178,10 +180,14 @@ def test_tables_show_counts_throughput_and_divergences(rendered):
     lines = md.splitlines()
     chunked = next(line for line in lines if line.startswith("| chunked-prefill ") and "variant" in line)
     cells = [c.strip() for c in chunked.strip("|").split("|")]
-    # knobs batch_size, numerics, chunk; two roots; equal, drift, diverged, near-tie, missing/error, errored,
+    # the knobs that differ in one cell; two roots; equal, drift, diverged, near-tie, missing/error, errored,
     # tokens, tok/s, first token (median of 0.1, 0.2, 0.3, 0.4 s after arrival)
-    assert cells[:5] == ["chunked-prefill", "variant", "8", "invariant", "2"]
-    assert cells[7:] == ["2", "1", "1", "0", "0", "0", "16", "8.0", "0.250"]
+    assert cells[:3] == ["chunked-prefill", "variant", "batch_size=8, numerics=invariant, chunk=2"]
+    assert cells[5:] == ["2", "1", "1", "0", "0", "0", "16", "8.0", "0.250"]
+    long = "max_num_seqs=1, shuffle=True, stagger=0.05, max_num_batched_tokens=32"  # the default sweep's kind
+    assert html_table(pl.DataFrame({"settings": [long], "root": ["0f1e2d3c4b5a"]})) == (
+        '<div class="scroll"><table><thead><tr><th>settings</th><th>root</th></tr></thead><tbody><tr>'
+        f'<td class="wrap">{long}</td><td>0f1e2d3c4b5a</td></tr></tbody></table></div>')  # a long cell wraps
     divergence_rows = [line for line in lines if line.startswith("| chunked-prefill ") and "hard" in line]
     assert len(divergence_rows) == 1
     cells = [c.strip() for c in divergence_rows[0].strip("|").split("|")]
