@@ -31,6 +31,7 @@ of word i: token 32 i + j), what both compilers write.
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import hashlib
 import json
@@ -297,6 +298,7 @@ def _within_limits(build: Callable[[], outlines_core.Index]) -> outlines_core.In
         try:
             os.close(read)
             os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # an allocation failure aborts with a message: not ours
+            faulthandler.disable()  # nor its traceback
             limit = _address_space() + COMPILE_BYTES
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
             data = pickle.dumps(build())
@@ -314,7 +316,10 @@ def _within_limits(build: Callable[[], outlines_core.Index]) -> outlines_core.In
                 break
             chunks.append(chunk)
         else:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)  # out of time
+    except BaseException:  # interrupted (SIGTERM, Ctrl-C): the child must not outlive the wait below
+        os.kill(pid, signal.SIGKILL)
+        raise
     finally:
         os.close(read)
         _, status = os.waitpid(pid, 0)
