@@ -444,28 +444,37 @@ def uninterrupted(long_suite, tiny_checkpoint, tmp_path_factory) -> Path:
     return out
 
 
-def test_a_killed_run_resumes_to_the_root_of_an_uninterrupted_one(capsys, long_suite, tiny_checkpoint, uninterrupted,
-                                                                    tmp_path):
-    out = tmp_path / "run"
-    argv = ["audit", "run", "--model", str(tiny_checkpoint), "--suite", str(long_suite), "--max-num-seqs", "1",
+def run_with_a_part_stored(long_suite: Path, checkpoint: Path, out: Path) -> tuple[list[str], subprocess.Popen]:
+    """`audit run` of the long suite into `out` in a child process, once its first part file is stored
+    (rows still to serve): the argv, and the child (stdout and stderr piped)."""
+    argv = ["audit", "run", "--model", str(checkpoint), "--suite", str(long_suite), "--max-num-seqs", "1",
             "--out", str(out), "--no-progress"]
     # Flush every 3 rows (instead of 16 rows / 2 s) so that a part file appears early, with rows still to serve.
     code = ("import sys; import harness.run_writer as writer; writer.FLUSH_ROWS = 3; "
             "from harness.cli import main; "
             f"sys.exit(main({argv!r}))")
     child = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    parts = out / "parts"
-    deadline = time.monotonic() + 60
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    parts, deadline = out / "parts", time.monotonic() + 60
     try:
         while not (parts.is_dir() and any(parts.glob("part-*.parquet"))):
             assert child.poll() is None, child.stderr.read().decode()
             assert time.monotonic() < deadline, "no part file within 60 s"
             time.sleep(0.01)
-    finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait()
-        child.stderr.close()
+    except BaseException:
+        child.kill()
+        child.communicate()
+        raise
+    return argv, child
+
+
+def test_a_killed_run_resumes_to_the_root_of_an_uninterrupted_one(capsys, long_suite, tiny_checkpoint, uninterrupted,
+                                                                    tmp_path):
+    out = tmp_path / "run"
+    argv, child = run_with_a_part_stored(long_suite, tiny_checkpoint, out)
+    child.send_signal(signal.SIGKILL)
+    child.communicate()
+    parts = out / "parts"
     assert child.returncode == -signal.SIGKILL
     assert not (out / "root.json").exists() and not (out / "streams.parquet").exists()
     stored = {i for part in parts.glob("part-*.parquet") for i in pl.read_parquet(part, columns=["index"])["index"]}
@@ -569,18 +578,7 @@ def test_a_second_certify_of_a_folder_being_written_is_refused_and_the_first_sta
 def test_a_resume_beside_a_running_run_is_refused_and_the_run_loses_nothing(capsys, long_suite, tiny_checkpoint,
                                                                             uninterrupted, tmp_path):
     out = tmp_path / "run"
-    argv = ["audit", "run", "--model", str(tiny_checkpoint), "--suite", str(long_suite), "--max-num-seqs", "1",
-            "--out", str(out), "--no-progress"]
-    code = ("import sys; import harness.run_writer as writer; writer.FLUSH_ROWS = 3; "
-            "from harness.cli import main; "
-            f"sys.exit(main({argv!r}))")
-    child = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 60
-    while not (out / "parts").is_dir() or not any((out / "parts").glob("part-*.parquet")):
-        assert child.poll() is None, child.stderr.read().decode()
-        assert time.monotonic() < deadline, "no part file within 60 s"
-        time.sleep(0.01)
+    argv, child = run_with_a_part_stored(long_suite, tiny_checkpoint, out)
     assert_user_error(capsys, [*argv[1:], "--resume"],
                       f"{out}: another process is writing this folder; wait for it to end (or stop it), then --resume")
     stdout, stderr = child.communicate(timeout=120)
