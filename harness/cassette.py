@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from audit.files import atomic_write
-from audit.streams import canonical_json
+from audit.streams import HEX_DIGEST, canonical_json
 from deepinfer import LLM
 from deepinfer.errors import DeepInferError
 from deepinfer.prompts_file import read_jsonl_lines
@@ -54,7 +53,6 @@ from harness.traces import Episode, Recording, TraceError, load_traces, parse_tr
 CASSETTE_FORMAT = "deepinfer-cassette/2"
 _UNSEALED_FORMAT = "deepinfer-cassette/1"
 _HEADER_KEYS = {"format", "mode", "run_seed", "traces", "errors", "prefill", "manifest", "seal"}
-_DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 class AlteredCassette(DeepInferError):
@@ -247,9 +245,9 @@ def _header(line: str, path: Path) -> dict:
     seal = header.get("seal")
     if not (isinstance(seal, dict) and set(seal) == {"algorithm", "header", "entries"}
             and seal["algorithm"] == "sha256" and isinstance(seal["header"], dict)
-            and all(isinstance(d, str) and _DIGEST.fullmatch(d) for d in seal["header"].values())
+            and all(isinstance(d, str) and HEX_DIGEST.fullmatch(d) for d in seal["header"].values())
             and isinstance(seal["entries"], list)
-            and all(isinstance(d, str) and _DIGEST.fullmatch(d) for d in seal["entries"])):
+            and all(isinstance(d, str) and HEX_DIGEST.fullmatch(d) for d in seal["entries"])):
         raise AlteredCassette(f"{path}:1: seal: missing or malformed (the cassette cannot be checked for changes)")
     digests = _field_digests({key: value for key, value in header.items() if key != "seal"})
     changed = sorted(key for key in set(digests) | set(seal["header"]) if digests.get(key) != seal["header"].get(key))
