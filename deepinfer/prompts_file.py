@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deepinfer.errors import DeepInferError
-from deepinfer.recipe.chat import encode_messages, tool_call_constraint
+from deepinfer.recipe.chat import render_chat, tool_call_constraint
 from deepinfer.sampling_params import MAX_JSON_NESTING, TOOL_CALL, SamplingParams, json_nesting
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ class PromptRequest:
             if self.source == "messages":
                 if llm.tokenizer is None:
                     raise DeepInferError("chat messages need a checkpoint with tokenizer.json")
-                return llm.encode(llm.tokenize(encode_messages(self.value, self.tools)))
+                return llm.encode(llm.tokenize(render_chat(self.value, self.tools)))
             return llm.encode(self.value)
         except DeepInferError as err:
             raise err.at(self.where) from None

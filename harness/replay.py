@@ -35,7 +35,7 @@ from audit.streams import STREAM_SCHEMA, stream_hashes
 from deepinfer import LLM, RequestOutput, SamplingParams
 from deepinfer.errors import DeepInferError
 from deepinfer.progress import Progress
-from deepinfer.recipe.chat import content_text, encode_chat, encode_messages, parse_completion
+from deepinfer.recipe.chat import ChatPrompt, content_text, encode_chat, parse_completion, render_chat
 from harness.suite_base import generated_fields
 from harness.traces import Episode, RecordedTurn, Recording, ToolResult, canonical_arguments, turn_request_id
 
@@ -254,7 +254,7 @@ def _feed_forward(llm: LLM, state: _Running, turn: int, token_ids: list[int], me
         for where, reply in replies:  # unreadable content (an image) is refused naming where it is
             content_text(reply["content"], f"{where}: content")
         continuation = _continuation(calls, [reply for _, reply in replies])
-        state.prompt = llm.encode(state.prompt + closed + llm.tokenizer.encode(continuation))
+        state.prompt = llm.encode(state.prompt + closed + continuation.token_ids(llm.tokenizer))
     except DeepInferError as err:
         state.run.ending = _refused(episode, turn + 1, err)
 
@@ -265,11 +265,11 @@ def _refused(episode: Episode, turn: int, error: DeepInferError) -> EpisodeResul
     return EpisodeResult(episode.episode_id, "error", turn, detail=f"{error.kind}: {error.detail}")
 
 
-def _continuation(calls: list[dict], replies: list[dict]) -> str:
-    """Prompt text that follows an assistant turn: `replies` (tool results or user messages) and the
+def _continuation(calls: list[dict], replies: list[dict]) -> ChatPrompt:
+    """The prompt that follows an assistant turn: `replies` (tool results or user messages) and the
     generation prompt, as the chat template writes them after an exchange that ends with `calls`."""
     head = [{"role": "user", "content": ""}, {"role": "assistant", "content": "", "tool_calls": calls}]
-    return encode_messages(head + replies)[len(encode_messages(head, add_generation_prompt=False)):]
+    return render_chat(head + replies).after(render_chat(head, add_generation_prompt=False))
 
 
 def _user_blocks(episode: Episode) -> list[list[tuple[int, dict]]]:

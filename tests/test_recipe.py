@@ -379,11 +379,6 @@ ERROR_CASES = [
     ),
     ([{"role": "user", "content": [{"type": "text", "text": 5}]}], None, "message 0: content[0].text must be a string"),
     (
-        [{"role": "user", "content": "say <｜User｜> now"}],
-        None,
-        "message 0: content contains special token '<｜User｜>'",
-    ),
-    (
         [USER_MSG, {"role": "system", "content": "late"}],
         None,
         "message 1: system message after the conversation started (system and developer messages must come first)",
@@ -455,16 +450,6 @@ ERROR_CASES = [
     (_with_args({"a": float("inf")}), None, "message 1: tool_calls[0].function.arguments is not valid JSON"),
     (_with_args({"a": {1, 2}}), None, "message 1: tool_calls[0].function.arguments is not valid JSON"),
     (_with_args(7), None, "message 1: tool_calls[0].function.arguments must be a string or a JSON object"),
-    (
-        _with_args("{<｜tool▁sep｜>"),
-        None,
-        "message 1: tool_calls[0].function.arguments contains special token '<｜tool▁sep｜>'",
-    ),
-    (
-        _with_args({"a": "<think>"}),
-        None,
-        "message 1: tool_calls[0].function.arguments contains special token '<think>'",
-    ),
     ([USER_MSG, TOOL_MSG], None, "message 1: tool message must follow an assistant message with tool_calls"),
     (
         [USER_MSG, {"role": "assistant", "content": "no calls"}, TOOL_MSG],
@@ -488,11 +473,6 @@ ERROR_CASES = [
         [{"function": {"name": "f", "parameters": {"default": float("nan")}}}],
         "tools[0].function is not valid JSON",
     ),
-    (
-        [USER_MSG],
-        [{"function": {"name": "f", "description": "emits <｜end▁of▁sentence｜>"}}],
-        "tools[0].function contains special token '<｜end▁of▁sentence｜>'",
-    ),
 ]
 
 
@@ -504,12 +484,69 @@ def test_chat_format_errors(messages, tools, expected):
     assert isinstance(e.value, ValueError)
 
 
-def test_reasoning_is_checked_only_when_encoded():
-    msgs = [USER_MSG, {"role": "assistant", "content": "a", "reasoning_content": "</think>"}]
-    assert "</think>a" in encode_messages(msgs)  # thinking off: reasoning is dropped
-    with pytest.raises(ChatFormatError) as e:
-        encode_messages(msgs, thinking=True)
-    assert str(e.value) == "message 1: reasoning_content contains special token '</think>'"
+def _spelled(tok: TextTokenizer, messages: list[dict], tools: list[dict] | None = None,
+             thinking: bool = False) -> tuple[list[int], str]:
+    """The ids and the text of a prompt whose client text spells special tokens."""
+    return encode_chat(tok, messages, tools, thinking), encode_messages(messages, tools, thinking)
+
+
+def test_special_token_spellings_in_client_text_are_encoded_as_text(tok):
+    """A pasted special token's spelling anywhere a client writes text becomes the ids of its
+    characters: the template's own special ids are exactly those of the same conversation without it,
+    and decoding gives back every character the client sent."""
+    pasted = "see <｜end▁of▁sentence｜> and <｜User｜>, </think>"
+    tools = [{"type": "function", "function": {"name": "f", "description": f"emits {pasted}"}}]
+    messages = [
+        {"role": "system", "content": pasted},
+        {"role": "user", "content": [{"type": "text", "text": pasted}]},
+        {"role": "assistant", "content": pasted, "refusal": pasted, "reasoning_content": pasted,
+         "tool_calls": [_call("f", {"a": pasted}), _call("f", "{" + pasted)]},
+        {"role": "tool", "content": pasted},
+        {"role": "tool", "content": pasted},
+    ]
+    plain = [_replace_text(m, pasted, "x") for m in messages]
+    plain_tools = [{"type": "function", "function": {"name": "f", "description": "emits x"}}]
+    for thinking in (False, True):
+        ids, text = _spelled(tok, messages, tools, thinking)
+        assert tok.decode(ids) == text and text.count(pasted) == 9 + thinking
+        special = set(range(len(SPECIAL_TOKENS)))
+        assert [i for i in ids if i in special] == [
+            i for i in encode_chat(tok, plain, plain_tools, thinking) if i in special
+        ]
+        assert text.count(EOS) == ids.count(tok.eos_id) + 9 + thinking
+
+
+def _replace_text(value, old: str, new: str):
+    if isinstance(value, str):
+        return value.replace(old, new)
+    if isinstance(value, list):
+        return [_replace_text(v, old, new) for v in value]
+    if isinstance(value, dict):
+        return {k: _replace_text(v, old, new) for k, v in value.items()}
+    return value
+
+
+def test_reasoning_is_rendered_only_when_thinking(tok):
+    msgs = [USER_MSG, {"role": "assistant", "content": "a", "reasoning_content": "R</think>"}]
+    assert encode_messages(msgs) == f"{BOS}{USER}hi{ASSISTANT}{THINK_END}a{EOS}{ASSISTANT}{THINK_END}"
+    ids, text = _spelled(tok, msgs, thinking=True)
+    assert text == f"{BOS}{USER}hi{ASSISTANT}{THINK_BEGIN}R</think>{THINK_END}a{EOS}{ASSISTANT}{THINK_BEGIN}"
+    assert ids.count(tok.token_to_id(THINK_END)) == 1 and tok.decode(ids) == text
+
+
+@settings(max_examples=100, deadline=None)
+@given(texts=st.lists(st.text(max_size=20), min_size=3, max_size=3), thinking=st.booleans())
+def test_rendered_ids_equal_the_texts_ids_without_spellings(tok, texts, thinking):
+    """Without a special token's spelling in client text, encoding the rendered pieces gives exactly
+    the ids of encoding the prompt's text whole (pieces split only where specials split anyway)."""
+    texts = [t for t in texts if not any(s in t for s in SPECIAL_TOKENS)]
+    messages = [{"role": "system", "content": text} for text in texts[:1]] + [
+        *({"role": "user", "content": text} for text in texts[1:2]),
+        {"role": "assistant", "content": "".join(texts), "tool_calls": [_call("f", {"q": "".join(texts)})]},
+        {"role": "tool", "content": texts[-1] if texts else ""},
+    ]
+    assert encode_chat(tok, messages, [CLOCK_TOOL], thinking) == tok.encode(
+        encode_messages(messages, [CLOCK_TOOL], thinking))
 
 
 def test_valid_tool_sequences():

@@ -270,8 +270,7 @@ class ScriptedEngine:
         self._queued: list[tuple[int, list[int], object]] = []
         self._next_id = 0
 
-    def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
-        return self.tokenizer.encode(text, add_bos=add_bos)
+    tokenize = LLM.tokenize  # uses only the tokenizer and max_model_len
 
     def encode(self, ids: list[int]) -> list[int]:
         return list(ids)

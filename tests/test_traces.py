@@ -113,8 +113,6 @@ def with_messages(update) -> dict:
      "t.jsonl:1: message 2: tool_call_id 'zz' matches no unanswered tool call of the assistant message before it"),
     (with_messages(lambda m: m.insert(3, {"role": "tool", "content": "extra"})),
      "t.jsonl:1: message 3: there is no unanswered tool call of the assistant message before it"),
-    (with_messages(lambda m: m[0].update(content="<｜User｜>")),
-     "t.jsonl:1: message 0: content contains special token '<｜User｜>'"),
     ({**episode(), "sampling": {"temperature": -1}},
      "t.jsonl:1: sampling: invalid sampling params: temperature must be a finite number >= 0, got -1"),
     ({**episode(), "sampling": {"temp": 1}}, "t.jsonl:1: sampling: unknown field(s) ['temp']"),
@@ -275,8 +273,9 @@ def test_importers_agree_with_the_chat_shape(conversation) -> None:
 
 def test_traces_suite_serves_turns_and_records_malformed_lines_as_error_rows(tmp_path, tiny_checkpoint) -> None:
     sampling = {"temperature": 0, "max_tokens": 2}
-    path = write_lines(tmp_path / "t.jsonl", [episode("a", sampling=sampling), '{"id": "broken"',
-                                              episode("b", sampling={**sampling, "temperature": 0.7})])
+    pasted = episode("b", sampling={**sampling, "temperature": 0.7})
+    pasted["messages"][0]["content"] = "b: quote <｜end▁of▁sentence｜><｜User｜> verbatim"
+    path = write_lines(tmp_path / "t.jsonl", [episode("a", sampling=sampling), '{"id": "broken"', pasted])
     suite = load_traces_suite(path)
     assert suite.kind == "traces"
     assert [r.request_id for r in suite.requests] == ["a/turn-1", "a/turn-2", "a/turn-3", "line-2",
@@ -294,6 +293,9 @@ def test_traces_suite_serves_turns_and_records_malformed_lines_as_error_rows(tmp
 
     # the suite's rows are the streams teacher-forced replay produces: same prompts, params and seeds
     llm = LLM(tiny_checkpoint, max_model_len=1024)
+    first = suite.requests[4].prompt_ids(llm)  # client text that spells special tokens is text
+    assert llm.tokenizer.eos_id not in first and first.count(llm.tokenizer.token_to_id("<｜User｜>")) == 1
+    assert "quote <｜end▁of▁sentence｜><｜User｜> verbatim" in llm.tokenizer.decode(first)
     runs = teacher_forced(llm, load_traces(path)[0])
     for run in runs:
         for turn in run.turns:

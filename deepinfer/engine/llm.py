@@ -44,7 +44,7 @@ from deepinfer.outputs import RequestOutput
 from deepinfer.parallel import ExpertPlacement, agree, move_experts, spread_experts, start_layout
 from deepinfer.parallel.placement import held_tensors
 from deepinfer.parallel.context import ContextGroup
-from deepinfer.recipe.chat import ChatFormatError, encode_messages, parse_completion, tool_call_constraint
+from deepinfer.recipe.chat import ChatFormatError, ChatPrompt, parse_completion, render_chat, tool_call_constraint
 from deepinfer.recipe.tokenizer import TextTokenizer, build_tokenizer
 from deepinfer.sampling_params import (
     CONTENT_SEEDS,
@@ -287,16 +287,19 @@ class LLM:
 
     # requests in -------------------------------------------------------------------------------
 
-    def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
-        """Token ids of `text`. A text too long for max_model_len even if every token were the
-        tokenizer's longest is refused before tokenizing (a huge prompt would take minutes first)."""
+    def tokenize(self, text: str | ChatPrompt, add_bos: bool = False) -> list[int]:
+        """Token ids of `text` (a rendered chat prompt's client text is encoded as text, and it brings
+        its own BOS). A text too long for max_model_len even if every token were the tokenizer's
+        longest is refused before tokenizing (a huge prompt would take minutes first)."""
         if self.tokenizer is None:
             raise RequestError("this checkpoint has no tokenizer.json: pass prompts as token-id lists")
-        size = len(text.encode("utf-8"))
+        size = len((text.text if isinstance(text, ChatPrompt) else text).encode("utf-8"))
         fewest = size // self.tokenizer.max_token_bytes
         if fewest >= self.max_model_len:
             raise PromptTooLongError(f"prompt of {size} bytes has at least {fewest} tokens but max_model_len is "
                                      f"{self.max_model_len}")
+        if isinstance(text, ChatPrompt):
+            return text.token_ids(self.tokenizer)
         return self.tokenizer.encode(text, add_bos=add_bos)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -483,7 +486,7 @@ class LLM:
         prompts = []
         for i, messages in enumerate(conversations):
             try:
-                prompts.append(self.tokenize(encode_messages(messages, tools=tools, thinking=thinking)))
+                prompts.append(self.tokenize(render_chat(messages, tools=tools, thinking=thinking)))
             except ChatFormatError as err:
                 raise ChatFormatError(f"conversation {i}: {err}") from None
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)

@@ -2,16 +2,19 @@
 
 from deepinfer.recipe.chat import (
     ChatFormatError,
+    ChatPrompt,
     encode_chat,
     encode_messages,
     parse_completion,
     parse_completion_ids,
+    render_chat,
 )
 from deepinfer.recipe.tokenizer import SPECIAL_TOKENS, TextTokenizer, TokenizerError, build_tokenizer
 
 __all__ = [
     "SPECIAL_TOKENS",
     "ChatFormatError",
+    "ChatPrompt",
     "TextTokenizer",
     "TokenizerError",
     "build_tokenizer",
@@ -19,4 +22,5 @@ __all__ = [
     "encode_messages",
     "parse_completion",
     "parse_completion_ids",
+    "render_chat",
 ]

@@ -46,8 +46,14 @@ Rules (each broken one raises a one-line `ChatFormatError` naming the message in
 system and developer messages come first; tool messages follow an assistant message with tool calls
 (or another tool message); `tool_calls` only on assistant messages (the legacy `function_call` is
 rejected: harness.traces converts it); an assistant message needs content, a refusal or tool calls;
-arguments are a string or a JSON object; `tool_call_id`, when given, is a string; and no rendered text
-may contain a special token, so that the encoding is unambiguous and can be parsed back.
+arguments are a string or a JSON object; `tool_call_id`, when given, is a string; and a function's
+name may not contain a special token.
+
+Text a client sent is encoded as the characters it is, even where it spells a special token (a pasted
+`<｜end▁of▁sentence｜>` in a message, a tool description or arguments): the rendered prompt is a
+`ChatPrompt`, the template's own special tokens kept apart from the text between them, and only the
+former become special ids. Nothing a client sent is refused or lost for its spelling; its display text
+(`encode_messages`) shows it verbatim.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from deepinfer.errors import DeepInferError
@@ -88,12 +95,55 @@ UNREADABLE_PARTS = {
 _SPECIAL_RE = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
 _INVALID = object()
 
+class Special(str):
+    """A special token the template writes, as opposed to client text that happens to spell one."""
+
+
+_Pieces = list[str]  # a prompt fragment: `Special` tokens and text, in order
+
+
 TOOLS_HEADER = "## Tools\n\nYou can call these functions. Each line is one function's JSON schema:\n"
-TOOLS_FOOTER = (
-    f"\n\nTo call functions, reply with {TOOL_CALLS_BEGIN}, then for each call "
-    f"{TOOL_CALL_BEGIN}NAME{TOOL_SEP}ARGUMENTS{TOOL_CALL_END} where ARGUMENTS is a JSON object, "
-    f"then {TOOL_CALLS_END}."
-)
+TOOLS_FOOTER: _Pieces = [
+    "\n\nTo call functions, reply with ", Special(TOOL_CALLS_BEGIN), ", then for each call ",
+    Special(TOOL_CALL_BEGIN), "NAME", Special(TOOL_SEP), "ARGUMENTS", Special(TOOL_CALL_END),
+    " where ARGUMENTS is a JSON object, then ", Special(TOOL_CALLS_END), ".",
+]
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A rendered prompt: the template's special tokens and the text between them, in order (no two
+    texts adjacent, no empty text)."""
+
+    pieces: tuple[str, ...]
+
+    @classmethod
+    def of(cls, pieces: _Pieces) -> ChatPrompt:
+        merged: _Pieces = []
+        for piece in pieces:
+            if merged and not isinstance(piece, Special) and not isinstance(merged[-1], Special):
+                merged[-1] += piece
+            elif piece:
+                merged.append(piece)
+        return cls(tuple(merged))
+
+    @property
+    def text(self) -> str:
+        """The prompt as text: what a reader sees (a client's special-token spelling included)."""
+        return "".join(self.pieces)
+
+    def token_ids(self, tokenizer: TextTokenizer) -> list[int]:
+        """Special tokens as their ids, text as text (a special token's spelling in it included)."""
+        ids: list[int] = []
+        for piece in self.pieces:
+            ids.extend([tokenizer.special_id(piece)] if isinstance(piece, Special) else tokenizer.encode_literal(piece))
+        return ids
+
+    def after(self, head: ChatPrompt) -> ChatPrompt:
+        """The pieces that follow `head`, which must be this prompt's first pieces."""
+        if self.pieces[: len(head.pieces)] != head.pieces:
+            raise ValueError("the head is not where this prompt starts")
+        return ChatPrompt(self.pieces[len(head.pieces):])
 
 
 class ChatFormatError(DeepInferError, ValueError):
@@ -111,14 +161,24 @@ class UnsupportedContentError(ChatFormatError):
 _Unreadable = list[UnsupportedContentError] | None  # where unreadable parts are collected; None: raise them
 
 
+def render_chat(
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    thinking: bool = False,
+    add_generation_prompt: bool = True,
+) -> ChatPrompt:
+    """The prompt for `messages` (see the module docstring for the format and the rules)."""
+    return ChatPrompt.of(_encode(messages, tools, thinking, add_generation_prompt, None))
+
+
 def encode_messages(
     messages: list[dict],
     tools: list[dict] | None = None,
     thinking: bool = False,
     add_generation_prompt: bool = True,
 ) -> str:
-    """Prompt text for `messages` (see the module docstring for the format and the rules)."""
-    return _encode(messages, tools, thinking, add_generation_prompt, None)
+    """The prompt's text for `messages` (`render_chat(...).text`)."""
+    return render_chat(messages, tools, thinking, add_generation_prompt).text
 
 
 def check_messages(messages: list[dict], tools: list[dict] | None = None) -> list[UnsupportedContentError]:
@@ -152,12 +212,12 @@ def arguments_object(arguments: str | dict) -> dict | None:
 
 
 def _encode(messages: Any, tools: Any, thinking: bool, add_generation_prompt: bool,
-            unreadable: _Unreadable) -> str:
-    """The prompt text; unreadable content raises, or (with a list) is collected there and left out."""
+            unreadable: _Unreadable) -> _Pieces:
+    """The prompt's pieces; unreadable content raises, or (with a list) is collected there and left out."""
     if not isinstance(messages, list) or not messages:
         raise ChatFormatError("messages must be a non-empty list")
-    system_parts: list[str] = []
-    out: list[str] = []
+    system_parts: list[_Pieces] = []
+    out: _Pieces = []
     prev_role = None
     takes_outputs = False  # the previous message was an assistant tool call or a tool output
     for i, msg in enumerate(messages):
@@ -168,29 +228,32 @@ def _encode(messages: Any, tools: Any, thinking: bool, add_generation_prompt: bo
             raise ChatFormatError(f"message {i}: function_call is the legacy shape of tool_calls (not supported here)")
         _check_unrendered(msg, i)
         if prev_role == "tool" and role != "tool":
-            out.append(TOOL_OUTPUTS_END)
+            out.append(Special(TOOL_OUTPUTS_END))
         if role in SYSTEM_ROLES:
             if prev_role not in (None, *SYSTEM_ROLES):
                 raise ChatFormatError(f"message {i}: {role} message after the conversation started "
                                       "(system and developer messages must come first)")
-            system_parts.append(_content(msg, i, unreadable))
+            system_parts.append([_content(msg, i, unreadable)])
         elif role == "user":
-            out.append(USER + _content(msg, i, unreadable))
+            out += [Special(USER), _content(msg, i, unreadable)]
         elif role == "assistant":
-            out.append(_assistant(msg, i, thinking, unreadable))
+            out += _assistant(msg, i, thinking, unreadable)
         else:
             if not takes_outputs:
                 raise ChatFormatError(f"message {i}: tool message must follow an assistant message with tool_calls")
-            out.append(_tool_output(msg, i, prev_role != "tool", unreadable))
+            out += _tool_output(msg, i, prev_role != "tool", unreadable)
         takes_outputs = role == "tool" or bool(msg.get("tool_calls"))
         prev_role = role
     if prev_role == "tool":
-        out.append(TOOL_OUTPUTS_END)
+        out.append(Special(TOOL_OUTPUTS_END))
     if tools is not None:
         system_parts.append(_tools_block(tools))
     if add_generation_prompt:
-        out.append(ASSISTANT + (THINK_BEGIN if thinking else THINK_END))
-    return BOS + "\n\n".join(p for p in system_parts if p) + "".join(out)
+        out += [Special(ASSISTANT), Special(THINK_BEGIN if thinking else THINK_END)]
+    system: _Pieces = []
+    for part in (p for p in system_parts if any(p)):
+        system += ["\n\n", *part] if system else part
+    return [Special(BOS), *system, *out]
 
 
 def encode_chat(
@@ -200,8 +263,8 @@ def encode_chat(
     thinking: bool = False,
     add_generation_prompt: bool = True,
 ) -> list[int]:
-    """Token ids of `encode_messages(...)`; the text already starts with BOS."""
-    return tokenizer.encode(encode_messages(messages, tools, thinking, add_generation_prompt))
+    """Token ids of `render_chat(...)`, which starts with BOS."""
+    return render_chat(messages, tools, thinking, add_generation_prompt).token_ids(tokenizer)
 
 
 def parse_completion(text: str, thinking: bool = False) -> dict:
@@ -312,7 +375,7 @@ def _content_text(content: Any, where: str, unreadable: _Unreadable) -> str:
         content = "\n".join(text for text in texts if text is not None)
     elif not isinstance(content, str):
         raise ChatFormatError(f"{where} must be a string or a list of content parts")
-    return _plain(content, where)
+    return content
 
 
 def _part_text(part: Any, where: str, unreadable: _Unreadable) -> str | None:
@@ -360,14 +423,7 @@ def _string_field(obj: dict, key: str, where: str) -> str:
     return obj[key]
 
 
-def _plain(text: str, where: str) -> str:
-    found = _SPECIAL_RE.search(text)
-    if found:
-        raise ChatFormatError(f"{where} contains special token {found.group()!r}")
-    return text
-
-
-def _assistant(msg: dict, i: int, thinking: bool, unreadable: _Unreadable) -> str:
+def _assistant(msg: dict, i: int, thinking: bool, unreadable: _Unreadable) -> _Pieces:
     calls = msg.get("tool_calls")
     refusal = msg.get("refusal")
     if refusal is not None and not isinstance(refusal, str):
@@ -375,28 +431,25 @@ def _assistant(msg: dict, i: int, thinking: bool, unreadable: _Unreadable) -> st
     if msg.get("content") is None and refusal is None and not calls:
         raise ChatFormatError(f"message {i}: assistant message needs 'content', 'refusal' or 'tool_calls'")
     content = "" if msg.get("content") is None else _content(msg, i, unreadable)
-    text = "\n".join(t for t in (content, _plain(refusal or "", f"message {i}: refusal")) if t)
+    text = "\n".join(t for t in (content, refusal) if t)
     reasoning = msg.get("reasoning_content")
     if reasoning is not None and not isinstance(reasoning, str):
         raise ChatFormatError(f"message {i}: reasoning_content must be a string")
-    if thinking and reasoning is not None:
-        think = THINK_BEGIN + _plain(reasoning, f"message {i}: reasoning_content") + THINK_END
-    else:
-        think = THINK_END
-    return ASSISTANT + think + text + _tool_calls(calls, i) + EOS
+    think = [Special(THINK_BEGIN), reasoning] if thinking and reasoning is not None else []
+    return [Special(ASSISTANT), *think, Special(THINK_END), text, *_tool_calls(calls, i), Special(EOS)]
 
 
-def _tool_calls(calls: Any, i: int) -> str:
+def _tool_calls(calls: Any, i: int) -> _Pieces:
     if calls is None or calls == []:
-        return ""
+        return []
     if not isinstance(calls, list):
         raise ChatFormatError(f"message {i}: tool_calls must be a list")
-    out = [TOOL_CALLS_BEGIN]
+    out = [Special(TOOL_CALLS_BEGIN)]
     for j, call in enumerate(calls):
         name, arguments = _call(call, f"message {i}: tool_calls[{j}]")
-        out.append(TOOL_CALL_BEGIN + name + TOOL_SEP + arguments + TOOL_CALL_END)
-    out.append(TOOL_CALLS_END)
-    return "".join(out)
+        out += [Special(TOOL_CALL_BEGIN), name, Special(TOOL_SEP), arguments, Special(TOOL_CALL_END)]
+    out.append(Special(TOOL_CALLS_END))
+    return out
 
 
 def _call(call: Any, where: str) -> tuple[str, str]:
@@ -411,7 +464,7 @@ def _call(call: Any, where: str) -> tuple[str, str]:
         if not isinstance(custom, dict):
             raise ChatFormatError(f"{where}.custom must be an object")
         name = _name(custom.get("name"), f"{where}.custom.name")
-        return name, _plain(_string_field(custom, "input", f"{where}.custom"), f"{where}.custom.input")
+        return name, _string_field(custom, "input", f"{where}.custom")
     if call.get("type", "function") != "function":
         raise ChatFormatError(f"{where}.type must be 'function' or 'custom'")
     function = call.get("function")
@@ -426,7 +479,10 @@ def _call(call: Any, where: str) -> tuple[str, str]:
 def _name(name: Any, where: str) -> str:
     if not isinstance(name, str) or not name:
         raise ChatFormatError(f"{where} must be a non-empty string")
-    return _plain(name, where)
+    found = _SPECIAL_RE.search(name)
+    if found:
+        raise ChatFormatError(f"{where} contains special token {found.group()!r}")
+    return name
 
 
 def _arguments(arguments: Any, where: str) -> str:
@@ -436,30 +492,30 @@ def _arguments(arguments: Any, where: str) -> str:
 
 
 def _json_text(encode: Callable[[Any], str], value: Any, where: str) -> str:
-    """`encode(value)` as prompt text: a one-line error when it is not JSON or holds special tokens."""
+    """`encode(value)` as prompt text: a one-line error when it is not JSON."""
     try:
-        text = encode(value)
+        return encode(value)
     except (TypeError, ValueError):
         raise ChatFormatError(f"{where} is not valid JSON") from None
-    return _plain(text, where)
 
 
-def _tool_output(msg: dict, i: int, first: bool, unreadable: _Unreadable) -> str:
+def _tool_output(msg: dict, i: int, first: bool, unreadable: _Unreadable) -> _Pieces:
     if "tool_call_id" in msg and not isinstance(msg["tool_call_id"], str):
         raise ChatFormatError(f"message {i}: tool_call_id must be a string")
     if not isinstance(msg.get("is_error", False), bool):
         raise ChatFormatError(f"message {i}: is_error must be true or false")
-    content = _content(msg, i, unreadable)
-    return (TOOL_OUTPUTS_BEGIN if first else "") + TOOL_OUTPUT_BEGIN + content + TOOL_OUTPUT_END
+    opening = [Special(TOOL_OUTPUTS_BEGIN)] if first else []
+    return [*opening, Special(TOOL_OUTPUT_BEGIN), _content(msg, i, unreadable), Special(TOOL_OUTPUT_END)]
 
 
-def _tools_block(tools: Any) -> str:
+def _tools_block(tools: Any) -> _Pieces:
     """The tools part of the system text; empty for an empty list."""
     if not isinstance(tools, list):
         raise ChatFormatError("tools must be a list")
     if not tools:
-        return ""
-    return TOOLS_HEADER + "\n".join(_tool_line(tool, f"tools[{k}]") for k, tool in enumerate(tools)) + TOOLS_FOOTER
+        return []
+    lines = "\n".join(_tool_line(tool, f"tools[{k}]") for k, tool in enumerate(tools))
+    return [TOOLS_HEADER + lines, *TOOLS_FOOTER]
 
 
 def _tool_line(tool: Any, where: str) -> str:

@@ -116,11 +116,11 @@ class TextTokenizer:
 
     @property
     def bos_id(self) -> int:
-        return self._required_id(BOS)
+        return self.special_id(BOS)
 
     @property
     def eos_id(self) -> int:
-        return self._required_id(EOS)
+        return self.special_id(EOS)
 
     @functools.cached_property
     def max_token_bytes(self) -> int:
@@ -141,12 +141,23 @@ class TextTokenizer:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if add_bos else ids
 
+    def encode_literal(self, text: str) -> list[int]:
+        """Token ids of `text` read as characters only: a special token's spelling in it is encoded as
+        text, never as that token (client text, see `recipe.chat.ChatPrompt`)."""
+        return self._literal.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _literal(self) -> Tokenizer:
+        literal = Tokenizer.from_str(self._tok.to_str())
+        literal.encode_special_tokens = True
+        return literal
+
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Ids the tokenizer does not have are skipped: a model's vocab may be larger than ours."""
         known = [i for i in ids if i >= 0 and self._tok.id_to_token(i) is not None]
         return self._tok.decode(known, skip_special_tokens=skip_special_tokens)
 
-    def _required_id(self, token: str) -> int:
+    def special_id(self, token: str) -> int:
         token_id = self._tok.token_to_id(token)
         if token_id is None:
             raise TokenizerError(f"tokenizer has no {token!r} token")
