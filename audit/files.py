@@ -43,12 +43,12 @@ def json_bytes(obj: object) -> bytes:
 
 
 @contextlib.contextmanager
-def folder_lock(path: Path) -> Iterator[None]:
+def folder_lock(path: Path, *, resumable: bool = False) -> Iterator[None]:
     """Hold an exclusive lock on the folder `path` while the block runs, so that a second writer (a
     `--resume` started beside the first run, say) is refused in one line instead of interleaving its
     files. The lock is taken on the folder itself (no file is added to it) and the kernel drops it
     however the process ends, so a killed run can be resumed at once. A folder created here and still
-    empty at the end is removed again."""
+    empty at the end is removed again. `resumable`: the refusal says the run can be resumed afterwards."""
     path = Path(path)
     created = not path.exists()
     try:
@@ -62,8 +62,9 @@ def folder_lock(path: Path) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise AuditError(f"{path}: another process is writing this folder; wait for it to end (or stop it), "
-                             "then --resume") from None
+            then = ", then --resume" if resumable else ""
+            raise AuditError(f"{path}: another process is writing this folder; wait for it to end (or stop it)"
+                             f"{then}") from None
         yield
     finally:
         os.close(fd)

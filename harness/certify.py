@@ -60,7 +60,7 @@ def certify(
             record_run(model, suite, variant, out_dir / RUNS / variant.name, run_seed=run_seed, resume=resume,
                        progress=False)
         return None
-    with folder_lock(out_dir):  # a second certify (or --resume) of the same folder is refused meanwhile
+    with folder_lock(out_dir, resumable=True):  # a second certify (or --resume) of the same folder is refused meanwhile
         return _certify(model, suite_spec, sweep, out_dir, run_seed, resume, sign_key, progress)
 
 

@@ -148,6 +148,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():  # before the model loads; the run store says the same
         raise DeepInferError(f"{out}: cannot create a run: it exists and is not a folder")
+    if args.resume:
+        from audit.store import MANIFEST
+        _say_if_nothing_to_resume(out, MANIFEST, "run")
     root = record_run(args.model, load_suite(args.suite), variant, out, run_seed=args.run_seed,
                       resume=args.resume, progress=args.progress)
     if process_rank() != 0:  # another rank of a torchrun launch: rank 0 reports
@@ -156,6 +159,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     errored = f", {sum(errors.values())} errored ({describe_errors(errors)})" if errors else ""
     print(f"run {args.out}: {root['count']} requests{errored}, logit root {root['logit_root']}")
     return 0
+
+
+def _say_if_nothing_to_resume(out: Path, marker: str, what: str) -> None:
+    """A note on stderr when --resume finds no `marker` file in `out` (a mistyped folder, say): a new
+    `what` starts there instead, which is said rather than done silently."""
+    if process_rank() == 0 and not (out / marker).is_file():
+        print(f"note: {out}: no {what} to resume there (no {marker}); starting a new {what}", file=sys.stderr)
 
 
 def _cmd_certify(args: argparse.Namespace) -> int:
@@ -168,6 +178,9 @@ def _cmd_certify(args: argparse.Namespace) -> int:
 
     sweep = _certify_sweep(args)
     out = Path(args.out)
+    if args.resume:
+        from harness.certify import SWEEP_FILE
+        _say_if_nothing_to_resume(out, SWEEP_FILE, "certification")
     cert = certify(args.model, args.suite, sweep, out, run_seed=args.run_seed, resume=args.resume,
                    sign_key=Path(args.sign_key) if args.sign_key else None, progress=args.progress)
     if cert is None:  # another rank of a torchrun launch: rank 0 reports

@@ -38,7 +38,7 @@ from lm_eval.utils import handle_non_serializable  # noqa: E402
 
 from audit.certificate import BITWISE, DIVERGENT, TOKEN  # noqa: E402
 from audit.compare import STATUSES, compare_streams  # noqa: E402
-from audit.files import atomic_write, json_bytes  # noqa: E402
+from audit.files import atomic_write, folder_lock, json_bytes  # noqa: E402
 from audit.store import read_run  # noqa: E402
 from deepinfer.engine.config import EngineConfig, resolve_device  # noqa: E402
 from harness.lm_eval_model import DeepInferLM, EvalError  # noqa: E402
@@ -150,13 +150,25 @@ def evaluate(
     (a new or empty folder) with `threads` PyTorch CPU threads (None: the process's); returns the summary.
 
     Settings are checked before anything is written, and a start that fails before the first batch size
-    is recorded removes what it wrote, so `out` can be used again."""
+    is recorded removes what it wrote, so `out` can be used again. `out` is locked while this runs: a
+    second evaluation into it is refused in one line and never touches what the first wrote."""
     batch_sizes = parse_batch_sizes(",".join(str(size) for size in batch_sizes))
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise EvalError(f"{out}: exists and is not a folder")
-    if out.exists() and any(out.iterdir()):
-        raise EvalError(f"{out}: the output folder must be new or empty")
+    created = not out.exists()
+    with folder_lock(out):
+        if any(out.iterdir()):
+            raise EvalError(f"{out}: the output folder must be new or empty")
+        return _evaluate_into(tasks, batch_sizes, out, created, model=model, numerics=numerics, dtype=dtype,
+                              device=device, limit=limit, run_seed=run_seed, max_model_len=max_model_len,
+                              include_path=include_path, threads=threads)
+
+
+def _evaluate_into(tasks: Sequence[str], batch_sizes: list[int], out: Path, created: bool, *, model: str | None,
+                   numerics: str, dtype: str, device: str, limit: int | None, run_seed: int,
+                   max_model_len: int | None, include_path: str | Path | None, threads: int | None) -> dict:
+    """`evaluate` into the locked, empty folder `out` (`created`: made for this evaluation)."""
     if limit is not None and (not isinstance(limit, int) or limit < 1):
         raise EvalError(f"--limit must be a positive integer, got {limit!r}")
     _check_engine(device, dtype, threads)
@@ -165,7 +177,6 @@ def evaluate(
     tasks = parse_tasks(",".join(tasks), manager)
     suite = {"kind": "lm-eval", "path": str(SUITES), "include_path": str(include) if include else None,
              "tasks": tasks, "limit": limit, "content_hash": suite_hash(tasks, limit, include)}
-    created = not out.exists()
     runs: list[dict] = []
     try:
         with cpu_threads(threads):

@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from audit.errors import AuditError
 from deepinfer.errors import DeepInferError
 
 # A prefix no command-line argument can contain, so argparse sees lm-eval's flags (--help too) as plain
@@ -84,7 +85,7 @@ def run_lm_eval(argv: Sequence[str]) -> int:
     sys.argv = ["lm-eval", *argv]
     try:
         cli_evaluate()
-    except DeepInferError:
+    except (DeepInferError, AuditError):
         raise
     except ValueError as err:  # lm-eval reports an unknown task or a bad setting this way
         broken = broken_task_files(_include_paths(argv)) if "not found" in str(err).lower() else []

@@ -24,6 +24,7 @@ import inspect
 import re
 import time
 import weakref
+from contextlib import ExitStack
 from dataclasses import fields
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import simple_parse_args_string
 
+from audit.files import folder_lock
 from deepinfer import LLM
 from deepinfer.engine.config import EngineConfig
 from deepinfer.errors import DeepInferError
@@ -104,7 +106,8 @@ class DeepInferLM(TemplateLM):
     `model` is a checkpoint folder (None: the embedded default checkpoint); `engine` takes any other
     `EngineConfig` setting (numerics, dtype, device, max_model_len, ...); `batch_size` is the engine's
     `max_num_seqs` (None: its default); `run_seed` seeds sampled generations (per request id, so not by
-    arrival); `run_dir` (a new folder) receives the run; `suite` describes the tasks in its manifest.
+    arrival); `run_dir` (a new folder, locked against a second writer until the run is sealed) receives
+    the run; `suite` describes the tasks in its manifest.
     lm-eval builds it from `model_args` plus its own `batch_size` and `device` (`model_arguments`).
     """
 
@@ -116,23 +119,26 @@ class DeepInferLM(TemplateLM):
         if batch_size is not None:
             engine["max_num_seqs"] = _positive_int(batch_size, "batch_size")
         self.run_seed = run_seed
-        self.llm = LLM(model, EngineConfig.from_dict({**engine, "seed": run_seed}, where="model_args"))
-        if self.llm.layout.world > 1:
-            raise DeepInferError(f"the lm-eval model runs in one process, this launch has {self.llm.layout.world}")
-        self.batch_size = self.llm.engine_config.max_num_seqs
-        self.text = LmEvalText(self.llm, str(model))
-        self._next_index = 0
-        self._names = RequestNames()
-        self._started = time.perf_counter()
         self.writer: RunWriter | None = None
-        if run_dir is not None:
-            manifest = run_manifest(self.llm, model, suite=suite or {"kind": "lm-eval"},
-                                    run_seed=run_seed,
-                                    variant={"name": f"batch-{self.batch_size}", "batch_size": self.batch_size})
-            # no stats.json: an lm-eval run folder holds the manifest and the streams only
-            self.writer = open_run(run_dir, manifest, self.llm, stats=False)
-            # A run left open when the process exits normally is still sealed.
-            self._finalizer = weakref.finalize(self, self.writer.finalize)
+        with ExitStack() as lock:  # released here unless the run opens, then when it is sealed
+            if run_dir is not None:  # taken before the engine loads: a second writer is refused at once
+                lock.enter_context(folder_lock(Path(run_dir)))
+            self.llm = LLM(model, EngineConfig.from_dict({**engine, "seed": run_seed}, where="model_args"))
+            if self.llm.layout.world > 1:
+                raise DeepInferError(f"the lm-eval model runs in one process, this launch has {self.llm.layout.world}")
+            self.batch_size = self.llm.engine_config.max_num_seqs
+            self.text = LmEvalText(self.llm, str(model))
+            self._next_index = 0
+            self._names = RequestNames()
+            self._started = time.perf_counter()
+            if run_dir is not None:
+                manifest = run_manifest(self.llm, model, suite=suite or {"kind": "lm-eval"},
+                                        run_seed=run_seed,
+                                        variant={"name": f"batch-{self.batch_size}", "batch_size": self.batch_size})
+                # no stats.json: an lm-eval run folder holds the manifest and the streams only
+                self.writer = open_run(run_dir, manifest, self.llm, stats=False)
+                # A run left open when the process exits normally is still sealed.
+                self._finalizer = weakref.finalize(self, _seal, self.writer, lock.pop_all())
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> DeepInferLM:
@@ -225,3 +231,9 @@ class DeepInferLM(TemplateLM):
 
     def _now(self) -> float:
         return time.perf_counter() - self._started
+
+
+def _seal(writer: RunWriter, lock: ExitStack) -> dict:
+    """Seal the run, then release its folder."""
+    with lock:
+        return writer.finalize()

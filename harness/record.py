@@ -33,7 +33,7 @@ def record_run(
 ) -> dict:
     """Serve `suite` under `variant` into `run_dir`, locked against a second writer (rank 0 writes);
     returns the run's root (root.json contents)."""
-    writer_lock = folder_lock(Path(run_dir)) if process_rank() == 0 else contextlib.nullcontext()
+    writer_lock = folder_lock(Path(run_dir), resumable=True) if process_rank() == 0 else contextlib.nullcontext()
     with writer_lock, cpu_threads(variant.threads):
         return _record_run(model, suite, variant, Path(run_dir), run_seed, resume, progress)
 

@@ -699,7 +699,8 @@ def test_resume_with_a_damaged_stats_file_stops_before_any_work(capsys, tiny_che
     suite = write_lines(tmp_path / "suite.jsonl", SUITE[:2])
     out = tmp_path / "run"
     argv = ["run", "--model", tiny_checkpoint, "--suite", suite, "--out", out, "--no-progress"]
-    assert audit(capsys, *argv)[0] == 0
+    code, _, err = audit(capsys, *argv, "--resume")  # nothing there to resume: said, then a new run
+    assert (code, err) == (0, f"note: {out}: no run to resume there (no manifest.json); starting a new run\n")
     for finished in ("root.json", "streams.parquet"):  # as if killed before the run was sealed
         (out / finished).unlink()
     (out / "parts").mkdir()

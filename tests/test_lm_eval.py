@@ -26,6 +26,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
 
 from audit.errors import AuditError  # noqa: E402
+from audit.files import folder_lock  # noqa: E402
 from audit.store import check_run, read_run  # noqa: E402
 from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer import cli as engine_cli  # noqa: E402
@@ -114,6 +115,32 @@ def test_long_rolling_text_is_split_into_windows(tiny_checkpoint, tmp_path):
     assert rows.height > 1 and rows["request_id"].to_list()[1] == "t/0/loglikelihood_rolling/0/w1"
     assert sum(rows["token_ids"].list.len()) == len(short.tok_encode(text))
     assert max(rows["prompt_token_ids"].list.len() + rows["token_ids"].list.len()) <= 23
+
+
+def test_a_run_dir_is_locked_until_the_run_is_sealed(tiny_checkpoint, tmp_path):
+    """A second writer of an lm-eval run folder is refused in one line, before its engine loads, and
+    the first run stays intact; the folder is free again once the run is sealed."""
+    run_dir = tmp_path / "run"
+    busy = f"{run_dir}: another process is writing this folder; wait for it to end (or stop it)"
+    first = DeepInferLM(model=str(tiny_checkpoint), batch_size=2, run_dir=run_dir)
+    first.loglikelihood([request("loglikelihood", ("The cat", " sat"))])
+    with pytest.raises(AuditError, match=f"^{re.escape(busy)}$"):
+        DeepInferLM(model=str(tiny_checkpoint), batch_size=2, run_dir=run_dir)
+    root = first.finalize()
+    assert root["count"] == 1 and check_run(run_dir) == []
+    with folder_lock(run_dir):  # released with the seal
+        pass
+
+
+def test_a_second_evaluation_of_a_folder_is_refused_and_touches_nothing(tmp_path):
+    out = tmp_path / "out"
+    (out / "runs" / "batch-1").mkdir(parents=True)
+    (out / "runs" / "batch-1" / "manifest.json").write_text("{}")  # what the first evaluation has written
+    with folder_lock(out):  # the first evaluation, still running
+        code, stdout, err = run_cli("--tasks", "deepinfer_mc", "--out", str(out))
+    assert (code, stdout, err) == (
+        2, "", f"error: {out}: another process is writing this folder; wait for it to end (or stop it)\n")
+    assert (out / "runs" / "batch-1" / "manifest.json").read_text() == "{}"
 
 
 def test_generate_until_stops_before_the_stop_string(lm):
