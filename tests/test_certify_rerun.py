@@ -219,12 +219,13 @@ def test_after_a_failed_certify_start_resume_works(capsys, monkeypatch, tiny_che
     suite, sweep = write_inputs(tmp_path / "inputs")
     out = tmp_path / "out"
     argv = ["certify", "--model", tiny_checkpoint, "--suite", suite, "--sweep", sweep, "--out", out, "--no-progress"]
+    fresh = f"note: {out}: no certification to resume there (no sweep.json); starting a new certification\n"
     with monkeypatch.context() as patch:
         failing_first_run(patch)
-        assert_user_error(capsys, [*argv, "--resume"], "the engine failed to start")
+        assert audit(capsys, *argv, "--resume") == (2, "", f"{fresh}error: the engine failed to start\n")
     assert not out.exists()
     code, stdout, err = audit(capsys, *argv, "--resume")
-    assert (code, err) == (0, "")
+    assert (code, err) == (0, fresh)
     assert stdout.splitlines()[-2:] == [f"certificate: {out / 'certificate.json'}",
                                         f"report: {out / 'report.md'} and {out / 'report.html'}"]
 
@@ -316,6 +317,7 @@ def test_a_failed_run_start_leaves_out_reusable(capsys, tiny_checkpoint, tmp_pat
     assert not out.exists()
     assert audit(capsys, *argv, "--model", tiny_checkpoint)[0] == 0
     shutil.rmtree(out)
-    assert_user_error(capsys, [*argv, "--model", tmp_path / "no-model", "--resume"],
-                      f"{tmp_path / 'no-model'}: checkpoint folder not found")
+    assert audit(capsys, *argv, "--model", tmp_path / "no-model", "--resume") == (
+        2, "", f"note: {out}: no run to resume there (no manifest.json); starting a new run\n"
+               f"error: {tmp_path / 'no-model'}: checkpoint folder not found\n")
     assert audit(capsys, *argv, "--model", tiny_checkpoint, "--resume")[0] == 0
