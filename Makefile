@@ -27,7 +27,7 @@ install: $(VENV)/.installed
 dev: $(VENV)/.dev-installed
 
 test: $(VENV)/.dev-installed
-	$(PY) -m pytest -q
+	$(VENV)/bin/pytest -q
 
 generate: $(VENV)/.installed
 	$(VENV)/bin/deepinfer generate --prompt "The quick brown fox" --max-tokens 32

@@ -23,11 +23,11 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from audit.compare import compare_streams, summarize
-from audit.errors import AuditError
-from audit.files import atomic_write, json_bytes
-from audit.store import MANIFEST, ROOT, STREAMS, Run, check_run, file_digests, read_run
-from audit.streams import HEX_DIGEST, canonical_json
+from deepinfer.audit.compare import compare_streams, summarize
+from deepinfer.audit.errors import AuditError
+from deepinfer.audit.files import atomic_write, json_bytes
+from deepinfer.audit.store import MANIFEST, ROOT, STREAMS, Run, check_run, file_digests, read_run
+from deepinfer.audit.streams import HEX_DIGEST, canonical_json
 
 CERTIFICATE_FORMAT = "deepinfer-certificate/2"
 CERTIFICATE = "certificate.json"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from audit.errors import AuditError
+from deepinfer.audit.errors import AuditError
 
 STATUSES = ("equal", "logprob_drift", "diverged", "missing", "error")
 

@@ -9,7 +9,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from audit.errors import AuditError
+from deepinfer.audit.errors import AuditError
 
 
 def fsync_dir(directory: Path) -> None:

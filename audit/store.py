@@ -27,9 +27,9 @@ from pathlib import Path
 
 import polars as pl
 
-from audit.errors import AuditError
-from audit.files import atomic_write, fsync_dir, json_bytes
-from audit.streams import (
+from deepinfer.audit.errors import AuditError
+from deepinfer.audit.files import atomic_write, fsync_dir, json_bytes
+from deepinfer.audit.streams import (
     HEX_DIGEST,
     RUN_FORMAT,
     STREAM_SCHEMA,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from audit.errors import AuditError
+from deepinfer.audit.errors import AuditError
 
 STREAM_FORMAT = "deepinfer-stream/1"
 RUN_FORMAT = "deepinfer-run/1"

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-import harness.record as record
+import deepinfer.harness.record as record
 from deepinfer.checkpoint import MODEL_HELP
-from audit.store import RunStore
-from harness.suites import load_suite
-from harness.sweep import default_sweep
+from deepinfer.audit.store import RunStore
+from deepinfer.harness.suites import load_suite
+from deepinfer.harness.sweep import default_sweep
 
 
 class Stopwatch:

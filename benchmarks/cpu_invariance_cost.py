@@ -29,12 +29,12 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-import kernels
+from deepinfer import kernels
 from benchmarks.throughput import checkpoint_for, measure, median_run
 from deepinfer import LLM
-from kernels import fast, invariant
-from kernels.cpu_isa import cpu_model, cpu_vendor, mkl_path
-from kernels.selftest import WAIVER_VARIABLE, proven_row_tiles
+from deepinfer.kernels import fast, invariant
+from deepinfer.kernels.cpu_isa import cpu_model, cpu_vendor, mkl_path
+from deepinfer.kernels.selftest import WAIVER_VARIABLE, proven_row_tiles
 
 BATCHES = (1, 32)
 TILES = (16, 24, 32, 48, 64)

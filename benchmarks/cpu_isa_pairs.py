@@ -64,10 +64,10 @@ def worker(args: argparse.Namespace) -> dict:
     """Serve the requests under this process's caps; every request's hashes per (dtype, batch)."""
     import torch  # no matmul runs before deepinfer is imported below, so the caps apply
 
-    from audit.streams import stream_hashes
+    from deepinfer.audit.streams import stream_hashes
     from deepinfer import LLM, SamplingParams
     from deepinfer.checkpoint import preset_config
-    from kernels import cpu_isa
+    from deepinfer.kernels import cpu_isa
 
     torch.set_num_threads(args.threads)
     served = requests(preset_config(args.preset).vocab_size, args.requests, args.max_tokens)
@@ -174,7 +174,7 @@ def main() -> None:
 
 
 def _root(run: dict) -> dict:
-    from audit.streams import merkle_root
+    from deepinfer.audit.streams import merkle_root
 
     ids = [f"r{i}" for i in range(len(run["tokens"]))]
     return {"token_root": merkle_root(ids, run["tokens"]), "logit_root": merkle_root(ids, run["logits"])}

@@ -15,8 +15,8 @@ import sys
 
 import torch
 
-from harness.cpu_paths import THREADS, run_paths
-from kernels.cpu_isa import cpu_flags, cpu_model, cpu_vendor
+from deepinfer.harness.cpu_paths import THREADS, run_paths
+from deepinfer.kernels.cpu_isa import cpu_flags, cpu_model, cpu_vendor
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from deepinfer import LLM, EngineConfig
 from deepinfer.parallel import balanced_placement, placement_digest
-from harness.invariance import signature, standard_requests
+from deepinfer.harness.invariance import signature, standard_requests
 
 # (name, engine settings over the EP engine's) served after the first placement
 CONFIGURATIONS = (("all-at-once", {}), ("batch-1", {"max_num_seqs": 1}), ("batch-3", {"max_num_seqs": 3}),

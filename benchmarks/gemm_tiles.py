@@ -22,8 +22,8 @@ import triton
 from torch.nn import functional as F
 
 from gpu_bench import timed_ms
-from kernels import triton_ops
-from kernels.triton_ops import Tiles
+from deepinfer.kernels import triton_ops
+from deepinfer.kernels.triton_ops import Tiles
 
 SHAPES = {  # name: (N, K), V4-Flash widths, bf16
     "wq_a 1024x4096": (1024, 4096),

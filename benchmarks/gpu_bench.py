@@ -48,8 +48,8 @@ from torch.nn import functional as F
 import transformers_bench
 from decode_step_profile import decoding_engine, engine_config, profiled_step, synced_step
 from deepinfer import LLM, NUMERICS, SamplingParams
-from kernels import triton_ops
-from kernels.quant import QuantizedWeight
+from deepinfer.kernels import triton_ops
+from deepinfer.kernels.quant import QuantizedWeight
 
 PREFILLS = ((8, 2048), (1, 32768))
 T = TypeVar("T")

@@ -23,8 +23,8 @@ import torch
 
 from deepinfer import LLM, NUMERICS
 from deepinfer.checkpoint import preset_config
-from harness.invariance import STANDARD_VARIANTS, matrix_variant, model_variants, run_matrix, run_variant, standard_requests
-from harness.sweep import Variant
+from deepinfer.harness.invariance import STANDARD_VARIANTS, matrix_variant, model_variants, run_matrix, run_variant, standard_requests
+from deepinfer.harness.sweep import Variant
 
 GPU_VARIANTS = (Variant.of("graphs-off", cuda_graphs=False), Variant.of("async-off", async_scheduling=False),
                 Variant.of("budget-4096", max_num_batched_tokens=4096))

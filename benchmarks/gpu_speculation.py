@@ -31,7 +31,7 @@ import torch
 
 from deepinfer import LLM, EngineConfig, SamplingParams
 from deepinfer.checkpoint import preset_config
-from harness.invariance import ReferenceDrafter, signature, standard_requests
+from deepinfer.harness.invariance import ReferenceDrafter, signature, standard_requests
 
 
 def synchronize(llm: LLM) -> None:

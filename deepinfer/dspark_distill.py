@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
+from deepinfer import kernels
 from deepinfer import LLM, SamplingParams, __version__
 from deepinfer.checkpoint import DEFAULT_PRESET, create_checkpoint, load_draft_tensors
 from deepinfer.checkpoint.files import deepinfer_home, read_headers, weight_files
@@ -72,8 +72,8 @@ from deepinfer.model.transformer_v41 import DeepseekV41
 from deepinfer.progress import Progress
 from deepinfer.recipe.tokenizer import CORPUS_PATH
 from deepinfer.sampling_params import derive_seed
-from kernels import Ops
-from kernels.cpu_isa import cpu_threads
+from deepinfer.kernels import Ops
+from deepinfer.kernels.cpu_isa import cpu_threads
 
 RECORD_NAME = "dspark_distill.json"
 RECORD_FORMAT = 1

@@ -29,12 +29,12 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from audit.files import atomic_write
-from audit.streams import HEX_DIGEST, canonical_json
+from deepinfer.audit.files import atomic_write
+from deepinfer.audit.streams import HEX_DIGEST, canonical_json
 from deepinfer import LLM
 from deepinfer.errors import DeepInferError
 from deepinfer.prompts_file import read_jsonl_lines
-from harness.replay import (
+from deepinfer.harness.replay import (
     MODES,
     STATUSES,
     EpisodeResult,
@@ -45,10 +45,10 @@ from harness.replay import (
     prefill_cost,
     replay,
 )
-from harness.run_writer import run_manifest
-from harness.suites import file_hash
-from harness.sweep import Variant, variant_from_dict
-from harness.traces import Episode, Recording, TraceError, load_traces, parse_trace_lines
+from deepinfer.harness.run_writer import run_manifest
+from deepinfer.harness.suites import file_hash
+from deepinfer.harness.sweep import Variant, variant_from_dict
+from deepinfer.harness.traces import Episode, Recording, TraceError, load_traces, parse_trace_lines
 
 CASSETTE_FORMAT = "deepinfer-cassette/2"
 _UNSEALED_FORMAT = "deepinfer-cassette/1"

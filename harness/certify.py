@@ -25,18 +25,18 @@ import sys
 import tempfile
 from pathlib import Path
 
-from audit.certificate import (CERTIFICATE, build_certificate, load_certificate, reference_run, seal, sign,
+from deepinfer.audit.certificate import (CERTIFICATE, build_certificate, load_certificate, reference_run, seal, sign,
                                write_certificate)
-from audit.files import atomic_write, folder_lock, json_bytes
-from audit.store import read_run
+from deepinfer.audit.files import atomic_write, folder_lock, json_bytes
+from deepinfer.audit.store import read_run
 from deepinfer.checkpoint import DEFAULT_PRESET, content_hash, default_checkpoint
 from deepinfer.engine.llm import PRESET_PREFIX
 from deepinfer.errors import DeepInferError
 from deepinfer.parallel import process_rank
-from harness.record import record_run
-from harness.run_writer import read_stats
-from harness.suites import Suite, load_suite
-from harness.sweep import Sweep, Variant, check_variant, variant_from_dict
+from deepinfer.harness.record import record_run
+from deepinfer.harness.run_writer import read_stats
+from deepinfer.harness.suites import Suite, load_suite
+from deepinfer.harness.sweep import Sweep, Variant, check_variant, variant_from_dict
 
 SWEEP_FILE = "sweep.json"
 RUNS = "runs"

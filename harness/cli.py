@@ -13,15 +13,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from audit.errors import AuditError
+from deepinfer.audit.errors import AuditError
 from deepinfer import cli as engine_cli
 from deepinfer.checkpoint import MODEL_HELP
 from deepinfer.engine.config import add_engine_flags, config_from_flags
 from deepinfer.errors import DeepInferError
 from deepinfer.parallel import process_rank
-from harness.eval_cli import add_eval_command
-from harness.lm_eval_cli import add_lm_eval_command
-from harness.replay_cli import add_replay_commands
+from deepinfer.harness.eval_cli import add_eval_command
+from deepinfer.harness.lm_eval_cli import add_lm_eval_command
+from deepinfer.harness.replay_cli import add_replay_commands
 
 EXIT_DIFFERENT = 1
 
@@ -133,11 +133,11 @@ def _near_tie_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from audit.certificate import describe_errors, error_counts
-    from audit.store import read_run
-    from harness.record import record_run
-    from harness.suites import load_suite
-    from harness.sweep import Variant, check_variant
+    from deepinfer.audit.certificate import describe_errors, error_counts
+    from deepinfer.audit.store import read_run
+    from deepinfer.harness.record import record_run
+    from deepinfer.harness.suites import load_suite
+    from deepinfer.harness.sweep import Variant, check_variant
 
     try:
         engine = config_from_flags(args)
@@ -149,7 +149,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():  # before the model loads; the run store says the same
         raise DeepInferError(f"{out}: cannot create a run: it exists and is not a folder")
     if args.resume:
-        from audit.store import MANIFEST
+        from deepinfer.audit.store import MANIFEST
         _say_if_nothing_to_resume(out, MANIFEST, "run")
     root = record_run(args.model, load_suite(args.suite), variant, out, run_seed=args.run_seed,
                       resume=args.resume, progress=args.progress)
@@ -172,14 +172,14 @@ def _cmd_certify(args: argparse.Namespace) -> int:
     """Exit 0 when the verdict is reproducible and every request was served; 1 when it is DIVERGENT or
     NO_REQUESTS_SERVED, or (without --allow-errors) when any request errored; the certificate and report
     are written either way."""
-    from audit.certificate import CERTIFICATE, DIVERGENT, NOTHING_SERVED, verdict_summary
-    from harness.certify import certify
-    from reports import render_report
+    from deepinfer.audit.certificate import CERTIFICATE, DIVERGENT, NOTHING_SERVED, verdict_summary
+    from deepinfer.harness.certify import certify
+    from deepinfer.reports import render_report
 
     sweep = _certify_sweep(args)
     out = Path(args.out)
     if args.resume:
-        from harness.certify import SWEEP_FILE
+        from deepinfer.harness.certify import SWEEP_FILE
         _say_if_nothing_to_resume(out, SWEEP_FILE, "certification")
     cert = certify(args.model, args.suite, sweep, out, run_seed=args.run_seed, resume=args.resume,
                    sign_key=Path(args.sign_key) if args.sign_key else None, progress=args.progress)
@@ -206,7 +206,7 @@ def _certify_sweep(args: argparse.Namespace):
     --data-parallel (checked here, before any work); those flags set only the default sweep."""
     from dataclasses import replace
 
-    from harness.sweep import Sweep, check_variant, checkpoint_drafter, default_sweep, load_sweep
+    from deepinfer.harness.sweep import Sweep, check_variant, checkpoint_drafter, default_sweep, load_sweep
 
     given = [flag for flag in ("dtype", "device", "threads", "expert_parallel", "data_parallel")
              if getattr(args, flag) is not None]
@@ -240,8 +240,8 @@ def _control_counts(control: dict) -> str:
 def _cmd_verify(args: argparse.Namespace) -> int:
     """Exit 1 on any problem; when intact, also say who signed it, since a valid signature by an unknown
     key (anyone can re-sign) proves nothing until the key is pinned with --public-key."""
-    from audit.certificate import CERTIFICATE, load_certificate, signer_statement, verify_certificate
-    from harness.certify import rerun_reference
+    from deepinfer.audit.certificate import CERTIFICATE, load_certificate, signer_statement, verify_certificate
+    from deepinfer.harness.certify import rerun_reference
 
     overrides = [flag for flag in ("model", "suite") if getattr(args, flag) is not None]
     if overrides and not args.rerun:
@@ -263,7 +263,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
-    from audit.certificate import generate_keypair
+    from deepinfer.audit.certificate import generate_keypair
 
     private, public = generate_keypair()
     key_path, pub_path = Path(args.out + ".key"), Path(args.out + ".pub")
@@ -281,8 +281,8 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from audit.certificate import reference_run
-    from audit.compare import compare_streams, format_comparison
+    from deepinfer.audit.certificate import reference_run
+    from deepinfer.audit.compare import compare_streams, format_comparison
 
     if len(args.runs) < 2:
         raise DeepInferError("compare needs at least two runs")
@@ -299,8 +299,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    from audit.certificate import reference_run
-    from audit.compare import compare_streams, format_comparison
+    from deepinfer.audit.certificate import reference_run
+    from deepinfer.audit.compare import compare_streams, format_comparison
 
     baseline, candidate = reference_run(Path(args.baseline)), reference_run(Path(args.candidate))
     comparison = compare_streams(baseline.streams, candidate.streams, args.near_tie)
@@ -310,7 +310,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from reports import render_report
+    from deepinfer.reports import render_report
 
     md, html = render_report(Path(args.folder))
     print(f"report: {md} and {html}")

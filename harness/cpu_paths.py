@@ -41,8 +41,8 @@ ROOT = Path(__file__).resolve().parent.parent
 _CHILD = """
 import hashlib, json, torch
 torch.set_num_threads({threads})
-import kernels
-from kernels import cpu_isa, selftest
+from deepinfer import kernels
+from deepinfer.kernels import cpu_isa, selftest
 from deepinfer import LLM, SamplingParams
 
 def digest(outputs):

@@ -15,7 +15,7 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-from kernels.cpu_isa import cpu_flags, cpu_model, cpu_vendor
+from deepinfer.kernels.cpu_isa import cpu_flags, cpu_model, cpu_vendor
 
 FINGERPRINTED_PACKAGES = ("torch", "triton", "numpy", "polars")
 NVIDIA_DRIVER_VERSION = re.compile(r"\s(\d+\.\d+(?:\.\d+)?)\s")  # in /proc/driver/nvidia/version
@@ -37,8 +37,9 @@ def _package_version(name: str) -> str | None:
 
 
 def engine_version() -> str:
-    """The installed deepinfer version ("unknown" without package metadata)."""
-    return _package_version("deepinfer") or "unknown"
+    """This project's installed version ("unknown" without package metadata); its distribution is
+    `deepinfer-repro` (pyproject.toml): `deepinfer` is DeepSeek's."""
+    return _package_version("deepinfer-repro") or "unknown"
 
 
 def _nvidia_driver() -> str | None:
@@ -63,19 +64,19 @@ def _cuda() -> dict | None:
 
 
 def _onednn() -> dict:
-    from kernels.cpu_isa import onednn_state
+    from deepinfer.kernels.cpu_isa import onednn_state
 
     return onednn_state()
 
 
 def _mkl() -> dict:
-    from kernels.cpu_isa import probe_mkl
+    from deepinfer.kernels.cpu_isa import probe_mkl
 
     return probe_mkl()
 
 
 def _selftests() -> dict:
-    from kernels.selftest import results
+    from deepinfer.kernels.selftest import results
 
     return results()
 

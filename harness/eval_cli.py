@@ -11,7 +11,7 @@ from pathlib import Path
 
 from deepinfer import NUMERICS
 from deepinfer.checkpoint import MODEL_HELP
-from harness.lm_eval_cli import needs_lm_eval
+from deepinfer.harness.lm_eval_cli import needs_lm_eval
 
 EXIT_DIFFERENT = 1
 
@@ -47,10 +47,10 @@ def add_eval_command(commands: argparse._SubParsersAction) -> None:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from audit.certificate import BITWISE
+    from deepinfer.audit.certificate import BITWISE
 
     with needs_lm_eval("audit eval"):
-        from harness.evaluate import evaluate, parse_batch_sizes
+        from deepinfer.harness.evaluate import evaluate, parse_batch_sizes
 
     summary = evaluate(args.tasks.split(","), parse_batch_sizes(args.batch_sizes), Path(args.out), model=args.model,
                        numerics=args.numerics, dtype=args.dtype, device=args.device, limit=args.limit,

@@ -36,13 +36,13 @@ import yaml  # noqa: E402  (lm-eval's own dependency)
 from lm_eval.tasks import TaskManager  # noqa: E402
 from lm_eval.utils import handle_non_serializable  # noqa: E402
 
-from audit.certificate import BITWISE, DIVERGENT, TOKEN  # noqa: E402
-from audit.compare import STATUSES, compare_streams  # noqa: E402
-from audit.files import atomic_write, folder_lock, json_bytes  # noqa: E402
-from audit.store import read_run  # noqa: E402
+from deepinfer.audit.certificate import BITWISE, DIVERGENT, TOKEN  # noqa: E402
+from deepinfer.audit.compare import STATUSES, compare_streams  # noqa: E402
+from deepinfer.audit.files import atomic_write, folder_lock, json_bytes  # noqa: E402
+from deepinfer.audit.store import read_run  # noqa: E402
 from deepinfer.engine.config import EngineConfig, resolve_device  # noqa: E402
-from harness.lm_eval_model import DeepInferLM, EvalError  # noqa: E402
-from kernels.cpu_isa import cpu_threads  # noqa: E402
+from deepinfer.harness.lm_eval_model import DeepInferLM, EvalError  # noqa: E402
+from deepinfer.kernels.cpu_isa import cpu_threads  # noqa: E402
 
 SUITES = Path(__file__).parent / "suites" / "lm_eval"
 SUMMARY = "summary.json"

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from deepinfer import LLM, RequestOutput, SamplingParams
 from deepinfer.engine.sequence import Sequence
-from harness.serve import serve
-from harness.sweep import Variant, checkpoint_drafter, draft_model_variants
+from deepinfer.harness.serve import serve
+from deepinfer.harness.sweep import Variant, checkpoint_drafter, draft_model_variants
 
 STANDARD_VARIANTS = (
     Variant.of("all-at-once"),

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from audit.errors import AuditError
+from deepinfer.audit.errors import AuditError
 from deepinfer.errors import DeepInferError
 
 # A prefix no command-line argument can contain, so argparse sees lm-eval's flags (--help too) as plain
@@ -74,10 +74,10 @@ def run_lm_eval(argv: Sequence[str]) -> int:
     `--include_path` of the user's, the shipped offline tasks are included; lm-eval's ValueErrors (an
     unknown task, say) become one-line errors."""
     with needs_lm_eval("deepinfer lm-eval"):
-        import harness.lm_eval_model  # noqa: F401  registers the model "deepinfer"
+        import deepinfer.harness.lm_eval_model  # noqa: F401  registers the model "deepinfer"
         from lm_eval.__main__ import cli_evaluate
 
-        from harness.evaluate import SUITES, broken_task_files
+        from deepinfer.harness.evaluate import SUITES, broken_task_files
 
     if not any(arg == "--include_path" or arg.startswith("--include_path=") for arg in argv):
         argv = [*argv, "--include_path", str(SUITES)]  # our shipped offline tasks: deepinfer, deepinfer_mc, ...

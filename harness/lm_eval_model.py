@@ -1,6 +1,6 @@
 """lm-eval's view of the engine: `DeepInferLM`, a `TemplateLM` registered as model "deepinfer".
 
-    import harness.lm_eval_model  # registers "deepinfer"
+    import deepinfer.harness.lm_eval_model  # registers "deepinfer"
     lm_eval.simple_evaluate(model="deepinfer", model_args="model=DIR,run_dir=RUN", batch_size=8, ...)
 
 The import is needed: lm-eval 0.4.13 resolves a model name only in its own registry
@@ -35,13 +35,13 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import simple_parse_args_string
 
-from audit.files import folder_lock
+from deepinfer.audit.files import folder_lock
 from deepinfer import LLM
 from deepinfer.engine.config import EngineConfig
 from deepinfer.errors import DeepInferError
-from harness.lm_eval_requests import (FORCED, EvalError, Generation, LmEvalText, RequestNames, Scoring, request_params,
+from deepinfer.harness.lm_eval_requests import (FORCED, EvalError, Generation, LmEvalText, RequestNames, Scoring, request_params,
                                       score)
-from harness.run_writer import RunWriter, open_run, run_manifest
+from deepinfer.harness.run_writer import RunWriter, open_run, run_manifest
 
 __all__ = ["FORCED", "DeepInferLM", "EvalError"]
 

@@ -20,7 +20,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from deepinfer import LLM, RequestOutput, SamplingParams
 from deepinfer.errors import DeepInferError
-from harness.suite_base import TOP_LOGPROBS, failed_fields, generated_fields, request_seed
+from deepinfer.harness.suite_base import TOP_LOGPROBS, failed_fields, generated_fields, request_seed
 
 if TYPE_CHECKING:
     from lm_eval.api.instance import Instance

@@ -25,10 +25,10 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.model import LM
 
 from deepinfer import LLM, RequestOutput, SamplingParams
-from harness import evaluate  # keeps lm-eval and `datasets` offline (neither has loaded `datasets` yet)
-from harness.lm_eval_requests import (EvalError, Generation, LmEvalText, RequestNames, Scoring, request_params,
+from deepinfer.harness import evaluate  # keeps lm-eval and `datasets` offline (neither has loaded `datasets` yet)
+from deepinfer.harness.lm_eval_requests import (EvalError, Generation, LmEvalText, RequestNames, Scoring, request_params,
                                       typed_params, window_id)
-from harness.suite_base import Suite, SuiteRequest
+from deepinfer.harness.suite_base import Suite, SuiteRequest
 
 KIND = "lm-eval"
 QUERY_KEYS = ("include_path", "limit")

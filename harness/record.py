@@ -13,16 +13,16 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from audit.files import folder_lock
+from deepinfer.audit.files import folder_lock
 from deepinfer import LLM
 from deepinfer.errors import DeepInferError
 from deepinfer.parallel import from_rank_zero, process_rank
 from deepinfer.progress import Progress
-from harness.run_writer import FLUSH_ROWS, FLUSH_SECONDS, STATS_FILE, completed_root, open_run, run_manifest
-from harness.serve import serve
-from harness.suite_base import Suite
-from harness.sweep import Variant
-from kernels.cpu_isa import cpu_threads
+from deepinfer.harness.run_writer import FLUSH_ROWS, FLUSH_SECONDS, STATS_FILE, completed_root, open_run, run_manifest
+from deepinfer.harness.serve import serve
+from deepinfer.harness.suite_base import Suite
+from deepinfer.harness.sweep import Variant
+from deepinfer.kernels.cpu_isa import cpu_threads
 
 __all__ = ["FLUSH_ROWS", "FLUSH_SECONDS", "STATS_FILE", "record_run"]
 

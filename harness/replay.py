@@ -30,14 +30,14 @@ from dataclasses import asdict, dataclass, fields
 
 import polars as pl
 
-from audit.compare import compare_streams
-from audit.streams import STREAM_SCHEMA, stream_hashes
+from deepinfer.audit.compare import compare_streams
+from deepinfer.audit.streams import STREAM_SCHEMA, stream_hashes
 from deepinfer import LLM, RequestOutput, SamplingParams
 from deepinfer.errors import DeepInferError
 from deepinfer.progress import Progress
 from deepinfer.recipe.chat import ChatPrompt, content_text, encode_chat, parse_completion, render_chat
-from harness.suite_base import generated_fields
-from harness.traces import Episode, RecordedTurn, Recording, ToolResult, canonical_arguments, turn_request_id
+from deepinfer.harness.suite_base import generated_fields
+from deepinfer.harness.traces import Episode, RecordedTurn, Recording, ToolResult, canonical_arguments, turn_request_id
 
 MODES = ("teacher-forced", "free-running")
 STATUSES = ("identical", "completed", "diverged", "unrecorded_call", "error", "malformed", "altered")

@@ -13,7 +13,7 @@ from deepinfer import NUMERICS
 from deepinfer.checkpoint import MODEL_HELP
 from deepinfer.engine.config import add_engine_flags, config_from_flags
 from deepinfer.errors import DeepInferError
-from harness.replay import MODES
+from deepinfer.harness.replay import MODES
 
 EXIT_DIFFERENT = 1  # as `deepinfer audit diff`: the replay is not what was expected
 
@@ -59,8 +59,8 @@ def add_replay_commands(audit_commands: argparse._SubParsersAction) -> None:
 
 def _cmd_record(args: argparse.Namespace) -> int:
     from deepinfer import LLM
-    from harness.cassette import record_cassette
-    from harness.sweep import Variant
+    from deepinfer.harness.cassette import record_cassette
+    from deepinfer.harness.sweep import Variant
 
     try:
         engine = config_from_flags(args)
@@ -85,7 +85,7 @@ def _cmd_record(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from harness.cassette import AlteredCassette, cassette_engine, read_cassette, verify_cassette
+    from deepinfer.harness.cassette import AlteredCassette, cassette_engine, read_cassette, verify_cassette
 
     try:
         cassette = read_cassette(Path(args.cassette))

@@ -20,14 +20,14 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from audit.errors import AuditError
-from audit.files import atomic_write, json_bytes
-from audit.manifest import build_manifest
-from audit.store import MANIFEST, ROOT, STATS, RunStore, make_row, read_run
+from deepinfer.audit.errors import AuditError
+from deepinfer.audit.files import atomic_write, json_bytes
+from deepinfer.audit.manifest import build_manifest
+from deepinfer.audit.store import MANIFEST, ROOT, STATS, RunStore, make_row, read_run
 from deepinfer import LLM
 from deepinfer.errors import DeepInferError
 from deepinfer.parallel import placement_digest
-from harness.environment import engine_version, environment_fingerprint, git_state
+from deepinfer.harness.environment import engine_version, environment_fingerprint, git_state
 
 __all__ = ["FLUSH_ROWS", "FLUSH_SECONDS", "STATS_FILE", "RunWriter", "completed_root", "open_run", "read_stats",
            "run_manifest"]

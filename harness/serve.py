@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from deepinfer import LLM, RequestOutput, SamplingParams
 from deepinfer.parallel import gather_objects
-from harness.sweep import Variant
+from deepinfer.harness.sweep import Variant
 
 SHUFFLE_SEED = 1
 

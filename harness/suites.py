@@ -19,9 +19,9 @@ from pathlib import Path
 
 from deepinfer.errors import DeepInferError
 from deepinfer.prompts_file import read_prompts_file
-from harness.lm_eval_cli import needs_lm_eval
-from harness.suite_base import TOP_LOGPROBS, Suite, SuiteRequest, file_hash, generated_fields, request_seed
-from harness.traces import load_traces_suite
+from deepinfer.harness.lm_eval_cli import needs_lm_eval
+from deepinfer.harness.suite_base import TOP_LOGPROBS, Suite, SuiteRequest, file_hash, generated_fields, request_seed
+from deepinfer.harness.traces import load_traces_suite
 
 __all__ = ["KINDS", "SHIPPED", "TOP_LOGPROBS", "Suite", "SuiteKind", "SuiteRequest", "file_hash", "generated_fields",
            "load_suite", "register_kind", "request_seed"]
@@ -61,7 +61,7 @@ def load_native(path: Path) -> Suite:
 def load_lm_eval(target: str) -> Suite:
     """lm-eval is optional and slow to import: harness.lm_eval_suite loads on the first lm-eval spec."""
     with needs_lm_eval("an lm-eval suite"):
-        from harness.lm_eval_suite import load_lm_eval_suite
+        from deepinfer.harness.lm_eval_suite import load_lm_eval_suite
     return load_lm_eval_suite(target)
 
 

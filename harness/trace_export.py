@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from deepinfer.recipe.chat import arguments_object, canonical_arguments
-from harness.trace_import import INVALID_JSON, TraceFormatError
+from deepinfer.harness.trace_import import INVALID_JSON, TraceFormatError
 
 EXPORT_FORMATS = ("chat", "anthropic", "responses")
 

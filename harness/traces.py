@@ -51,8 +51,8 @@ from deepinfer.prompts_file import PromptRequest, json_object, read_jsonl_lines
 from deepinfer.recipe.chat import (ChatFormatError, UnsupportedContentError, check_messages, content_text,
                                   tool_call_constraint)
 from deepinfer.sampling_params import TOOL_CALL, SamplingParams
-from harness.suite_base import Suite, SuiteRequest, file_hash
-from harness.trace_import import TraceFormatError, canonical_arguments, chat_tool_choice, from_anthropic, from_responses
+from deepinfer.harness.suite_base import Suite, SuiteRequest, file_hash
+from deepinfer.harness.trace_import import TraceFormatError, canonical_arguments, chat_tool_choice, from_anthropic, from_responses
 
 FORMATS = ("chat", "anthropic", "responses")
 _COMMON_FIELDS = {"id", "format", "tools", "tool_choice", "sampling", "metadata", "response_id"}

@@ -26,7 +26,7 @@ from functools import partial
 
 import torch
 
-from kernels import composite, fast, invariant
+from deepinfer.kernels import composite, fast, invariant
 
 NUMERICS = ("batch_invariant", "fast")
 OPS = (
@@ -81,7 +81,7 @@ def _table(numerics: str, device_type: str, row_tiles: invariant.RowTiles) -> di
         table.update(linear=partial(invariant.linear, row_tiles=row_tiles),
                      grouped_linear=partial(invariant.grouped_linear, row_tiles=row_tiles))
     if numerics == "batch_invariant" and device_type == "cuda":  # Triton is imported only when CUDA needs it
-        from kernels import triton_fused, triton_ops
+        from deepinfer.kernels import triton_fused, triton_ops
 
         table.update(triton_ops.OPS, **triton_fused.OPS, moe_experts=triton_ops.moe_experts,
                      expert_outputs=triton_ops.expert_outputs, weighted_combine=triton_fused.weighted_combine)

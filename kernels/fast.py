@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.quant import accepts_quantized
+from deepinfer.kernels.quant import accepts_quantized
 
 
 @accepts_quantized

@@ -71,8 +71,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_isa import check_cpu_isa, cpu_threads  # noqa: F401  (importing it caps oneDNN below AMX)
-from kernels.fast import (  # noqa: F401  (re-exported: already row-invariant)
+from deepinfer.kernels.cpu_isa import check_cpu_isa, cpu_threads  # noqa: F401  (importing it caps oneDNN below AMX)
+from deepinfer.kernels.fast import (  # noqa: F401  (re-exported: already row-invariant)
     log_softmax,
     rms_norm,
     rotary,
@@ -81,7 +81,7 @@ from kernels.fast import (  # noqa: F401  (re-exported: already row-invariant)
     unweighted_rms_norm,
     weighted_combine,
 )
-from kernels.quant import QuantizedWeight, accepts_quantized
+from deepinfer.kernels.quant import QuantizedWeight, accepts_quantized
 
 # the row tile whose calls define a row's bits: a multiple of 8 and 24 (oneDNN 3.10's AVX2 fp32 gemm
 # on a Xeon gave rows of a 32-row tile other bits at other places in it; 16, 24, 48, 64 and 96 did not)

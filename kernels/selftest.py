@@ -22,9 +22,9 @@ from collections.abc import Callable
 
 import torch
 
-import kernels
-from kernels import cpu_isa, invariant
-from kernels.invariant import K_BLOCK, ROW_TILE, ROW_TILES, RowTiles
+from deepinfer import kernels
+from deepinfer.kernels import cpu_isa, invariant
+from deepinfer.kernels.invariant import K_BLOCK, ROW_TILE, ROW_TILES, RowTiles
 
 WAIVER_VARIABLE = "DEEPINFER_ALLOW_VARIANT_CPU"
 ROWS = 2 * ROW_TILE + 5  # three tiles, the last one partial

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels import composite, invariant
+from deepinfer.kernels import composite, invariant
 
 BLOCK_H = 256  # hidden-dimension block of the per-token kernels
 ROTARY_ROWS = 16  # rows per rotary program

@@ -70,8 +70,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels import composite, fast, triton_fused
-from kernels.quant import QuantizedWeight
+from deepinfer.kernels import composite, fast, triton_fused
+from deepinfer.kernels.quant import QuantizedWeight
 
 BLOCK_K = 64  # K slice of the matmuls' dots: one for every tile shape (the interpreter's bits depend on it)
 K_CHUNK = 512  # K slice of a chunked matmul (a multiple of BLOCK_K)

@@ -3,6 +3,6 @@ self-contained report.html with tables and figures. Modules, one job each: load 
 comparisons), groups (requests rolled up into episodes or tasks), tables and figures (content),
 document (sections), markdown and html (layout), render."""
 
-from reports.render import render_report
+from deepinfer.reports.render import render_report
 
 __all__ = ["render_report"]

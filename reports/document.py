@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
-from audit.certificate import signer_fingerprint, verdict_summary
-from reports import figures, tables
-from reports.groups import group_outcomes, request_grouping
-from reports.load import AuditData
+from deepinfer.audit.certificate import signer_fingerprint, verdict_summary
+from deepinfer.reports import figures, tables
+from deepinfer.reports.groups import group_outcomes, request_grouping
+from deepinfer.reports.load import AuditData
 
 COUNTED = ("equal", "logprob_drift", "diverged", "near_tie", "missing", "error")
 GROUP_KINDS = (("diverged", "diverged"), ("drift", "with logprob drift only"), ("identical", "identical"))

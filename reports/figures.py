@@ -12,7 +12,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from reports.load import AuditData
+from deepinfer.reports.load import AuditData
 
 CATEGORIES = [
     ("equal", "#4caf50"),

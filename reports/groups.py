@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from reports.load import AuditData
+from deepinfer.reports.load import AuditData
 
 _TURN = re.compile(r"^(?P<group>.+)/turn-(?P<turn>[0-9]+)$")
 BAD = ("diverged", "missing", "error")

@@ -8,7 +8,7 @@ from html import escape
 
 import polars as pl
 
-from reports.document import Block, Bullets, Document, Figure, Note, Paragraph, Table, Verdict
+from deepinfer.reports.document import Block, Bullets, Document, Figure, Note, Paragraph, Table, Verdict
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 0;

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import polars as pl
 
-from audit.certificate import CERTIFICATE, check_certificate, cpu_isa_statement, digest_problems, run_path_problems
-from audit.compare import compare_streams, summarize
-from audit.errors import AuditError
-from audit.store import STATS, Run, read_run
+from deepinfer.audit.certificate import CERTIFICATE, check_certificate, cpu_isa_statement, digest_problems, run_path_problems
+from deepinfer.audit.compare import compare_streams, summarize
+from deepinfer.audit.errors import AuditError
+from deepinfer.audit.store import STATS, Run, read_run
 
 @dataclass(frozen=True)
 class Configuration:
@@ -47,7 +47,7 @@ class AuditData:
         return next(c for c in self.configurations if c.role == "reference")
 
     def summary(self, name: str) -> dict:
-        """audit.compare.summarize of one configuration against the reference (the certificate's counts)."""
+        """deepinfer.audit.compare.summarize of one configuration against the reference (the certificate's counts)."""
         return summarize(self.comparisons.filter(pl.col("configuration") == name))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from reports.document import Block, Bullets, Document, Figure, Note, Paragraph, Table, Verdict
+from deepinfer.reports.document import Block, Bullets, Document, Figure, Note, Paragraph, Table, Verdict
 
 FIGURE_DIR = "report_files"
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from audit.errors import AuditError
-from audit.files import atomic_write
-from reports.document import Figure, build_document
-from reports.html import render_html
-from reports.load import load_audit
-from reports.markdown import FIGURE_DIR, render_markdown
+from deepinfer.audit.errors import AuditError
+from deepinfer.audit.files import atomic_write
+from deepinfer.reports.document import Figure, build_document
+from deepinfer.reports.html import render_html
+from deepinfer.reports.load import load_audit
+from deepinfer.reports.markdown import FIGURE_DIR, render_markdown
 
 REPORTS = ("report.md", "report.html")
 

@@ -6,9 +6,9 @@ import json
 
 import polars as pl
 
-from audit.structured_check import violation
-from reports.groups import Grouping, outcome_text
-from reports.load import AuditData, Configuration
+from deepinfer.audit.structured_check import violation
+from deepinfer.reports.groups import Grouping, outcome_text
+from deepinfer.reports.load import AuditData, Configuration
 
 MAX_CELL = 160
 ROOT_CHARS = 12

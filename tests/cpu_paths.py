@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_isa
+from deepinfer.kernels import cpu_isa
 
 
 def bf16_refusal() -> str | None:

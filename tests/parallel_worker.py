@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from deepinfer import LLM
 from deepinfer.parallel import balanced_placement, placement_digest
-from harness.invariance import signature, standard_requests
+from deepinfer.harness.invariance import signature, standard_requests
 
 
 def serve(llm: LLM, requests) -> list[tuple]:

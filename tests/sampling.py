@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-import kernels
+from deepinfer import kernels
 from deepinfer.engine.sampler import SamplingBatch, filtered_logits, sample
 from deepinfer.sampling_params import SamplingParams
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from audit.certificate import (
+from deepinfer.audit.certificate import (
     BITWISE,
     DIVERGENT,
     TOKEN,
@@ -28,8 +28,8 @@ from audit.certificate import (
     verify_certificate,
     write_certificate,
 )
-from audit.errors import AuditError
-from audit.store import RunStore, file_digests, make_row
+from deepinfer.audit.errors import AuditError
+from deepinfer.audit.store import RunStore, file_digests, make_row
 
 REF = [[1, 2, 3], [4, 5], [6]]
 DRIFTED = 2.0**-20  # added to one logprob: same tokens, other fp32 bits

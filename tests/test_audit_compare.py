@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from audit.compare import COMPARISON_SCHEMA, compare_streams, format_comparison, summarize
-from audit.errors import AuditError
-from audit.store import make_row
-from audit.streams import STREAM_SCHEMA
+from deepinfer.audit.compare import COMPARISON_SCHEMA, compare_streams, format_comparison, summarize
+from deepinfer.audit.errors import AuditError
+from deepinfer.audit.store import make_row
+from deepinfer.audit.streams import STREAM_SCHEMA
 
 SECOND = 1.0  # top-2 logprob sits this far below the chosen one unless a test says otherwise
 

@@ -24,11 +24,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from audit.errors import AuditError
-from audit.manifest import build_manifest
-from audit.store import RunStore, check_run, file_digests, make_row, read_run
-from audit.streams import STREAM_SCHEMA, merkle_root
-from harness.environment import NVIDIA_DRIVER_VERSION, engine_version, environment_fingerprint, git_state
+from deepinfer.audit.errors import AuditError
+from deepinfer.audit.manifest import build_manifest
+from deepinfer.audit.store import RunStore, check_run, file_digests, make_row, read_run
+from deepinfer.audit.streams import STREAM_SCHEMA, merkle_root
+from deepinfer.harness.environment import NVIDIA_DRIVER_VERSION, engine_version, environment_fingerprint, git_state
 
 REPO = Path(__file__).resolve().parent.parent
 HASHED = ["index", "request_id", "prompt_token_ids", "params", "prompt_hash", "token_ids", "logprobs",
@@ -184,7 +184,7 @@ def test_resume_after_crash_reaches_the_one_shot_root(tmp_path):
 
 SIGKILL_WRITER = """
 import json, sys, time
-from audit.store import RunStore, make_row
+from deepinfer.audit.store import RunStore, make_row
 store = RunStore.create(sys.argv[1], {"name": "killed"})
 for spec in json.loads(open(sys.argv[2]).read()):
     store.append([make_row(**spec)])
@@ -198,7 +198,7 @@ def test_sigkilled_writer_resumes_to_the_uninterrupted_root(tmp_path):
     (tmp_path / "specs.json").write_text(json.dumps(specs))
     command = [sys.executable, "-c", SIGKILL_WRITER, str(tmp_path / "run"), str(tmp_path / "specs.json")]
     writer = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         for _ in range(6):
             assert writer.stdout.readline(), "the writer died before it was killed"

@@ -18,8 +18,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from audit.errors import AuditError
-from audit.streams import (
+from deepinfer.audit.errors import AuditError
+from deepinfer.audit.streams import (
     STREAM_SCHEMA,
     StreamHashes,
     canonical_json,

@@ -18,9 +18,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from audit.certificate import seal, write_certificate
+from deepinfer.audit.certificate import seal, write_certificate
 from deepinfer.errors import DeepInferError
-from harness.cli import main
+from deepinfer.harness.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 SUITE = [{"id": "a", "prompt": "Hello there", "sampling": {"temperature": 0, "max_tokens": 3, "ignore_eos": True}}]
@@ -149,13 +149,13 @@ def test_another_checkpoint_fails_before_running_and_an_old_default_names_the_wa
         capsys, moved, tmp_path, monkeypatch, v41_checkpoint):
     """The checkpoint is hashed before the re-run: a wrong one costs no run. A certificate of the embedded
     default made by an earlier version (whose default was another checkpoint) says to pass --model."""
-    import harness.certify
+    import deepinfer.harness.certify
     from deepinfer.checkpoint import DEFAULT_PRESET, content_hash, default_checkpoint
 
     def no_run(*args, **kwargs):
         raise AssertionError("re-ran with the wrong checkpoint")
 
-    monkeypatch.setattr(harness.certify, "record_run", no_run)
+    monkeypatch.setattr(deepinfer.harness.certify, "record_run", no_run)
     certified = json.loads(moved.cert.read_text())["checkpoint"]["content_hash"]
     wrong = f"FAIL: the checkpoint's content hash {content_hash(v41_checkpoint)[:12]}… differs from the certified {certified[:12]}…"
     code, out, err = audit(capsys, "verify", moved.cert, "--rerun", "--no-progress", "--model", v41_checkpoint)
@@ -187,18 +187,18 @@ def test_the_harness_does_not_import_reports():
 
 def failing_first_run(monkeypatch) -> None:
     """The first configuration's engine fails to start (as a model the engine cannot load would)."""
-    import harness.certify
+    import deepinfer.harness.certify
 
     def fail(*args, **kwargs):
         raise DeepInferError("the engine failed to start")
 
-    monkeypatch.setattr(harness.certify, "record_run", fail)
+    monkeypatch.setattr(deepinfer.harness.certify, "record_run", fail)
 
 
 def test_a_failed_certify_start_leaves_out_as_it_was_and_certify_returns_the_certificate(
         capsys, monkeypatch, tiny_checkpoint, tmp_path):
-    from harness.certify import certify
-    from harness.sweep import load_sweep
+    from deepinfer.harness.certify import certify
+    from deepinfer.harness.sweep import load_sweep
 
     suite, sweep = write_inputs(tmp_path / "inputs")
     out = tmp_path / "out"
@@ -231,12 +231,12 @@ def test_after_a_failed_certify_start_resume_works(capsys, monkeypatch, tiny_che
 
 
 def test_a_started_certification_is_kept_for_resume(capsys, monkeypatch, tiny_checkpoint, tmp_path):
-    import harness.certify
+    import deepinfer.harness.certify
 
     suite, sweep = write_inputs(tmp_path / "inputs")
     out = tmp_path / "out"
     argv = ["certify", "--model", tiny_checkpoint, "--suite", suite, "--sweep", sweep, "--out", out, "--no-progress"]
-    record_run = harness.certify.record_run
+    record_run = deepinfer.harness.certify.record_run
 
     def reference_only(model, suite, variant, run_dir, **kwargs):
         if variant.name != "ref":
@@ -244,7 +244,7 @@ def test_a_started_certification_is_kept_for_resume(capsys, monkeypatch, tiny_ch
         return record_run(model, suite, variant, run_dir, **kwargs)
 
     with monkeypatch.context() as patch:
-        patch.setattr(harness.certify, "record_run", reference_only)
+        patch.setattr(deepinfer.harness.certify, "record_run", reference_only)
         assert_user_error(capsys, argv, "the variant's engine failed to start")
     assert (out / "runs" / "ref" / "root.json").is_file()
     assert_user_error(capsys, argv, f"{out} is not empty: pass --resume to continue it, or a new output folder")
@@ -289,7 +289,7 @@ def test_default_sweep_flags_with_a_sweep_file(capsys, tmp_path, flags):
 
 
 def test_threads_apply_to_the_default_sweep_except_its_threads_1_variant():
-    from harness.cli import _certify_sweep
+    from deepinfer.harness.cli import _certify_sweep
 
     sweep = _certify_sweep(SimpleNamespace(sweep=None, dtype=None, device=None, model="preset:tiny",
                                            threads=2 if os.cpu_count() > 1 else 1, expert_parallel=None,

@@ -18,7 +18,7 @@ from deepinfer.checkpoint import CheckpointError, load_checkpoint
 from deepinfer.checkpoint.layout_v41 import footprint
 from deepinfer.checkpoint.presets_v41 import v41_preset_config
 from deepinfer.cli import main
-from kernels.quant import QuantizedWeight
+from deepinfer.kernels.quant import QuantizedWeight
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
 PROMPT = list(range(20, 70))

@@ -30,7 +30,7 @@ from deepinfer.checkpoint.layout import FP4, FP8
 from deepinfer.checkpoint.quantized_v4 import SCALE_SUFFIX
 from deepinfer.cli import main
 from deepinfer.config import ConfigError, ModelConfig, load_config
-from kernels.quant import fp8_block_encode, mxfp4_encode
+from deepinfer.kernels.quant import fp8_block_encode, mxfp4_encode
 
 transformers = pytest.importorskip("transformers")
 from transformers.quantizers import AutoHfQuantizer  # noqa: E402  (after the importorskip)

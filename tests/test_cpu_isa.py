@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from cpu_paths import bf16_refusal
-from kernels import cpu_isa
-from kernels.invariant import check_cpu_isa
+from deepinfer.kernels import cpu_isa
+from deepinfer.kernels.invariant import check_cpu_isa
 
 REPO = Path(__file__).resolve().parent.parent
 needs_amx = pytest.mark.skipif(not cpu_isa.cpu_has_amx(), reason="the CPU has no amx_bf16")
@@ -25,7 +25,7 @@ BF16_MATMUL_FIRST = ("import torch; torch.nn.functional.linear(torch.ones(2, 8).
 FP32_MATMUL_FIRST = "import torch; torch.nn.functional.linear(torch.ones(2, 8), torch.ones(8, 8))\n"
 CHECK = """
 from deepinfer import LLM
-from kernels.cpu_isa import check_cpu_isa
+from deepinfer.kernels.cpu_isa import check_cpu_isa
 try:
     LLM("preset:tiny", dtype="bfloat16", max_model_len=64)  # a bf16 engine checks what oneDNN uses
     print("ok:", check_cpu_isa())
@@ -109,7 +109,7 @@ def test_this_process_passes_the_check_and_its_manifests_say_so():
     assert check_cpu_isa() == state["summary"]
     assert not state["amx_used"]
     assert state["requested"] == os.environ["ONEDNN_MAX_CPU_ISA"]
-    from harness.environment import environment_fingerprint
+    from deepinfer.harness.environment import environment_fingerprint
 
     assert environment_fingerprint()["torch_cpu"]["onednn"] == state
 

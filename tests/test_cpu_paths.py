@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.cpu_paths import LIBRARY_PATHS, run_paths
+from deepinfer.harness.cpu_paths import LIBRARY_PATHS, run_paths
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import kernels
-from audit.certificate import cpu_isa_statement
+from deepinfer import kernels
+from deepinfer.audit.certificate import cpu_isa_statement
 from deepinfer import LLM
 from deepinfer.errors import DeepInferError
-from harness.environment import environment_fingerprint
-from kernels import invariant, selftest
-from kernels.cpu_isa import cpu_threads
+from deepinfer.harness.environment import environment_fingerprint
+from deepinfer.kernels import invariant, selftest
+from deepinfer.kernels.cpu_isa import cpu_threads
 
 WAIVER_HINT = "; set DEEPINFER_ALLOW_VARIANT_CPU=1 to run anyway (recorded in manifests)"
 

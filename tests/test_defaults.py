@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from audit.store import read_run
+from deepinfer import kernels
+from deepinfer.audit.store import read_run
 from deepinfer import LLM, SamplingParams
 from deepinfer import cli as engine_cli
 from deepinfer.checkpoint import preset_config
@@ -26,11 +26,11 @@ from deepinfer.engine.config import EngineConfig, config_from_flags
 from deepinfer.errors import DeepInferError
 from deepinfer.model import DeepseekV4
 from deepinfer.sampling_params import CONTENT_SEEDS, derive_seed, request_content_hash
-from harness.cassette import cassette_engine, read_cassette
-from harness.cli import add_audit, main
-from harness.record import record_run
-from harness.suites import load_suite
-from harness.sweep import Variant, default_sweep, load_sweep
+from deepinfer.harness.cassette import cassette_engine, read_cassette
+from deepinfer.harness.cli import add_audit, main
+from deepinfer.harness.record import record_run
+from deepinfer.harness.suites import load_suite
+from deepinfer.harness.sweep import Variant, default_sweep, load_sweep
 
 TINY_POSITIONS = 4096  # the tiny preset's max_position_embeddings: its default cache fits any machine
 LONG = 3000  # prompt tokens: refused when the harness defaulted to max_model_len=1024

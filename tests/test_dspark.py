@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 
 from checkpoint_edits import copy_with
 
-import kernels
+from deepinfer import kernels
 from deepinfer.checkpoint import CheckpointError, load_checkpoint, load_draft_tensors
 from deepinfer.checkpoint.layout import FP4, FP8
 from deepinfer.checkpoint.layout_v41 import expected_tensors_v41, is_draft_tensor, is_optional, released_format

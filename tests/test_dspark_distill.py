@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from checkpoint_edits import copy_with
 
-import kernels
+from deepinfer import kernels
 from deepinfer import LLM
 from deepinfer.checkpoint import create_checkpoint, load_checkpoint, load_draft_tensors
 from deepinfer.checkpoint.layout_v41 import expected_tensors_v41

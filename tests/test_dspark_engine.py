@@ -21,7 +21,7 @@ from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.scheduler import ScheduledChunk
 from deepinfer.engine.sequence import Sequence
 from deepinfer.errors import DeepInferError
-from harness.invariance import signature, standard_requests
+from deepinfer.harness.invariance import signature, standard_requests
 
 MAX_TOKENS = 16
 

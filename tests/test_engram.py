@@ -23,7 +23,7 @@ from test_config_v41 import flash_raw, flash_text
 from tokenizers import AddedToken, Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
-import kernels
+from deepinfer import kernels
 from deepinfer.config_v41 import V41Config
 from deepinfer.model.engram import (
     Engram,

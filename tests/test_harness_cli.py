@@ -25,12 +25,12 @@ import polars as pl
 import pytest
 from cryptography.hazmat.primitives import serialization
 
-from audit.certificate import seal, write_certificate
-from audit.files import folder_lock
-from audit.store import check_run, file_digests, make_row
-from audit.streams import STREAM_SCHEMA, run_root
-from harness.cli import main
-from harness.suites import request_seed
+from deepinfer.audit.certificate import seal, write_certificate
+from deepinfer.audit.files import folder_lock
+from deepinfer.audit.store import check_run, file_digests, make_row
+from deepinfer.audit.streams import STREAM_SCHEMA, run_root
+from deepinfer.harness.cli import main
+from deepinfer.harness.suites import request_seed
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGURATIONS = {"ref": "reference", "batch-1": "variant", "chunk-16": "variant", "fast": "control"}
@@ -713,7 +713,7 @@ def test_resume_with_a_damaged_stats_file_stops_before_any_work(capsys, tiny_che
 def test_a_full_disk_is_one_line_and_the_run_resumes(capsys, monkeypatch, tiny_checkpoint, tmp_path):
     import errno
 
-    import harness.run_writer
+    import deepinfer.harness.run_writer
 
     suite = write_lines(tmp_path / "suite.jsonl", SUITE[:2])
     out = tmp_path / "run"
@@ -723,7 +723,7 @@ def test_a_full_disk_is_one_line_and_the_run_resumes(capsys, monkeypatch, tiny_c
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     with monkeypatch.context() as patch:
-        patch.setattr(harness.run_writer, "atomic_write", full)  # the stats.json write
+        patch.setattr(deepinfer.harness.run_writer, "atomic_write", full)  # the stats.json write
         assert_user_error(capsys, argv, f"{out / 'stats.json'}: No space left on device")
     assert audit(capsys, *argv, "--resume")[0] == 0
     assert check_run(out) == []

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from audit.store import read_run
+from deepinfer.audit.store import read_run
 from deepinfer import LLM
 from deepinfer.errors import DeepInferError
-from harness.record import record_run
-from harness.suites import KINDS, TOP_LOGPROBS, Suite, SuiteKind, load_suite, register_kind, request_seed
-from harness.sweep import Variant, check_variant, checkpoint_drafter, default_sweep, load_sweep
+from deepinfer.harness.record import record_run
+from deepinfer.harness.suites import KINDS, TOP_LOGPROBS, Suite, SuiteKind, load_suite, register_kind, request_seed
+from deepinfer.harness.sweep import Variant, check_variant, checkpoint_drafter, default_sweep, load_sweep
 
 
 def write_lines(path, rows) -> str:
@@ -202,8 +202,8 @@ def test_suite_kinds_never_import_the_registry() -> None:
         assert "suites" not in _harness_imports(HARNESS / f"{kind}.py", top_level_only=False), kind
 
 
-IMPORT_ORDERS = [("harness.traces", "harness.suites"), ("harness.suites", "harness.traces"),
-                 ("harness.suite_base", "harness.replay", "harness.cassette")]
+IMPORT_ORDERS = [("deepinfer.harness.traces", "deepinfer.harness.suites"), ("deepinfer.harness.suites", "deepinfer.harness.traces"),
+                 ("deepinfer.harness.suite_base", "deepinfer.harness.replay", "deepinfer.harness.cassette")]
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +226,7 @@ def test_harness_modules_import_in_any_order(imported, order) -> None:
 
 
 def test_a_registered_kind_loads_its_specs(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr("harness.suites.KINDS", dict(KINDS))
+    monkeypatch.setattr("deepinfer.harness.suites.KINDS", dict(KINDS))
     loaded = []
 
     def load_words(target: str) -> Suite:

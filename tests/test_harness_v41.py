@@ -25,9 +25,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from audit.store import check_run, read_run
-from harness.cli import main
-from kernels.cpu_isa import cpu_threads
+from deepinfer.audit.store import check_run, read_run
+from deepinfer.harness.cli import main
+from deepinfer.kernels.cpu_isa import cpu_threads
 from test_harness_cli import SUITE, SWEEP, audit, signed_by, write_lines
 from test_replay import edit_cassette
 

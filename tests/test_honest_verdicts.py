@@ -14,8 +14,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from audit.store import read_run
-from harness.cli import main
+from deepinfer.audit.store import read_run
+from deepinfer.harness.cli import main
 
 TOOLS = [{"type": "function", "function": {
     "name": "lookup_order", "description": "Find an order by id",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from audit.store import read_run
+from deepinfer.audit.store import read_run
 from test_traces import episode
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,7 +32,7 @@ DEEP_SCHEMA = {"json_schema": '{"properties": {"x": ' * 500 + "{}" + "}}" * 500}
 CHILD = """
 import contextlib, io, json, resource, sys, time
 resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
-from harness.cli import main
+from deepinfer.harness.cli import main
 results = []
 for argv in json.loads(sys.argv[1]):
     err, out = io.StringIO(), io.StringIO()

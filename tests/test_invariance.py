@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from cpu_paths import bf16_refusal
-from harness.invariance import model_variants, run_matrix, standard_requests
-from harness.sweep import Variant
+from deepinfer.harness.invariance import model_variants, run_matrix, standard_requests
+from deepinfer.harness.sweep import Variant
 
 DRAFT_MODEL = {"draft-k1", "draft-k3", "draft-k5", "draft-k5-confidence"}  # the checkpoint's own drafter (MTP, DSpark)
 

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpu_paths import bf16_refusal
-from kernels.cpu_isa import cpu_threads
-from kernels import fast, invariant
+from deepinfer.kernels.cpu_isa import cpu_threads
+from deepinfer.kernels import fast, invariant
 
 # (out_features, in_features) of the tiny and small presets' matmuls, incl. the hyper-connection
 # projections (K = hc_mult * hidden) and the router (few outputs)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import fast, invariant
+from deepinfer import kernels
+from deepinfer.kernels import fast, invariant
 
 
 def test_modes_pick_their_implementations():
@@ -32,8 +32,8 @@ def test_composites_use_the_tables_own_primitives():
 
 
 def test_cuda_batch_invariant_table_takes_the_triton_kernels():
-    triton_ops = pytest.importorskip("kernels.triton_ops")
-    from kernels import triton_fused
+    triton_ops = pytest.importorskip("deepinfer.kernels.triton_ops")
+    from deepinfer.kernels import triton_fused
 
     cuda = kernels.bind("batch_invariant", "cuda")
     for name, op in {**triton_ops.OPS, **triton_fused.OPS}.items():

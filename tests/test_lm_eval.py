@@ -25,14 +25,14 @@ lm_eval = pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
 
-from audit.errors import AuditError  # noqa: E402
-from audit.files import folder_lock  # noqa: E402
-from audit.store import check_run, read_run  # noqa: E402
+from deepinfer.audit.errors import AuditError  # noqa: E402
+from deepinfer.audit.files import folder_lock  # noqa: E402
+from deepinfer.audit.store import check_run, read_run  # noqa: E402
 from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer import cli as engine_cli  # noqa: E402
-from harness.eval_cli import add_eval_command  # noqa: E402
-from harness.evaluate import VERDICTS, parse_batch_sizes, suite_hash, task_manager  # noqa: E402
-from harness.lm_eval_model import FORCED, DeepInferLM, EvalError  # noqa: E402
+from deepinfer.harness.eval_cli import add_eval_command  # noqa: E402
+from deepinfer.harness.evaluate import VERDICTS, parse_batch_sizes, suite_hash, task_manager  # noqa: E402
+from deepinfer.harness.lm_eval_model import FORCED, DeepInferLM, EvalError  # noqa: E402
 
 LIMIT = 4
 USER_TASKS = Path(__file__).parent / "fixtures" / "lm_eval_tasks"
@@ -282,9 +282,9 @@ def comparison(metrics: bool, statuses: dict) -> dict:
     (False, {"diverged": 4}, "DIVERGENT"),
 ])
 def test_eval_verdicts_are_certifys_words(metrics, statuses, verdict):
-    from audit.certificate import NOTHING_SERVED
-    from audit.certificate import VERDICTS as CERTIFY_VERDICTS
-    from harness.evaluate import _comparison_verdict, _verdict
+    from deepinfer.audit.certificate import NOTHING_SERVED
+    from deepinfer.audit.certificate import VERDICTS as CERTIFY_VERDICTS
+    from deepinfer.harness.evaluate import _comparison_verdict, _verdict
 
     assert _comparison_verdict(comparison(metrics, statuses)) == verdict
     # certify's grades of reproducibility (not its word for a certificate that served nothing)
@@ -312,7 +312,7 @@ def test_out_naming_a_file(tmp_path):
 
 
 def test_a_failed_start_leaves_out_reusable(tiny_checkpoint, tmp_path, monkeypatch):
-    import harness.evaluate
+    import deepinfer.harness.evaluate
 
     def broken_engine(**kwargs):
         (kwargs["run_dir"] / "parts").mkdir(parents=True)  # as if it failed after starting the run
@@ -321,7 +321,7 @@ def test_a_failed_start_leaves_out_reusable(tiny_checkpoint, tmp_path, monkeypat
     argv = ["--tasks", "deepinfer_mc", "--batch-sizes", "1,2", "--limit", "1", "--model", str(tiny_checkpoint),
             "--threads", "1"]
     with monkeypatch.context() as patch:
-        patch.setattr(harness.evaluate, "DeepInferLM", broken_engine)
+        patch.setattr(deepinfer.harness.evaluate, "DeepInferLM", broken_engine)
         assert run_cli(*argv, "--out", str(tmp_path / "new")) == (2, "", "error: the engine failed to start\n")
         (tmp_path / "empty").mkdir()
         assert run_cli(*argv, "--out", str(tmp_path / "empty")) == (2, "", "error: the engine failed to start\n")

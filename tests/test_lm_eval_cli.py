@@ -24,8 +24,8 @@ import pytest
 
 lm_eval = pytest.importorskip("lm_eval")
 
-from harness.cli import main  # noqa: E402
-from harness.lm_eval_model import DeepInferLM, EvalError  # noqa: E402
+from deepinfer.harness.cli import main  # noqa: E402
+from deepinfer.harness.lm_eval_model import DeepInferLM, EvalError  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = REPO / "tests" / "fixtures" / "lm_eval_tasks"
@@ -37,9 +37,8 @@ CLI_DEFAULTS = {"batch_size": 1, "max_batch_size": None, "device": "cuda:0"}  # 
 def lm_eval_cli(cwd: Path, *argv: str) -> tuple[int, str, str]:
     """`deepinfer lm-eval ARGV` in `cwd`, offline (one thread: the tiny model gains nothing from more):
     exit code, stdout, stderr."""
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    done = subprocess.run([sys.executable, "-m", "harness.cli", "lm-eval", *argv], cwd=cwd, env=env,
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "deepinfer.harness.cli", "lm-eval", *argv], cwd=cwd, env=env,
                           capture_output=True, text=True)
     return done.returncode, done.stdout, done.stderr
 
@@ -143,7 +142,7 @@ def test_help_is_lm_evals_and_argv_is_restored(monkeypatch, capsys):
 
 
 def test_missing_lm_eval_is_a_one_line_error(monkeypatch, capsys):
-    prefixes = ("lm_eval.", "harness.lm_eval", "harness.eval")
+    prefixes = ("lm_eval.", "deepinfer.harness.lm_eval", "deepinfer.harness.eval")
     for name in [m for m in sys.modules if m == "lm_eval" or m.startswith(prefixes)]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval now fails as if it were not installed

@@ -16,12 +16,12 @@ import pytest
 
 lm_eval = pytest.importorskip("lm_eval")
 
-from audit.store import check_run, read_run  # noqa: E402
+from deepinfer.audit.store import check_run, read_run  # noqa: E402
 from deepinfer.errors import DeepInferError  # noqa: E402
-from harness.cli import main  # noqa: E402
-from harness.evaluate import task_manager  # noqa: E402
-from harness.lm_eval_model import FORCED, DeepInferLM  # noqa: E402
-from harness.suites import load_suite  # noqa: E402
+from deepinfer.harness.cli import main  # noqa: E402
+from deepinfer.harness.evaluate import task_manager  # noqa: E402
+from deepinfer.harness.lm_eval_model import FORCED, DeepInferLM  # noqa: E402
+from deepinfer.harness.suites import load_suite  # noqa: E402
 
 SPEC = "lm-eval:deepinfer?limit=2"
 SWEEP = {"reference": {"name": "ref", "max_num_seqs": 8}, "variants": [{"name": "batch-1", "max_num_seqs": 1}]}
@@ -155,7 +155,7 @@ def test_a_task_whose_yaml_does_not_parse_is_named_with_the_yaml_error(capsys, t
 
 
 def test_missing_lm_eval_is_a_one_line_error(monkeypatch):
-    prefixes = ("lm_eval.", "harness.lm_eval", "harness.eval")
+    prefixes = ("lm_eval.", "deepinfer.harness.lm_eval", "deepinfer.harness.eval")
     for name in [m for m in sys.modules if m == "lm_eval" or m.startswith(prefixes)]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval now fails as if it were not installed

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-import kernels
+from deepinfer import kernels
 from checkpoint_edits import copy_with
 from cpu_paths import bf16_refusal
 from deepinfer import LLM, SamplingParams
@@ -22,7 +22,7 @@ from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.scheduler import ScheduledChunk
 from deepinfer.engine.sequence import Sequence
 from deepinfer.errors import DeepInferError
-from harness.invariance import signature, standard_requests
+from deepinfer.harness.invariance import signature, standard_requests
 from test_step_contract import SyncCounter, decoding
 
 MAX_TOKENS = 8

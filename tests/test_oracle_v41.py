@@ -42,7 +42,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerFast
 
-import kernels
+from deepinfer import kernels
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint import load_checkpoint
 from deepinfer.checkpoint.layout import FP4, FP8
@@ -55,7 +55,7 @@ from deepinfer.engine.sequence import Sequence
 from deepinfer.model.engram import compressed_token_map, engram_layouts
 from deepinfer.model.transformer_v41 import DeepseekV41
 from deepinfer.recipe.tokenizer import PAD, build_tokenizer
-from kernels.quant import fp8_block_encode
+from deepinfer.kernels.quant import fp8_block_encode
 from test_config_v41 import flash_text
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")

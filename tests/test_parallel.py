@@ -17,18 +17,18 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
+from deepinfer import kernels
 from deepinfer import LLM
 from deepinfer.checkpoint import preset_config
 from deepinfer.errors import DeepInferError
 from deepinfer.parallel import ExpertPlacement, ParallelError, PlacementError, balanced_placement, start_layout
 from deepinfer.parallel.context import zigzag_rows
 from deepinfer.parallel.placement import held_tensors, rank_loads
-from audit.store import read_run
-from harness.invariance import signature, standard_requests
-from harness.record import record_run
-from harness.suites import load_suite
-from harness.sweep import Variant
+from deepinfer.audit.store import read_run
+from deepinfer.harness.invariance import signature, standard_requests
+from deepinfer.harness.record import record_run
+from deepinfer.harness.suites import load_suite
+from deepinfer.harness.sweep import Variant
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUESTS = 12
@@ -37,7 +37,7 @@ REQUESTS = 12
 def _launch(processes: int, cases: list[dict], tmp_path: Path) -> dict:
     out = tmp_path / f"results-{processes}.pkl"
     spec = json.dumps({"requests": REQUESTS, "cases": cases})
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
                            str(ROOT / "tests" / "parallel_worker.py"), spec, str(out)],
                           env=env, capture_output=True, text=True, timeout=600)
@@ -188,9 +188,9 @@ def test_a_certification_over_two_processes_has_the_roots_of_one(tmp_path):
         "variants": [{"name": "batch-1", "max_num_seqs": 1}, {"name": "dp1", "data_parallel": 1},
                      {"name": "shards-2", "shards": 2}]}))
     out = tmp_path / "certified"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           "-m", "harness.cli", "audit", "certify", "--model", "preset:tiny", "--suite", str(suite),
+                           "-m", "deepinfer.harness.cli", "audit", "certify", "--model", "preset:tiny", "--suite", str(suite),
                            "--sweep", str(sweep), "--out", str(out), "--no-progress"],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]

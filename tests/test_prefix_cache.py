@@ -23,14 +23,14 @@ from deepinfer.engine.cache import CacheManager
 from deepinfer.engine.config import add_engine_flags, config_from_flags
 from deepinfer.errors import DeepInferError
 from deepinfer.model import NULL_BLOCK
-from harness.certify import prefix_summary
-from harness.invariance import STANDARD_VARIANTS, ReferenceDrafter
-from harness.record import record_run
-from harness.replay import prefill_cost, teacher_forced
-from harness.run_writer import STATS_FILE, read_stats
-from harness.suites import load_suite
-from harness.sweep import default_sweep, variant_from_dict
-from harness.traces import load_traces
+from deepinfer.harness.certify import prefix_summary
+from deepinfer.harness.invariance import STANDARD_VARIANTS, ReferenceDrafter
+from deepinfer.harness.record import record_run
+from deepinfer.harness.replay import prefill_cost, teacher_forced
+from deepinfer.harness.run_writer import STATS_FILE, read_stats
+from deepinfer.harness.suites import load_suite
+from deepinfer.harness.sweep import default_sweep, variant_from_dict
+from deepinfer.harness.traces import load_traces
 
 TRACES = sorted((Path(__file__).resolve().parent / "fixtures" / "traces").glob("*.jsonl"))
 COLD = EngineConfig(max_model_len=256, prefix_caching=False)

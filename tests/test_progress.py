@@ -9,11 +9,11 @@ import json
 import pytest
 
 import deepinfer.progress
-from audit.errors import AuditError
+from deepinfer.audit.errors import AuditError
 from deepinfer import cli as engine_cli
 from deepinfer.checkpoint import expected_tensors, preset_config
 from deepinfer.progress import Progress
-from harness.replay_cli import add_replay_commands
+from deepinfer.harness.replay_cli import add_replay_commands
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kernels.quant import (
+from deepinfer.kernels.quant import (
     fp8_block_decode,
     fp8_block_encode,
     fp8_ue8m0_qdq,

@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_triton_kernels import _interpreter_patches  # noqa: F401  (bf16 dot and casts, libdevice exp)
 
-import kernels
-from kernels import fast, triton_fused, triton_ops
-from kernels.quant import QuantizedWeight
+from deepinfer import kernels
+from deepinfer.kernels import fast, triton_fused, triton_ops
+from deepinfer.kernels.quant import QuantizedWeight
 
 LAYOUTS = {"fp8 32x32": ("fp8", (32, 32)), "fp8 128x128": ("fp8", (128, 128)), "fp8 1x32": ("fp8", (1, 32)),
            "fp8 16x48": ("fp8", (16, 48)), "mxfp4": ("mxfp4", (1, 32))}  # 48: tiles that do not nest with K slices

@@ -105,7 +105,7 @@ def test_build_is_deterministic_across_processes_and_threads():
         "import hashlib; from deepinfer.recipe import build_tokenizer; "
         f"print(hashlib.sha256(build_tokenizer({GOLDEN_VOCAB}).to_str().encode()).hexdigest())"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RAYON_NUM_THREADS": "1"}
+    env = {**os.environ, "RAYON_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == _sha(build_tokenizer(GOLDEN_VOCAB))
 

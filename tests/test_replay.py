@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from audit.errors import AuditError
+from deepinfer.audit.errors import AuditError
 from deepinfer import LLM, RequestOutput
 from deepinfer import cli as engine_cli
 from deepinfer.parallel import ParallelLayout
@@ -27,11 +27,11 @@ from deepinfer.recipe.tokenizer import (
     TOOL_SEP,
     TextTokenizer,
 )
-from harness.cassette import AlteredCassette, read_cassette, record_cassette, sealed_lines, verify_cassette
-from harness.replay import EpisodeRun, ToolStub, TurnRun, free_running, prefill_cost, teacher_forced
-from harness.replay_cli import add_replay_commands
-from harness.sweep import Variant
-from harness.traces import RecordedTurn, ToolResult, load_traces
+from deepinfer.harness.cassette import AlteredCassette, read_cassette, record_cassette, sealed_lines, verify_cassette
+from deepinfer.harness.replay import EpisodeRun, ToolStub, TurnRun, free_running, prefill_cost, teacher_forced
+from deepinfer.harness.replay_cli import add_replay_commands
+from deepinfer.harness.sweep import Variant
+from deepinfer.harness.traces import RecordedTurn, ToolResult, load_traces
 
 SAMPLE = Path(__file__).resolve().parent.parent / "harness" / "suites" / "traces" / "sample.jsonl"
 VARIANT = Variant.of("replay", max_model_len=1024, max_num_seqs=32)

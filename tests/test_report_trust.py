@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives import serialization
 
-from audit.certificate import generate_keypair, seal, sign, verdict, verify_certificate, write_certificate
-from audit.files import json_bytes
-from harness.cli import main
+from deepinfer.audit.certificate import generate_keypair, seal, sign, verdict, verify_certificate, write_certificate
+from deepinfer.audit.files import json_bytes
+from deepinfer.harness.cli import main
 from test_reports import CONFIGURATIONS, _certify_folder
 
 LINK_PROBLEM = "is a symbolic link; run folders and their files must be real paths inside the certificate's folder"

@@ -11,12 +11,12 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from audit.certificate import build_certificate, control_verdicts, seal, verdict, write_certificate
-from audit.errors import AuditError
-from audit.store import RunStore, make_row
-from reports import render_report
-from reports.groups import request_grouping
-from reports.html import html_table
+from deepinfer.audit.certificate import build_certificate, control_verdicts, seal, verdict, write_certificate
+from deepinfer.audit.errors import AuditError
+from deepinfer.audit.store import RunStore, make_row
+from deepinfer.reports import render_report
+from deepinfer.reports.groups import request_grouping
+from deepinfer.reports.html import html_table
 
 PROMPTS = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
 REQUEST_IDS = ["greet", "sum", "poem", "code"]
@@ -396,7 +396,7 @@ WRAP_MIN_PX = 14 * 16
 def _table_width_px(frame: pl.DataFrame) -> float:
     """Estimated narrowest width of `html_table(frame)`: each column as wide as its widest one-line cell
     or header word, a wrapping cell at its minimum width."""
-    from reports.html import WRAP_CHARS
+    from deepinfer.reports.html import WRAP_CHARS
 
     total = 0.0
     for column in frame.columns:
@@ -412,8 +412,8 @@ def default_sweep_report(tmp_path_factory, monkeypatch_module):
     or diverges somewhere, with the figures it draws kept as matplotlib figures."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    import reports.figures
-    from harness.sweep import default_sweep
+    import deepinfer.reports.figures
+    from deepinfer.harness.sweep import default_sweep
 
     sweep = default_sweep(drafter="mtp")
     configurations = []
@@ -425,7 +425,7 @@ def default_sweep_report(tmp_path_factory, monkeypatch_module):
     out = _certify_folder(tmp_path_factory.mktemp("sweep"), configurations,
                           request_ids=[f"episode-{k}-with-a-long-agent-trace-name/turn-{k + 1}" for k in range(4)])
     figures = {}
-    monkeypatch_module.setattr(reports.figures, "_png", lambda fig: figures.setdefault(fig.axes[0].get_title(), fig)
+    monkeypatch_module.setattr(deepinfer.reports.figures, "_png", lambda fig: figures.setdefault(fig.axes[0].get_title(), fig)
                                and b"\x89PNG")
     render_report(out)
     for figure in figures.values():
@@ -440,8 +440,8 @@ def monkeypatch_module():
 
 
 def test_the_configurations_table_fits_the_page_for_the_default_sweep(default_sweep_report):
-    from reports.load import load_audit
-    from reports.tables import configurations_table
+    from deepinfer.reports.load import load_audit
+    from deepinfer.reports.tables import configurations_table
 
     frame = configurations_table(load_audit(default_sweep_report[0]))
     assert frame.height == 18  # the reference, 16 variants, the fast control

@@ -17,12 +17,12 @@ from deepinfer import LLM, EngineConfig, SamplingParams
 from deepinfer.engine.drafter import NgramDrafter
 from deepinfer.engine.sequence import Sequence
 from deepinfer.errors import DeepInferError
-from harness.certify import speculation_summary
-from harness.invariance import ReferenceDrafter, signature, standard_requests
-from harness.record import record_run
-from harness.run_writer import STATS_FILE, read_stats
-from harness.suites import load_suite
-from harness.sweep import default_sweep
+from deepinfer.harness.certify import speculation_summary
+from deepinfer.harness.invariance import ReferenceDrafter, signature, standard_requests
+from deepinfer.harness.record import record_run
+from deepinfer.harness.run_writer import STATS_FILE, read_stats
+from deepinfer.harness.suites import load_suite
+from deepinfer.harness.sweep import default_sweep
 
 
 def _requests(count: int) -> list:

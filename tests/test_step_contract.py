@@ -16,7 +16,7 @@ import dataclasses
 import pytest
 import torch
 
-import kernels
+from deepinfer import kernels
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine.runner import ModelRunner, RunnerOutput
 from deepinfer.engine.sampler import SamplingBatch

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import kernels
+from deepinfer import kernels
 from deepinfer import LLM, SamplingParams, transfer
 from deepinfer.model import NULL_BLOCK, DeepseekV4, StepBatch, bucket
 from deepinfer.model.batch import close_capacity, graph_bucket

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from audit.store import read_run
+from deepinfer.audit.store import read_run
 from deepinfer import LLM, SamplingParams
-from harness.cli import main
+from deepinfer.harness.cli import main
 from deepinfer.engine import structured
 from deepinfer.engine.structured import StructuredCompiler, StructuredError, allowed_tokens, mask_words, step_masks
 from deepinfer.errors import DeepInferError
 from deepinfer.sampling_params import SamplingParamsError
-from audit.structured_check import violation
+from deepinfer.audit.structured_check import violation
 
 BATTERY = [json.loads(line) for line in
            (Path(__file__).parent / "fixtures" / "structured" / "battery.jsonl").read_text().splitlines()]

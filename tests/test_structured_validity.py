@@ -31,7 +31,7 @@ from lark.lexer import PatternStr
 from llguidance.gbnf_to_lark import gbnf_to_lark
 from outlines_core.json_schema import build_regex_from_schema
 
-from audit.structured_check import _parser, violation
+from deepinfer.audit.structured_check import _parser, violation
 
 BATTERY = Path(__file__).parent / "fixtures" / "structured" / "battery.jsonl"
 ENTRIES = [json.loads(line) for line in BATTERY.read_text(encoding="utf-8").splitlines() if line.strip()]

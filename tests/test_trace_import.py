@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from deepinfer import LLM
 from deepinfer.recipe.chat import UnsupportedContentError, arguments_object, canonical_arguments, encode_messages
 from deepinfer.recipe.tokenizer import TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_SEP
-from harness.replay import ToolStub
-from harness.trace_export import EXPORT_FORMATS, export_line
-from harness.traces import Episode, TraceFormatError, load_traces, parse_trace_line, parse_trace_lines
+from deepinfer.harness.replay import ToolStub
+from deepinfer.harness.trace_export import EXPORT_FORMATS, export_line
+from deepinfer.harness.traces import Episode, TraceFormatError, load_traces, parse_trace_line, parse_trace_lines
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
 

@@ -10,14 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from audit.store import read_run
+from deepinfer.audit.store import read_run
 from deepinfer import LLM
 from deepinfer.recipe.chat import encode_chat
 from deepinfer.recipe.tokenizer import TextTokenizer
-from harness.record import record_run
-from harness.replay import teacher_forced
-from harness.sweep import Variant
-from harness.traces import (
+from deepinfer.harness.record import record_run
+from deepinfer.harness.replay import teacher_forced
+from deepinfer.harness.sweep import Variant
+from deepinfer.harness.traces import (
     TraceFormatError,
     canonical_arguments,
     load_traces,

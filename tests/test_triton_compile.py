@@ -26,7 +26,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import triton_ops
+from deepinfer.kernels import triton_ops
 
 def compile_kernel(fn, signature, constexprs, **options):
     names = fn.arg_names  # every parameter, in order
@@ -57,7 +57,7 @@ print(json.dumps(results))
 
 
 def test_matmul_kernels_compile_for_hopper_in_every_format():
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(LAYOUTS)], capture_output=True, text=True,
                           env=env, cwd=REPO, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -70,7 +70,7 @@ FUSED = """
 import sys
 sys.argv = sys.argv[:1]
 exec(sys.stdin.read())  # compile_kernel
-from kernels import triton_fused as f
+from deepinfer.kernels import triton_fused as f
 
 bf16, fp32 = "*bf16", "*fp32"
 kernels = {
@@ -104,7 +104,7 @@ def test_fused_kernels_compile_for_hopper_without_contraction():
     and mixing sums, the combine); in rotary and the expansion the compiler does fuse them when allowed,
     so the option is what keeps their bits. (The rotary table, coefficients and SwiGLU are left out:
     libdevice's exp, cos and sin use FMAs by design.)"""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
     helper = COMPILE.split("results = []")[0]
     done = subprocess.run([sys.executable, "-c", FUSED], input=helper, capture_output=True, text=True, env=env,
                           cwd=REPO, timeout=600)

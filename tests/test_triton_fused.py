@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_triton_kernels import _assert_same_bits, _interpreter_patches, _randn  # noqa: F401  (fixture)
 
-from kernels import composite, fast, invariant, triton_fused
+from deepinfer.kernels import composite, fast, invariant, triton_fused
 
 FEW = settings(max_examples=8, deadline=None)
 N = 4  # hc_mult of every V4 and V4.1 configuration

@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import invariant, triton_fused, triton_ops
+from deepinfer.kernels import invariant, triton_fused, triton_ops
 
 ROWS = (1, 3, 17, 40)
 FEW = settings(max_examples=10, deadline=None)
@@ -497,7 +497,7 @@ def test_sinkhorn_does_not_depend_on_batch(batch: tuple[int, int], seed: int) ->
 def test_every_registered_op_keeps_the_reference_signature() -> None:
     """Each CUDA op takes what the op it replaces takes: the PyTorch primitive's parameters, or a
     composite's (less the primitives `kernels.bind` supplies as keywords)."""
-    from kernels import composite
+    from deepinfer.kernels import composite
 
     for name, fn in {**triton_ops.OPS, **triton_fused.OPS}.items():
         reference = getattr(invariant, name, None) or getattr(composite, name)

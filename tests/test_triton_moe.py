@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from cuda_syncs import synchronisations  # noqa: E402
-from kernels import fast, triton_fused, triton_ops  # noqa: E402
+from deepinfer.kernels import fast, triton_fused, triton_ops  # noqa: E402
 
 EXPERTS, TOP_K, HIDDEN, INTER = 16, 4, 256, 128
 

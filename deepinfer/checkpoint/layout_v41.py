@@ -20,7 +20,7 @@ import torch
 
 from deepinfer.checkpoint.layout import FP4, FP8, FP32, MTP_PREFIX, SCALE, WEIGHT, TensorSpec
 from deepinfer.config_v41 import DRAFT_ROLE, FULL, REINDEX, LayerRole, V41Config, draft_config
-from kernels.quant import QuantizedWeight, fp8_block_encode, mxfp4_encode
+from deepinfer.kernels.quant import QuantizedWeight, fp8_block_encode, mxfp4_encode
 
 OPTIONAL_PREFIXES = ("mtp.", "vision.", "aligner.", "image_")
 OPTIONAL_SUFFIXES = (".ffn.gate.bias_vl",)

@@ -18,7 +18,7 @@ from deepinfer.checkpoint.layout_v41 import dequantize as dequantize_v41, is_dra
 from deepinfer.checkpoint.quantized_v4 import dequantize as dequantize_v4
 from deepinfer.config import ModelConfig, load_config
 from deepinfer.config_v41 import V41Config
-from kernels.quant import QuantizedWeight
+from deepinfer.kernels.quant import QuantizedWeight
 
 
 @dataclass

@@ -28,7 +28,7 @@ import torch
 
 from deepinfer.checkpoint.layout import FP4, FP8, FP32, SCALE, TensorSpec
 from deepinfer.config import ModelConfig
-from kernels.quant import MXFP4_GROUP, fp8_block_decode, mxfp4_decode
+from deepinfer.kernels.quant import MXFP4_GROUP, fp8_block_decode, mxfp4_decode
 
 SCALE_SUFFIX = "_scale_inv"
 _QUANTIZED = re.compile(r"(?:model\.layers|mtp)\.\d+\.(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"

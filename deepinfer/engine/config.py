@@ -16,7 +16,7 @@ import torch
 from deepinfer.engine.drafter import SPECULATION
 from deepinfer.errors import DeepInferError
 from deepinfer.sampling_params import UNSEEDED_SEEDS
-from kernels import NUMERICS
+from deepinfer.kernels import NUMERICS
 
 MAX_DRAFT_TOKENS = 16  # each costs a verified position per sequence and step; past a few, most are rejected
 

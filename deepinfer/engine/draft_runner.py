@@ -48,7 +48,7 @@ from deepinfer.model.batch import CacheAddresses, Paged
 from deepinfer.model.dspark import DSpark
 from deepinfer.model.mtp import MTP
 from deepinfer.model.transformer import Choose
-from kernels import Ops
+from deepinfer.kernels import Ops
 
 DRAFT_POOL = "draft_window"
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import kernels
-from kernels.cpu_isa import CpuIsaError
-from kernels.selftest import CpuInvarianceError, checked_cpu_ops
+from deepinfer import kernels
+from deepinfer.kernels.cpu_isa import CpuIsaError
+from deepinfer.kernels.selftest import CpuInvarianceError, checked_cpu_ops
 from deepinfer.checkpoint import CheckpointError, default_checkpoint, load_checkpoint, preset_config
 from deepinfer.checkpoint.layout import weight_dtype_name
 from deepinfer.checkpoint.layout_v41 import is_draft_tensor

@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from deepinfer.sampling_params import SamplingParams
-from kernels import Ops
+from deepinfer.kernels import Ops
 
 MASK32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B1

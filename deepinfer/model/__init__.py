@@ -5,7 +5,7 @@ from deepinfer.config_v41 import V41Config
 from deepinfer.model.batch import NULL_BLOCK, PoolSpec, StepBatch, bucket
 from deepinfer.model.transformer import Decoder, DeepseekV4
 from deepinfer.model.transformer_v41 import DeepseekV41
-from kernels import Ops
+from deepinfer.kernels import Ops
 
 
 def build_model(config: ModelConfig | V41Config, ops: Ops, dtype: torch.dtype, device: torch.device | str = "meta",

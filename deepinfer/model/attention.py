@@ -16,7 +16,7 @@ from deepinfer.config import CSA, HCA, SLIDING, ModelConfig
 from deepinfer.model.batch import CacheAddresses, CompressorAddresses, gather_bytes, query_chunks
 from deepinfer.model.layers import Linear, RMSNorm, empty
 from deepinfer.model.rope import RotaryTable
-from kernels import Ops
+from deepinfer.kernels import Ops
 
 POOL_PREFIX = {CSA: "csa", HCA: "hca"}  # pool names of each compressed layer type: {prefix}_state, {prefix}_entries
 

@@ -23,8 +23,8 @@ from deepinfer.config_v41 import FULL, REINDEX, SWA, LayerRole, V41Config
 from deepinfer.model.batch import CacheAddresses, CompressorAddresses, gather_bytes, query_chunks
 from deepinfer.model.layers import Linear, RMSNorm, empty
 from deepinfer.model.rope import RotaryTable
-from kernels import Ops
-from kernels.quant import fp8_ue8m0_qdq, mxfp4_qdq, nvfp4_qdq
+from deepinfer.kernels import Ops
+from deepinfer.kernels.quant import fp8_ue8m0_qdq, mxfp4_qdq, nvfp4_qdq
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:

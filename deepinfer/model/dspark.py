@@ -33,7 +33,7 @@ from deepinfer.model.layers import Linear, RMSNorm
 from deepinfer.model.rope import RotaryTable
 from deepinfer.model.transformer import Choose, DraftDecoder, greedy
 from deepinfer.model.transformer_v41 import Block41
-from kernels import Ops
+from deepinfer.kernels import Ops
 
 PRE_NORM, POST_NORM = "pre_norm", "post_norm"  # which hidden state the confidence head reads
 

@@ -29,8 +29,8 @@ from torch import nn
 from deepinfer.config import ConfigError
 from deepinfer.config_v41 import V41Config
 from deepinfer.model.layers import Linear, empty
-from kernels import Ops
-from kernels.quant import QuantizedWeight
+from deepinfer.kernels import Ops
+from deepinfer.kernels.quant import QuantizedWeight
 
 REPLACEMENT_CHAR = "\ufffd"
 SPACE_SENTINEL = "\ue000"  # private use: stands in for a lone space so that stripping keeps it

@@ -7,7 +7,7 @@ from torch import nn
 
 from deepinfer.config import ModelConfig
 from deepinfer.model.layers import empty
-from kernels import Ops
+from deepinfer.kernels import Ops
 
 
 class HyperMix(nn.Module):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from kernels import Ops
+from deepinfer.kernels import Ops
 
 
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from deepinfer.config import ModelConfig
 from deepinfer.model.layers import Linear, empty
-from kernels import Ops
+from deepinfer.kernels import Ops
 
 SCORE_FUNCS = {
     "sqrtsoftplus": lambda ops, logits: ops.softplus(logits).sqrt(),

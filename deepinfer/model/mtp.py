@@ -30,7 +30,7 @@ from deepinfer.model.hyper import head_collapse
 from deepinfer.model.layers import Linear, RMSNorm, empty
 from deepinfer.model.rope import RotaryTable
 from deepinfer.model.transformer import Block, Choose, DraftDecoder, greedy
-from kernels import Ops
+from deepinfer.kernels import Ops
 
 
 def mtp_config(config: ModelConfig) -> ModelConfig:

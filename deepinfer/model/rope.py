@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.config import ModelConfig
-from kernels import Ops
+from deepinfer.kernels import Ops
 
 
 class RotaryTable:

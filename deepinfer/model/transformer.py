@@ -18,8 +18,8 @@ from deepinfer.model.hyper import HyperHead, HyperMix
 from deepinfer.model.layers import Linear, RMSNorm, empty
 from deepinfer.model.moe import MoE
 from deepinfer.model.rope import RotaryTable
-from kernels import Ops
-from kernels.quant import QuantizedWeight
+from deepinfer.kernels import Ops
+from deepinfer.kernels.quant import QuantizedWeight
 
 
 class Block(nn.Module):

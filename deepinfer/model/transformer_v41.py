@@ -22,7 +22,7 @@ from deepinfer.model.layers import Linear, RMSNorm, empty
 from deepinfer.model.moe import MoE
 from deepinfer.model.rope import RotaryTable
 from deepinfer.model.transformer import Decoder
-from kernels import Ops
+from deepinfer.kernels import Ops
 
 
 class Block41(nn.Module):

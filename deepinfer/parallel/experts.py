@@ -21,7 +21,7 @@ from torch import nn
 from deepinfer.model.moe import MoE
 from deepinfer.parallel.layout import ParallelLayout, all_gather_rows, all_to_all
 from deepinfer.parallel.placement import ExpertPlacement, PlacementError
-from kernels.quant import QuantizedWeight
+from deepinfer.kernels.quant import QuantizedWeight
 
 
 class ExpertExchange:
