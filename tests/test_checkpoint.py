@@ -480,7 +480,7 @@ def test_a_terminated_create_leaves_no_partial_checkpoint(tmp_path):
     import time
 
     out = tmp_path / "ck"
-    command = [sys.executable, "-c", "import sys; from harness.cli import main; sys.exit(main(sys.argv[1:]))",
+    command = [sys.executable, "-c", "import sys; from deepinfer.harness.cli import main; sys.exit(main(sys.argv[1:]))",
                "checkpoint", "create", "--preset", "small", "--out", str(out), "--seed", "1"]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60

@@ -52,7 +52,7 @@ def _python(code: str, **env: str) -> list[str]:
     return result.stdout.splitlines()
 
 
-WAIVER_RECORD = ("from harness.environment import environment_fingerprint\n"
+WAIVER_RECORD = ("from deepinfer.harness.environment import environment_fingerprint\n"
                  "print(json.dumps(environment_fingerprint()['torch_cpu']))\n")
 # each fresh-interpreter case of the tests below: (code, environment); `fresh` runs them
 CASES = {

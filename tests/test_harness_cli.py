@@ -450,8 +450,8 @@ def run_with_a_part_stored(long_suite: Path, checkpoint: Path, out: Path) -> tup
     argv = ["audit", "run", "--model", str(checkpoint), "--suite", str(long_suite), "--max-num-seqs", "1",
             "--out", str(out), "--no-progress"]
     # Flush every 3 rows (instead of 16 rows / 2 s) so that a part file appears early, with rows still to serve.
-    code = ("import sys; import harness.run_writer as writer; writer.FLUSH_ROWS = 3; "
-            "from harness.cli import main; "
+    code = ("import sys; import deepinfer.harness.run_writer as writer; writer.FLUSH_ROWS = 3; "
+            "from deepinfer.harness.cli import main; "
             f"sys.exit(main({argv!r}))")
     child = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)

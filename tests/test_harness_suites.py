@@ -171,14 +171,15 @@ def _harness_imports(module: Path, top_level_only: bool) -> set[str]:
     nodes = tree.body if top_level_only else list(ast.walk(tree))
     found = set()
     for node in nodes:
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("harness"):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("deepinfer.harness"):
             names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
         elif isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         else:
             continue
-        found.update(name.removeprefix("harness.") for name in names
-                     if name.startswith("harness.") and (HARNESS / f"{name.removeprefix('harness.')}.py").is_file())
+        prefix = "deepinfer.harness."
+        found.update(name.removeprefix(prefix) for name in names
+                     if name.startswith(prefix) and (HARNESS / f"{name.removeprefix(prefix)}.py").is_file())
     return found
 
 
@@ -211,7 +212,7 @@ def imported() -> dict[tuple[str, ...], subprocess.CompletedProcess]:
     """Each of IMPORT_ORDERS imported in a fresh interpreter, then harness.suites, which prints its kinds
     (two interpreters at a time: each spends ~1 s importing torch)."""
     def run(order: tuple[str, ...]) -> subprocess.CompletedProcess:
-        code = f"import {', '.join(order)}, harness.suites; print(list(harness.suites.KINDS))"
+        code = f"import {', '.join(order)}, deepinfer.harness.suites; print(list(deepinfer.harness.suites.KINDS))"
         return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
 
     with ThreadPoolExecutor(2) as pool:
