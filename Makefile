@@ -26,8 +26,10 @@ install: $(VENV)/.installed
 
 dev: $(VENV)/.dev-installed
 
+# One worker per core, each file on one worker (module fixtures are built once); tests/conftest.py gives
+# each worker its share of the threads and starts the heaviest files first.
 test: $(VENV)/.dev-installed
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n auto --dist loadfile
 
 generate: $(VENV)/.installed
 	$(VENV)/bin/deepinfer generate --prompt "The quick brown fox" --max-tokens 32

@@ -7,10 +7,13 @@ A case with "cp" runs steps split over the ranks and counts how many were; "engi
 settings; "model" names a checkpoint folder instead of the preset. A case with "replace"
 first serves the set, then re-places the experts by EPLB from the loads that
 serving measured (one more slot per rank, so the heaviest experts get copies), and serves it again.
+A case with "cli" runs `deepinfer ARGV` on every rank instead: its exit code and every rank's stdout.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import pickle
 import sys
@@ -20,6 +23,7 @@ import torch.distributed as dist
 
 from deepinfer import LLM
 from deepinfer.parallel import balanced_placement, placement_digest
+from deepinfer.harness.cli import main as cli_main
 from deepinfer.harness.invariance import signature, standard_requests
 
 
@@ -27,11 +31,24 @@ def serve(llm: LLM, requests) -> list[tuple]:
     return [signature(o) for o in llm.generate([r.prompt for r in requests], [r.params for r in requests])]
 
 
+def run_cli(argv: list[str]) -> tuple[int, list[str]]:
+    """`deepinfer ARGV` on this rank: its exit code and the stdout of every rank, in rank order."""
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = cli_main(argv)
+    printed = [None] * dist.get_world_size()
+    dist.all_gather_object(printed, stdout.getvalue())
+    return code, printed
+
+
 def main() -> None:
     spec, out = json.loads(sys.argv[1]), sys.argv[2]
     torch.set_num_threads(1)
     results = {}
     for case in spec["cases"]:
+        if "cli" in case:
+            results[case["name"]] = run_cli(case["cli"])
+            continue
         llm = LLM(case.get("model") or f"preset:{case['preset']}", dtype=case["dtype"], expert_parallel=case["ep"],
                   data_parallel=case["dp"], context_parallel=case.get("cp", 1), **case.get("engine", {}))
         requests = standard_requests(llm.config.vocab_size, count=spec["requests"])

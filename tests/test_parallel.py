@@ -7,6 +7,7 @@ sharding) has the root of one engine."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pickle
@@ -45,33 +46,56 @@ def _launch(processes: int, cases: list[dict], tmp_path: Path) -> dict:
     return pickle.loads(out.read_bytes())
 
 
+@functools.cache
 def _reference(preset: str, dtype: str) -> list[tuple]:
     requests = standard_requests(preset_config(preset).vocab_size, count=REQUESTS)
     llm = LLM(f"preset:{preset}", dtype=dtype)
     return [signature(o) for o in llm.generate([r.prompt for r in requests], [r.params for r in requests])]
 
 
-@pytest.mark.parametrize("processes, cases", [
-    (4, [{"name": "tiny-ep4-dp4", "preset": "tiny", "dtype": "float32", "ep": 4, "dp": 4, "replace": True},
+LAYOUTS = {
+    4: [{"name": "tiny-ep4-dp4", "preset": "tiny", "dtype": "float32", "ep": 4, "dp": 4, "replace": True},
          {"name": "tiny-ep4-dp1", "preset": "tiny", "dtype": "float32", "ep": 4, "dp": 1},
          {"name": "v41-ep4-dp4", "preset": "v41-tiny", "dtype": "bfloat16", "ep": 4, "dp": 4},
-         {"name": "tiny-cp4", "preset": "tiny", "dtype": "bfloat16", "ep": 1, "dp": 1, "cp": 4}]),
-    (2, [{"name": "tiny-ep2-dp2", "preset": "tiny", "dtype": "bfloat16", "ep": 2, "dp": 2},
+         {"name": "tiny-cp4", "preset": "tiny", "dtype": "bfloat16", "ep": 1, "dp": 1, "cp": 4}],
+    2: [{"name": "tiny-ep2-dp2", "preset": "tiny", "dtype": "bfloat16", "ep": 2, "dp": 2},
          {"name": "tiny-ep1-dp2", "preset": "tiny", "dtype": "float32", "ep": 1, "dp": 2},
          {"name": "v41-ep2-dp1", "preset": "v41-tiny", "dtype": "float32", "ep": 2, "dp": 1, "replace": True},
          {"name": "tiny-cp2", "preset": "tiny", "dtype": "float32", "ep": 1, "dp": 1, "cp": 2},
          {"name": "v41-cp2-dspark-host", "preset": "v41-tiny", "dtype": "bfloat16", "ep": 1, "dp": 1, "cp": 2,
-          "engine": {"speculation": "dspark", "engram_tables": "host"}}]),
-])
-def test_every_layout_gives_the_bits_of_one_process(processes, cases, tmp_path):
-    results = _launch(processes, cases, tmp_path)
-    references = {}
-    for case in cases:
-        key = (case["preset"], case["dtype"])
-        references[key] = references.get(key) or _reference(*key)
+          "engine": {"speculation": "dspark", "engram_tables": "host"}}],
+}
+CERTIFY_SWEEP = {
+    "reference": {"name": "ep2-dp2", "max_num_seqs": 8, "expert_parallel": 2, "data_parallel": 2, "threads": 1},
+    "variants": [{"name": "batch-1", "max_num_seqs": 1}, {"name": "dp1", "data_parallel": 1}, {"name": "shards-2", "shards": 2}]}
+
+
+@pytest.fixture(scope="module")
+def launched(v41_checkpoint, tmp_path_factory) -> tuple[Path, dict[int, dict]]:
+    """One torchrun launch per process count, running every case of that count: LAYOUTS, and on 2
+    processes also the quantized V4.1 checkpoint and `deepinfer audit certify` of an 8-request suite
+    over CERTIFY_SWEEP (each launch spends seconds starting its processes). The folder holding the
+    certify's suite and output, and each count's results."""
+    base = tmp_path_factory.mktemp("parallel")
+    suite = base / "suite.jsonl"
+    suite.write_text("".join((ROOT / "harness" / "suites" / "smoke.jsonl").read_text().splitlines(True)[:8]))
+    (base / "sweep.json").write_text(json.dumps(CERTIFY_SWEEP))
+    quantized = {"name": "v41-q", "model": str(v41_checkpoint), "dtype": "float32", "ep": 2, "dp": 2, "replace": True,
+                 "engine": {"weight_storage": "quantized"}}
+    certify = {"name": "certify", "cli": ["audit", "certify", "--model", "preset:tiny", "--suite", str(suite), "--sweep",
+                                          str(base / "sweep.json"), "--out", str(base / "certified"), "--no-progress"]}
+    cases = {4: LAYOUTS[4], 2: [*LAYOUTS[2], quantized, certify]}
+    return base, {processes: _launch(processes, each, base) for processes, each in cases.items()}
+
+
+@pytest.mark.parametrize("processes", list(LAYOUTS))
+def test_every_layout_gives_the_bits_of_one_process(launched, processes):
+    results = launched[1][processes]
+    for case in LAYOUTS[processes]:
+        reference = _reference(case["preset"], case["dtype"])
         names = [case["name"]] + ([case["name"] + "-replaced"] if case.get("replace") else [])
         for name in names:
-            diverged = [i for i, (a, b) in enumerate(zip(references[key], results[name])) if a != b]
+            diverged = [i for i, (a, b) in enumerate(zip(reference, results[name])) if a != b]
             assert len(results[name]) == REQUESTS and diverged == [], name
         if case.get("replace"):
             before, after = results[case["name"] + "-digests"]
@@ -80,12 +104,10 @@ def test_every_layout_gives_the_bits_of_one_process(processes, cases, tmp_path):
             assert results[case["name"] + "-splits"] > 0
 
 
-def test_quantized_experts_move_between_ranks_as_stored(v41_checkpoint, tmp_path):
+def test_quantized_experts_move_between_ranks_as_stored(launched, v41_checkpoint):
     """A V4.1 checkpoint in the release's formats, its experts kept as MXFP4 with E8M0 scales, at
     EP 2 / DP 2 and after an EPLB re-placement moved them between the ranks: one process's bits."""
-    case = {"name": "v41-q", "model": str(v41_checkpoint), "dtype": "float32", "ep": 2, "dp": 2, "replace": True,
-            "engine": {"weight_storage": "quantized"}}
-    results = _launch(2, [case], tmp_path)
+    results = launched[1][2]
     llm = LLM(v41_checkpoint, weight_storage="quantized")
     requests = standard_requests(llm.config.vocab_size, count=REQUESTS)
     reference = [signature(o) for o in llm.generate([r.prompt for r in requests], [r.params for r in requests])]
@@ -177,28 +199,17 @@ def test_shards_beyond_the_requests_start_no_engine(tiny_checkpoint, tmp_path, m
     assert len(started) == 1 and many == one
 
 
-def test_a_certification_over_two_processes_has_the_roots_of_one(tmp_path):
-    """`torchrun -m harness.cli audit certify` with expert and data parallel configurations: rank 0
-    writes the certificate, every configuration's root is the one a single process records."""
-    suite = tmp_path / "suite.jsonl"
-    suite.write_text("".join((ROOT / "harness" / "suites" / "smoke.jsonl").read_text().splitlines(True)[:8]))
-    sweep = tmp_path / "sweep.json"
-    sweep.write_text(json.dumps({
-        "reference": {"name": "ep2-dp2", "max_num_seqs": 8, "expert_parallel": 2, "data_parallel": 2, "threads": 1},
-        "variants": [{"name": "batch-1", "max_num_seqs": 1}, {"name": "dp1", "data_parallel": 1},
-                     {"name": "shards-2", "shards": 2}]}))
-    out = tmp_path / "certified"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           "-m", "deepinfer.harness.cli", "audit", "certify", "--model", "preset:tiny", "--suite", str(suite),
-                           "--sweep", str(sweep), "--out", str(out), "--no-progress"],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.count("verdict: BITWISE_REPRODUCIBLE over all 8 requests") == 1  # rank 0 alone reports
-    alone = record_run("preset:tiny", load_suite(str(suite)), Variant.of("alone", threads=1), tmp_path / "alone",
-                       progress=False)
+def test_a_certification_over_two_processes_has_the_roots_of_one(launched, tmp_path):
+    """`torchrun -m deepinfer.harness.cli audit certify` with expert and data parallel configurations:
+    rank 0 writes the certificate, every configuration's root is the one a single process records."""
+    base, results = launched
+    code, printed = results[2]["certify"]
+    assert code == 0
+    assert "".join(printed).count("verdict: BITWISE_REPRODUCIBLE over all 8 requests") == 1  # rank 0 alone reports
+    alone = record_run("preset:tiny", load_suite(str(base / "suite.jsonl")), Variant.of("alone", threads=1),
+                       tmp_path / "alone", progress=False)
     for name in ("ep2-dp2", "batch-1", "dp1", "shards-2"):
-        run = read_run(out / "runs" / name)
+        run = read_run(base / "certified" / "runs" / name)
         assert run.root == alone
         assert run.manifest["engine"]["parallel"]["world"] == 2
 
