@@ -207,20 +207,18 @@ def free_running(llm: LLM, episodes: list[Episode], run_seed: int = 0, progress:
 
 def _generate(llm: LLM, jobs: list[tuple[list[int], SamplingParams]], bar: Progress,
               count_outputs: bool) -> list[RequestOutput]:
-    """`llm.generate` for (prompt ids, params) jobs, outputs in job order, stepped here so that `bar`
-    counts each finished request (with `count_outputs`) and can print a status line between steps
-    while a long batch runs."""
+    """`llm.generate` for (prompt ids, params) jobs, outputs in job order, read step by step from the
+    engine's stream so that `bar` counts each finished request (with `count_outputs`) and can print a
+    status line between steps while a long batch runs."""
     if llm.has_unfinished():
         raise DeepInferError("replay needs an idle engine: finish requests queued with add_request() via step()")
     if llm.layout.world > 1:
         raise DeepInferError(f"replay runs in one process, this launch has {llm.layout.world}: record suites over "
                              "several processes with `deepinfer audit run` or `audit certify`")
-    ids = [llm.add_request(prompt, params) for prompt, params in jobs]
+    ids = llm.submit([prompt for prompt, _ in jobs], [params for _, params in jobs])
     done: dict[int, RequestOutput] = {}
-    while llm.has_unfinished():
-        finished = llm.step()
-        for output in finished:
-            done[output.request_id] = output
+    for finished in llm.stream():
+        done.update((output.request_id, output) for output in finished)
         bar.update(len(finished) if count_outputs else 0)
     return [done[i] for i in ids]
 

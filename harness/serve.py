@@ -6,13 +6,14 @@ module adds is *when* each request reaches the engine.
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from deepinfer import LLM, RequestOutput, SamplingParams
-from deepinfer.parallel import gather_objects
 from deepinfer.harness.sweep import Variant
 
 SHUFFLE_SEED = 1
@@ -39,9 +40,9 @@ def arrival_order(count: int, variant: Variant) -> list[int]:
 
 def serve(llm: LLM, jobs: list[tuple[list[int], SamplingParams]], variant: Variant) -> Iterator[Finished]:
     """Submit `jobs` (prompt ids, params) in the variant's order and yield each as it finishes.
-    In a launch of several processes every rank is given the same jobs and serves its share (all of
-    them unless the engine is data parallel), stepping while any rank works, and every rank yields
-    every finished job.
+    Job i is request number i. In a launch of several processes every rank is given the same jobs and
+    serves its share (all of them unless the engine is data parallel), and every rank yields every
+    finished job (`LLM.stream`).
     With `stagger=k`, k requests start together and one more joins every k engine steps. With
     `warm`, the jobs are served once first, their outputs dropped."""
     if variant.warm:
@@ -52,37 +53,24 @@ def serve(llm: LLM, jobs: list[tuple[list[int], SamplingParams]], variant: Varia
 
 def _serve(llm: LLM, jobs: list[tuple[list[int], SamplingParams]], variant: Variant) -> Iterator[Finished]:
     start = time.perf_counter()
-    pending = [index for index in arrival_order(len(jobs), variant) if llm.layout.serves(index)]
-    index_of: dict[int, int] = {}
-    arrival: dict[int, float] = {}
+    pending = deque(index for index in arrival_order(len(jobs), variant) if llm.layout.serves(index))
 
-    def submit(index: int) -> None:
-        request_id = llm.add_request(*jobs[index])
-        index_of[request_id] = index
-        arrival[index] = time.perf_counter() - start
+    def submit() -> None:
+        index = pending.popleft()
+        llm.add_request(*jobs[index], request_id=index)
 
-    head = len(pending) if not variant.stagger else variant.stagger
-    for index in pending[:head]:
-        submit(index)
-    pending = pending[head:]
-    steps = 0
-    while True:
-        working = llm.has_unfinished() or bool(pending)
-        finished = []
-        if working:
-            if pending and (not llm.has_unfinished() or steps % variant.stagger == 0):
-                submit(pending.pop(0))
-            for output in llm.step():
-                index = index_of[output.request_id]
-                first = None if output.first_token_time is None else output.first_token_time - start  # None: errored
-                finished.append(Finished(index, output, arrival[index], first, time.perf_counter() - start))
-            steps += 1
-        elif llm.layout.lockstep:  # the other ranks' MoE layers still exchange tokens with this one's
-            llm.step()
-        if llm.layout.world > 1:  # every rank learns who still works and gets every rank's finished requests
-            shares = gather_objects((working, finished))
-            working = any(share[0] for share in shares)
-            finished = [done for share in shares[::llm.layout.attention_ranks] for done in share[1]]  # one per group
-        yield from finished
-        if not working:
-            return
+    for _ in range(min(len(pending), variant.stagger or len(pending))):
+        submit()
+    steps = itertools.count()
+
+    def arrive() -> bool:
+        """With `stagger`: one more request every `stagger` steps, or at once when the engine is idle."""
+        step = next(steps)
+        if pending and (not llm.has_unfinished() or step % variant.stagger == 0):
+            submit()
+        return bool(pending)
+
+    for finished in llm.stream(arrive):
+        for output in finished:
+            first = None if output.first_token_time is None else output.first_token_time - start  # None: errored
+            yield Finished(output.request_id, output, output.arrival_time - start, first, output.finish_time - start)

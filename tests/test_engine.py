@@ -246,16 +246,45 @@ def test_outputs_in_prompt_order_with_length_finish(llm):
         assert llm.generate([prompt], param)[0].token_ids == out.token_ids
 
 
-def test_first_token_time_is_recorded_and_not_part_of_equality(llm):
+def test_timing_is_recorded_and_not_part_of_equality(llm):
     prompts = random_prompts(2, [30, 3], seed=2)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, seed=5)
     before = time.perf_counter()
     first = llm.generate(prompts, params)
     after = time.perf_counter()
-    assert all(before < o.first_token_time < after for o in first)
+    assert all(before < o.arrival_time < o.first_token_time <= o.finish_time < after for o in first)
     again = [dataclasses.replace(o, request_id=f.request_id) for o, f in zip(llm.generate(prompts, params), first)]
-    assert again == first and again[0].first_token_time != first[0].first_token_time
+    assert again == first
+    assert all(a.arrival_time > f.finish_time and a.first_token_time != f.first_token_time for a, f in zip(again, first))
 
+
+
+def test_the_stream_yields_each_step_and_takes_arrivals_between_steps(llm):
+    """`stream` is the loop `generate` runs: one item per step (empty while nothing finishes), and
+    requests that `arrive` queues between steps are served with the bits `generate` gives them."""
+    prompts = random_prompts(4, [20, 3, 9, 33], seed=4)
+    params = [SamplingParams(temperature=0.8, max_tokens=5, ignore_eos=True, seed=40 + i) for i in range(4)]
+    want = llm.generate(prompts, params)
+    waiting = list(range(1, 4))
+    llm.add_request(prompts[0], params[0], request_id=0)
+
+    def arrive() -> bool:  # one more request each step
+        if waiting:
+            index = waiting.pop(0)
+            llm.add_request(prompts[index], params[index], request_id=index)
+        return bool(waiting)
+
+    steps = list(llm.stream(arrive))
+    assert sorted(out.request_id for step in steps for out in step) == [0, 1, 2, 3]
+    assert [] in steps and not llm.has_unfinished()
+    assert sorted((out for step in steps for out in step), key=lambda out: out.request_id) == [
+        dataclasses.replace(out, request_id=i) for i, out in enumerate(want)]
+
+
+def test_submit_checks_every_prompt_before_queueing_any(llm):
+    with pytest.raises(RequestError, match=r"^prompt token -1 is not an id in \[0, 1024\)$"):
+        llm.submit([[5, 6], [7, -1]])
+    assert not llm.has_unfinished()
 
 @pytest.fixture(scope="module")
 def greedy_runs(llm):

@@ -278,10 +278,12 @@ class ScriptedEngine:
     def check_params(self, params):
         return params
 
-    def add_request(self, prompt: list[int], params) -> int:
-        self._queued.append((self._next_id, list(prompt), params))
-        self._next_id += 1
-        return self._next_id - 1
+    def _enqueue(self, prompt: list[int], params, request_id: int) -> int:
+        self._queued.append((request_id, list(prompt), params))
+        return request_id
+
+    submit = LLM.submit  # checks and queues through encode, check_params and _enqueue
+    stream = LLM.stream  # the engine's own loop over step()
 
     def has_unfinished(self) -> bool:
         return bool(self._queued)

@@ -10,11 +10,11 @@ t + 1 while the device runs step t.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from deepinfer import kernels
 from deepinfer.kernels.cpu_isa import CpuIsaError
@@ -41,7 +41,7 @@ from deepinfer.model import DeepseekV41, build_model
 from deepinfer.model.dspark import DSpark
 from deepinfer.model.mtp import MTP
 from deepinfer.outputs import RequestOutput
-from deepinfer.parallel import ExpertPlacement, agree, move_experts, spread_experts, start_layout
+from deepinfer.parallel import ExpertPlacement, agree, gather_objects, move_experts, spread_experts, start_layout
 from deepinfer.parallel.placement import held_tensors
 from deepinfer.parallel.context import ContextGroup
 from deepinfer.recipe.chat import ChatFormatError, ChatPrompt, parse_completion, render_chat, tool_call_constraint
@@ -353,9 +353,11 @@ class LLM:
         `check_params` has compiled it."""
         return None if params.structured is None else self._compiler(params).matcher(params.structured)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
-        """Queue one request; it joins the running batch at the next `step()`."""
-        return self._enqueue(self.encode(prompt), self.check_params(params))
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: int | None = None) -> int:
+        """Queue one request as number `request_id` (default: the next; ranks serving shares of one
+        list give each request the same number); it joins the running batch at the next `step()`."""
+        return self._enqueue(self.encode(prompt), self.check_params(params), request_id)
 
     def _enqueue(self, ids: list[int], params: SamplingParams, request_id: int | None = None) -> int:
         """Queue a request as number `request_id` (default: the next); the counter moves past it."""
@@ -375,13 +377,6 @@ class LLM:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None
-
-    def has_unfinished_anywhere(self) -> bool:
-        """`has_unfinished` on any rank of a parallel launch (a collective: with expert parallelism
-        every rank steps while any has work, running the MoE layers empty where it has none)."""
-        if not self.layout.lockstep:
-            return self.has_unfinished()
-        return bool(agree(int(self.has_unfinished()), dist.ReduceOp.MAX))
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix, freeing the blocks only the prefix cache held (requests in
@@ -418,14 +413,41 @@ class LLM:
 
     # batch APIs ---------------------------------------------------------------------------------
 
+    def stream(self, arrive: Callable[[], bool] | None = None) -> Iterator[list[RequestOutput]]:
+        """The engine loop: step until no rank has work, yielding the requests each step finished, every
+        rank's (a launch of several processes gathers them after each step, one copy per group of ranks
+        that share requests; a rank with nothing to run still steps while others work, in lockstep).
+        `arrive`, called before each step, may queue requests and says whether more are still to
+        come (they count as work)."""
+        while True:
+            working = (arrive is not None and arrive()) or self.has_unfinished()
+            finished = self.step() if working or self.layout.lockstep else []
+            if self.layout.world > 1:
+                shares = gather_objects((working, finished))
+                working = any(share[0] for share in shares)
+                finished = [output for share in shares[::self.layout.attention_ranks] for output in share[1]]
+            yield finished
+            if not working:
+                return
+
     def generate(
         self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[RequestOutput]:
         """Run all prompts to completion; outputs come back in prompt order."""
-        if not isinstance(prompts, list):
-            raise RequestError("prompts must be a list (of strings or of token-id lists)")
         if self.has_unfinished():
             raise RequestError("generate() needs an idle engine: finish requests queued with add_request() via step()")
+        ids = self.submit(prompts, params)
+        done = {output.request_id: output for finished in self.stream() for output in finished}
+        return [done[i] for i in ids]
+
+    def submit(
+        self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[int]:
+        """Queue every prompt, all checked first (a bad one queues none); their request ids, in prompt
+        order. Every rank of a launch is given every prompt and queues its share (all of them unless
+        data parallel), under ids the ranks agree on."""
+        if not isinstance(prompts, list):
+            raise RequestError("prompts must be a list (of strings or of token-id lists)")
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise RequestError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
@@ -436,15 +458,7 @@ class LLM:
             if self.layout.serves(index):  # every request, unless data parallel gives each rank a share
                 self._enqueue(p, sp, ids[index])
         self._next_id = ids[-1] + 1 if ids else self._next_id
-        done: dict[int, RequestOutput] = {}
-        while self.has_unfinished_anywhere():
-            for output in self.step():
-                done[output.request_id] = output
-        if self.layout.data_parallel > 1:
-            shares: list[dict[int, RequestOutput]] = [{} for _ in range(self.layout.world)]
-            dist.all_gather_object(shares, done)
-            done = {i: output for share in shares for i, output in share.items()}
-        return [done[i] for i in ids]
+        return ids
 
     def expert_loads(self) -> list[list[int]]:
         """Per MoE layer, the slots each expert received from every rank's tokens since the last call

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from deepinfer.engine.sequence import Sequence
 from deepinfer.outputs import RequestOutput
 from deepinfer.recipe.tokenizer import TextTokenizer
@@ -59,7 +61,9 @@ class OutputProcessor:
             top_logprobs=[list(t) for t in seq.top_logprobs] if params.logprobs else None,
             prompt_logprobs=list(seq.prompt_logprobs) if params.prompt_logprobs else None,
             prompt_top_logprobs=[list(t) for t in seq.prompt_top_logprobs] if params.prompt_logprobs else None,
+            arrival_time=seq.arrival_time,
             first_token_time=seq.first_token_time,
+            finish_time=time.perf_counter(),
             error=seq.error,
             error_kind=seq.error_kind,
         )

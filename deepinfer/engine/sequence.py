@@ -8,6 +8,7 @@ resolves placeholders on the device (a step can take them as input before the ho
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -51,6 +52,7 @@ class Sequence:
     error: str | None = None
     error_kind: str | None = None
     num_preemptions: int = 0
+    arrival_time: float = field(default_factory=time.perf_counter)  # when it was queued
     first_token_time: float | None = None
     draft_state: object | None = None  # the scheduler's drafter's memory of this sequence (`engine.drafter`)
     prefix_keys: list[bytes] = field(default_factory=list)  # its token blocks' keys, as far as computed (`engine.prefix`)
