@@ -32,11 +32,28 @@ from deepinfer.engine.cache import CacheManager
 from deepinfer.engine.draft_runner import DeviceDrafts, DraftInputs
 from deepinfer.engine.graph import StepGraph
 from deepinfer.engine.sampler import SamplingBatch, sample, top_logprobs
-from deepinfer.engine.scheduler import ScheduledChunk, SchedulerOutput, StepResult
+from deepinfer.engine.scheduler import ScheduledChunk, SchedulerOutput
 from deepinfer.engine.structured import allowed_tokens, step_masks
 from deepinfer.model import NULL_BLOCK, DeepseekV4, StepBatch, bucket
 from deepinfer.model.batch import graph_bucket
 from deepinfer.transfer import Download, upload
+
+
+@dataclass
+class StepResult:
+    """What the host reads of a runner's output (`RunnerOutput.result`), per sampling chunk in
+    order: the tokens it drew that count (the sampled token, and after each draft that held the
+    token drawn after it), each one's logprob, top logprobs (when asked for) and whether its logits
+    were finite; per scoring chunk the prompt logprobs and top logprobs of its `scored` positions;
+    with a model drafter, per sampling chunk the tokens it drafted to follow the ones it drew."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    top: list[list[list[tuple[int, float]]] | None]
+    finite: list[list[bool]]
+    prompt_logprobs: list[list[float]]
+    prompt_top: list[list[list[tuple[int, float]]]]
+    drafts: list[list[int]] | None = None
 
 
 @dataclass

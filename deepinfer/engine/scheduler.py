@@ -47,12 +47,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from deepinfer.engine.cache import BlockTables, CacheManager
 from deepinfer.engine.drafter import Drafter
 from deepinfer.engine.prefix import PrefixCache
 from deepinfer.engine.sequence import Sequence, Status, is_placeholder, placeholder
+
+if TYPE_CHECKING:  # produced by the runner, which imports this module
+    from deepinfer.engine.runner import StepResult
 
 
 @dataclass
@@ -104,23 +107,6 @@ class SchedulerOutput:
     @property
     def sampling(self) -> list[ScheduledChunk]:
         return [chunk for chunk in self.chunks if chunk.samples]
-
-
-@dataclass
-class StepResult:
-    """What the host reads of a runner's output (see `ModelRunner.execute`), per sampling chunk in
-    order: the tokens it drew that count (the sampled token, and after each draft that held the
-    token drawn after it), each one's logprob, top logprobs (when asked for) and whether its logits
-    were finite; per scoring chunk the prompt logprobs and top logprobs of its `scored` positions;
-    with a model drafter, per sampling chunk the tokens it drafted to follow the ones it drew."""
-
-    tokens: list[list[int]]
-    logprobs: list[list[float]]
-    top: list[list[list[tuple[int, float]]] | None]
-    finite: list[list[bool]]
-    prompt_logprobs: list[list[float]]
-    prompt_top: list[list[list[tuple[int, float]]]]
-    drafts: list[list[int]] | None = None
 
 
 def scored_positions(seq: Sequence, start: int, end: int) -> range:
