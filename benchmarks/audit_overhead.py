@@ -23,7 +23,7 @@ import torch
 import deepinfer.harness.record as record
 from deepinfer.checkpoint import MODEL_HELP
 from deepinfer.audit.store import RunStore
-from deepinfer.harness.suites import load_suite
+from deepinfer.harness.suite_registry import load_suite
 from deepinfer.harness.sweep import default_sweep
 
 

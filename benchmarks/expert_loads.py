@@ -18,7 +18,7 @@ import torch
 
 from deepinfer import LLM
 from deepinfer.model.moe import MoE
-from deepinfer.harness.suites import load_suite
+from deepinfer.harness.suite_registry import load_suite
 
 SUITES = ("smoke", "traces:harness/suites/traces/sample.jsonl")
 

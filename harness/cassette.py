@@ -46,7 +46,7 @@ from deepinfer.harness.replay import (
     replay,
 )
 from deepinfer.harness.run_writer import run_manifest
-from deepinfer.harness.suites import file_hash
+from deepinfer.harness.suite_registry import file_hash
 from deepinfer.harness.sweep import Variant, variant_from_dict
 from deepinfer.harness.traces import Episode, Recording, TraceError, load_traces, parse_trace_lines
 

@@ -35,7 +35,7 @@ from deepinfer.errors import DeepInferError
 from deepinfer.parallel import process_rank
 from deepinfer.harness.record import record_run
 from deepinfer.harness.run_writer import read_stats
-from deepinfer.harness.suites import Suite, load_suite
+from deepinfer.harness.suite_registry import Suite, load_suite
 from deepinfer.harness.sweep import Sweep, Variant, check_variant, variant_from_dict
 
 SWEEP_FILE = "sweep.json"

@@ -136,7 +136,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from deepinfer.audit.certificate import describe_errors, error_counts
     from deepinfer.audit.store import read_run
     from deepinfer.harness.record import record_run
-    from deepinfer.harness.suites import load_suite
+    from deepinfer.harness.suite_registry import load_suite
     from deepinfer.harness.sweep import Variant, check_variant
 
     try:

@@ -1,6 +1,6 @@
 """What every suite kind builds on: `SuiteRequest`, `Suite`, per-request seeds and the stored row's
-fields. The kinds (harness/suites.py's native one, harness/traces.py, harness/lm_eval_suite.py) import
-this module; harness/suites.py registers them and reads specs. Nothing here imports a kind, so the
+fields. The kinds (harness/suite_registry.py's native one, harness/traces.py, harness/lm_eval_suite.py) import
+this module; harness/suite_registry.py registers them and reads specs. Nothing here imports a kind, so the
 kinds and the registry never import each other in a cycle.
 """
 

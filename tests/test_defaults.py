@@ -29,7 +29,7 @@ from deepinfer.sampling_params import CONTENT_SEEDS, derive_seed, request_conten
 from deepinfer.harness.cassette import cassette_engine, read_cassette
 from deepinfer.harness.cli import add_audit, main
 from deepinfer.harness.record import record_run
-from deepinfer.harness.suites import load_suite
+from deepinfer.harness.suite_registry import load_suite
 from deepinfer.harness.sweep import Variant, default_sweep, load_sweep
 
 TINY_POSITIONS = 4096  # the tiny preset's max_position_embeddings: its default cache fits any machine

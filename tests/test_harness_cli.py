@@ -30,7 +30,7 @@ from deepinfer.audit.files import folder_lock
 from deepinfer.audit.store import check_run, file_digests, make_row
 from deepinfer.audit.streams import STREAM_SCHEMA, run_root
 from deepinfer.harness.cli import main
-from deepinfer.harness.suites import request_seed
+from deepinfer.harness.suite_registry import request_seed
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGURATIONS = {"ref": "reference", "batch-1": "variant", "chunk-16": "variant", "fast": "control"}

@@ -17,7 +17,7 @@ from deepinfer.audit.store import read_run
 from deepinfer import LLM
 from deepinfer.errors import DeepInferError
 from deepinfer.harness.record import record_run
-from deepinfer.harness.suites import KINDS, TOP_LOGPROBS, Suite, SuiteKind, load_suite, register_kind, request_seed
+from deepinfer.harness.suite_registry import KINDS, TOP_LOGPROBS, Suite, SuiteKind, load_suite, register_kind, request_seed
 from deepinfer.harness.sweep import Variant, check_variant, checkpoint_drafter, default_sweep, load_sweep
 
 
@@ -200,10 +200,10 @@ def test_the_harness_imports_no_module_in_a_cycle() -> None:
 
 def test_suite_kinds_never_import_the_registry() -> None:
     for kind in ("suite_base", "traces", "lm_eval_suite"):
-        assert "suites" not in _harness_imports(HARNESS / f"{kind}.py", top_level_only=False), kind
+        assert "suite_registry" not in _harness_imports(HARNESS / f"{kind}.py", top_level_only=False), kind
 
 
-IMPORT_ORDERS = [("deepinfer.harness.traces", "deepinfer.harness.suites"), ("deepinfer.harness.suites", "deepinfer.harness.traces"),
+IMPORT_ORDERS = [("deepinfer.harness.traces", "deepinfer.harness.suite_registry"), ("deepinfer.harness.suite_registry", "deepinfer.harness.traces"),
                  ("deepinfer.harness.suite_base", "deepinfer.harness.replay", "deepinfer.harness.cassette")]
 
 
@@ -212,7 +212,7 @@ def imported() -> dict[tuple[str, ...], subprocess.CompletedProcess]:
     """Each of IMPORT_ORDERS imported in a fresh interpreter, then harness.suites, which prints its kinds
     (two interpreters at a time: each spends ~1 s importing torch)."""
     def run(order: tuple[str, ...]) -> subprocess.CompletedProcess:
-        code = f"import {', '.join(order)}, deepinfer.harness.suites; print(list(deepinfer.harness.suites.KINDS))"
+        code = f"import {', '.join(order)}, deepinfer.harness.suite_registry; print(list(deepinfer.harness.suite_registry.KINDS))"
         return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
 
     with ThreadPoolExecutor(2) as pool:
@@ -227,7 +227,7 @@ def test_harness_modules_import_in_any_order(imported, order) -> None:
 
 
 def test_a_registered_kind_loads_its_specs(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr("deepinfer.harness.suites.KINDS", dict(KINDS))
+    monkeypatch.setattr("deepinfer.harness.suite_registry.KINDS", dict(KINDS))
     loaded = []
 
     def load_words(target: str) -> Suite:

@@ -21,7 +21,7 @@ from deepinfer.errors import DeepInferError  # noqa: E402
 from deepinfer.harness.cli import main  # noqa: E402
 from deepinfer.harness.evaluate import task_manager  # noqa: E402
 from deepinfer.harness.lm_eval_model import FORCED, DeepInferLM  # noqa: E402
-from deepinfer.harness.suites import load_suite  # noqa: E402
+from deepinfer.harness.suite_registry import load_suite  # noqa: E402
 
 SPEC = "lm-eval:deepinfer?limit=2"
 SWEEP = {"reference": {"name": "ref", "max_num_seqs": 8}, "variants": [{"name": "batch-1", "max_num_seqs": 1}]}

@@ -28,7 +28,7 @@ from deepinfer.parallel.placement import held_tensors, rank_loads
 from deepinfer.audit.store import read_run
 from deepinfer.harness.invariance import signature, standard_requests
 from deepinfer.harness.record import record_run
-from deepinfer.harness.suites import load_suite
+from deepinfer.harness.suite_registry import load_suite
 from deepinfer.harness.sweep import Variant
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -28,7 +28,7 @@ from deepinfer.harness.invariance import STANDARD_VARIANTS, ReferenceDrafter
 from deepinfer.harness.record import record_run
 from deepinfer.harness.replay import prefill_cost, teacher_forced
 from deepinfer.harness.run_writer import STATS_FILE, read_stats
-from deepinfer.harness.suites import load_suite
+from deepinfer.harness.suite_registry import load_suite
 from deepinfer.harness.sweep import default_sweep, variant_from_dict
 from deepinfer.harness.traces import load_traces
 

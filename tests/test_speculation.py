@@ -21,7 +21,7 @@ from deepinfer.harness.certify import speculation_summary
 from deepinfer.harness.invariance import ReferenceDrafter, signature, standard_requests
 from deepinfer.harness.record import record_run
 from deepinfer.harness.run_writer import STATS_FILE, read_stats
-from deepinfer.harness.suites import load_suite
+from deepinfer.harness.suite_registry import load_suite
 from deepinfer.harness.sweep import default_sweep
 
 
