@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from deepinfer import NUMERICS
 from deepinfer.checkpoint import MODEL_HELP
+from deepinfer.engine.config import add_engine_flags, config_from_flags
 from deepinfer.harness.lm_eval_cli import needs_lm_eval
 
 EXIT_DIFFERENT = 1
@@ -36,13 +36,9 @@ def add_eval_command(commands: argparse._SubParsersAction) -> None:
     command.add_argument("--batch-sizes", default="1,8,64", help="engine batch sizes to compare (default: 1,8,64)")
     command.add_argument("--out", required=True, help="output folder (new or empty)")
     command.add_argument("--model", help=MODEL_HELP)
-    command.add_argument("--numerics", default="batch_invariant", choices=NUMERICS)
-    command.add_argument("--dtype", default="float32")
-    command.add_argument("--device", default="cpu")
     command.add_argument("--limit", type=int, help="evaluate only the first N documents of each task")
-    command.add_argument("--max-model-len", type=int, help="longest sequence the engine holds (default: the engine's)")
-    command.add_argument("--run-seed", type=int, default=0, help="seed from which sampled generations derive theirs")
     command.add_argument("--threads", type=int, help="PyTorch CPU threads (default: the process's)")
+    add_engine_flags(command, skip=("max_num_seqs",))  # --batch-sizes gives it, one run each
     command.set_defaults(run=_cmd_eval)
 
 
@@ -53,8 +49,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         from deepinfer.harness.evaluate import evaluate, parse_batch_sizes
 
     summary = evaluate(args.tasks.split(","), parse_batch_sizes(args.batch_sizes), Path(args.out), model=args.model,
-                       numerics=args.numerics, dtype=args.dtype, device=args.device, limit=args.limit,
-                       run_seed=args.run_seed, max_model_len=args.max_model_len, include_path=args.include_path,
+                       engine=config_from_flags(args), limit=args.limit, include_path=args.include_path,
                        threads=args.threads)
     for run in summary["runs"]:
         print(f"{run['name']}: {run['count']} requests, logit root {run['logit_root']}")
@@ -63,6 +58,6 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         metrics = "identical" if comparison["metrics_identical"] else f"{len(comparison['metric_differences'])} moved"
         print(f"{comparison['name']} vs {summary['reference']}: {comparison['verdict']}, metrics {metrics}; "
               f"streams {counts}")
-    print(f"verdict: {summary['verdict']} ({args.numerics}, {args.dtype})")
+    print(f"verdict: {summary['verdict']} ({summary['engine']['numerics']}, {summary['engine']['dtype']})")
     print(f"summary: {Path(args.out) / 'summary.json'}")
     return 0 if summary["verdict"] == BITWISE else EXIT_DIFFERENT

@@ -24,6 +24,7 @@ import os
 import shutil
 import struct
 from collections.abc import Sequence
+from dataclasses import asdict, replace
 from pathlib import Path
 
 # The shipped tasks are local files: never let lm-eval or `datasets` reach for the Hub.
@@ -142,12 +143,12 @@ def suite_hash(tasks: Sequence[str], limit: int | None, include_path: Path | Non
 
 def evaluate(
     tasks: Sequence[str], batch_sizes: Sequence[int], out: Path, *, model: str | None = None,
-    numerics: str = "batch_invariant", dtype: str = "float32", device: str = "cpu", limit: int | None = None,
-    run_seed: int = 0, max_model_len: int | None = None, include_path: str | Path | None = None,
+    engine: EngineConfig = EngineConfig(), limit: int | None = None, include_path: str | Path | None = None,
     threads: int | None = None,
 ) -> dict:
     """Run `tasks` (shipped, or from the task folder `include_path`) once per batch size into `out`
-    (a new or empty folder) with `threads` PyTorch CPU threads (None: the process's); returns the summary.
+    (a new or empty folder), each an engine as `engine` says with that batch size as its `max_num_seqs`,
+    with `threads` PyTorch CPU threads (None: the process's); returns the summary.
 
     Settings are checked before anything is written, and a start that fails before the first batch size
     is recorded removes what it wrote, so `out` can be used again. `out` is locked while this runs: a
@@ -160,18 +161,17 @@ def evaluate(
     with folder_lock(out):
         if any(out.iterdir()):
             raise EvalError(f"{out}: the output folder must be new or empty")
-        return _evaluate_into(tasks, batch_sizes, out, created, model=model, numerics=numerics, dtype=dtype,
-                              device=device, limit=limit, run_seed=run_seed, max_model_len=max_model_len,
+        return _evaluate_into(tasks, batch_sizes, out, created, model=model, engine=engine, limit=limit,
                               include_path=include_path, threads=threads)
 
 
 def _evaluate_into(tasks: Sequence[str], batch_sizes: list[int], out: Path, created: bool, *, model: str | None,
-                   numerics: str, dtype: str, device: str, limit: int | None, run_seed: int,
-                   max_model_len: int | None, include_path: str | Path | None, threads: int | None) -> dict:
+                   engine: EngineConfig, limit: int | None, include_path: str | Path | None,
+                   threads: int | None) -> dict:
     """`evaluate` into the locked, empty folder `out` (`created`: made for this evaluation)."""
     if limit is not None and (not isinstance(limit, int) or limit < 1):
         raise EvalError(f"--limit must be a positive integer, got {limit!r}")
-    _check_engine(device, dtype, threads)
+    _check_engine(engine, threads)
     include = include_folder(include_path) if include_path is not None else None
     manager = task_manager(include)
     tasks = parse_tasks(",".join(tasks), manager)
@@ -181,38 +181,45 @@ def _evaluate_into(tasks: Sequence[str], batch_sizes: list[int], out: Path, crea
     try:
         with cpu_threads(threads):
             for size in batch_sizes:
-                runs.append(_evaluate_at(size, tasks, manager, out, model=model, numerics=numerics, dtype=dtype,
-                                         device=device, limit=limit, run_seed=run_seed, max_model_len=max_model_len,
-                                         suite=suite))
+                runs.append(_evaluate_at(replace(engine, max_num_seqs=size), tasks, manager, out, model=model,
+                                         limit=limit, suite=suite))
     except BaseException:
         if not runs:  # a failed start: leave `out` as it was (new or empty)
             _remove_outputs(out, created)
         raise
     comparisons = [_compare(out, runs[0], run) for run in runs[1:]]
+    settings = _lm_eval_settings(engine)
+    del settings["batch_size"]  # each run's own
     summary = {
         "format": SUMMARY_FORMAT, "tasks": tasks, "limit": limit, "suite": suite,
-        "engine": {"model": model, "numerics": numerics, "dtype": dtype, "device": device,
-                   "max_model_len": max_model_len, "run_seed": run_seed, "threads": threads},
+        "engine": {"model": model, **settings, "threads": threads},
         "reference": runs[0]["name"], "runs": runs, "comparisons": comparisons, "verdict": _verdict(comparisons),
     }
     atomic_write(out / SUMMARY, json_bytes(summary))
     return summary
 
 
-def _check_engine(device: str, dtype: str, threads: int | None) -> None:
+def _check_engine(engine: EngineConfig, threads: int | None) -> None:
     """One-line errors for settings the engine would refuse only after lm-eval indexed the tasks."""
-    resolve_device(EngineConfig(device=device, dtype=dtype).device)
+    resolve_device(engine.device)
     cores = os.cpu_count() or 1
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or
                                 not 1 <= threads <= cores):
         raise EvalError(f"--threads must be between 1 and this machine's {cores} CPUs, got {threads!r}")
 
 
-def _evaluate_at(size: int, tasks: list[str], manager: TaskManager, out: Path, *, suite: dict, limit: int | None,
-                 **engine) -> dict:
-    """The tasks at engine batch size `size`: OUT/runs/batch-N, OUT/lm_eval/batch-N.json and its summary entry."""
+def _lm_eval_settings(engine: EngineConfig) -> dict:
+    """`engine` as `DeepInferLM`'s model_args name its fields: batch_size and run_seed."""
+    settings = asdict(engine)
+    return {"batch_size": settings.pop("max_num_seqs"), "run_seed": settings.pop("seed"), **settings}
+
+
+def _evaluate_at(engine: EngineConfig, tasks: list[str], manager: TaskManager, out: Path, *, model: str | None,
+                 suite: dict, limit: int | None) -> dict:
+    """The tasks at the engine's batch size N: OUT/runs/batch-N, OUT/lm_eval/batch-N.json and its summary entry."""
+    size = engine.max_num_seqs
     name = f"batch-{size}"
-    lm = DeepInferLM(batch_size=size, run_dir=out / "runs" / name, suite=suite, **engine)
+    lm = DeepInferLM(model=model, run_dir=out / "runs" / name, suite=suite, **_lm_eval_settings(engine))
     results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
                                       bootstrap_iters=BOOTSTRAP_ITERS, log_samples=True)
     root = lm.finalize()

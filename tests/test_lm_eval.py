@@ -203,14 +203,18 @@ def test_metrics_and_stream_hashes_identical_across_batch_sizes(certified):
 
 
 def test_a_users_task_folder_next_to_the_shipped_tasks(tiny_checkpoint, tmp_path):
+    """Also: eval takes every engine flag (generated from EngineConfig, as every command's are)."""
     tasks = ["pets_mc", "count_gen", "deepinfer_gen"]
     code, stdout, _ = run_cli("--include-path", str(USER_TASKS), "--tasks", ",".join(tasks), "--batch-sizes", "1,8",
-                              "--limit", "2", "--model", str(tiny_checkpoint), "--out", str(tmp_path / "out"))
+                              "--limit", "2", "--model", str(tiny_checkpoint), "--out", str(tmp_path / "out"),
+                              "--max-num-batched-tokens", "24", "--no-prefix-caching")
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert code == 0 and "verdict: BITWISE_REPRODUCIBLE (batch_invariant, float32)" in stdout
     assert summary["verdict"] == "BITWISE_REPRODUCIBLE" and set(summary["runs"][0]["metrics"]) == set(tasks)
     assert summary["runs"][0]["count"] == 2 * 3 + 2 + 2  # 3 choices per pet question, one generation per document
     manifest = read_run(tmp_path / "out" / "runs" / "batch-8").manifest
+    assert (manifest["engine"]["max_num_batched_tokens"], manifest["engine"]["prefix_caching"]) == (24, False)
+    assert (summary["engine"]["max_num_batched_tokens"], summary["engine"]["prefix_caching"]) == (24, False)
     assert manifest["suite"]["include_path"] == str(USER_TASKS.resolve())
     assert manifest["suite"]["content_hash"] == suite_hash(tasks, 2, USER_TASKS) != suite_hash(tasks, 2)
 
