@@ -6,10 +6,8 @@ the field, so a hand-edited or foreign config fails at load time rather than dee
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import MISSING, asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -276,20 +274,3 @@ def check_field(source: str, name: str, value, expected: str):
     if expected == _FLOAT:
         return float(value)
     return value
-
-
-def load_config(folder: str | Path):
-    """Read and validate `folder/config.json`: a `ModelConfig` (V4), or a `V41Config` when its
-    `model_type` is `deepseek_v41` (the release's nested layout)."""
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{path}: not found (is '{folder}' a DeepSeek-V4 checkpoint folder?)")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{path}: invalid JSON ({err.msg} at line {err.lineno})") from None
-    if isinstance(raw, dict) and raw.get("model_type") == "deepseek_v41":
-        from deepinfer.config_v41 import V41Config  # it builds on this module
-
-        return V41Config.from_dict(raw, source=str(path))
-    return ModelConfig.from_dict(raw, source=str(path))

@@ -23,7 +23,7 @@ from deepinfer.checkpoint import (
 )
 from deepinfer.checkpoint.files import weight_files
 from deepinfer.checkpoint.hashing import cache_path
-from deepinfer.checkpoint.layout import FP32, INDEX, WEIGHT
+from deepinfer.checkpoint.tensor_spec import FP32, INDEX, WEIGHT
 from deepinfer.checkpoint.layout_v41 import released_format
 from deepinfer.checkpoint.random_init import RandomTensors, random_tensor
 from deepinfer import LLM, SamplingParams

@@ -5,7 +5,8 @@ import pytest
 
 from deepinfer.checkpoint.presets import PRESETS, preset_config
 from deepinfer.checkpoint.presets_v41 import V41_PRESETS
-from deepinfer.config import CSA, ConfigError, ModelConfig, load_config
+from deepinfer.config import CSA, ConfigError, ModelConfig
+from deepinfer.families import load_config
 
 
 def _write(folder: Path, raw) -> Path:

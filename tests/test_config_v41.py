@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepinfer.checkpoint.presets_v41 import V41_PRESETS, v41_preset_config
-from deepinfer.config import ConfigError, load_config
+from deepinfer.config import ConfigError
+from deepinfer.families import load_config
 from deepinfer.config_v41 import FULL, REINDEX, REUSE, SWA, V41Config
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")

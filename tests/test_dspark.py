@@ -30,7 +30,7 @@ from checkpoint_edits import copy_with
 
 from deepinfer import kernels
 from deepinfer.checkpoint import CheckpointError, load_checkpoint, load_draft_tensors
-from deepinfer.checkpoint.layout import FP4, FP8
+from deepinfer.checkpoint.tensor_spec import FP4, FP8
 from deepinfer.checkpoint.layout_v41 import expected_tensors_v41, is_draft_tensor, is_optional, released_format
 from deepinfer.checkpoint.presets_v41 import v41_preset_config
 from deepinfer.checkpoint.random_init import stored_random_tensors

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 import subprocess
@@ -19,6 +18,7 @@ from deepinfer.errors import DeepInferError
 from deepinfer.harness.record import record_run
 from deepinfer.harness.suite_registry import KINDS, TOP_LOGPROBS, Suite, SuiteKind, load_suite, register_kind, request_seed
 from deepinfer.harness.sweep import Variant, check_variant, checkpoint_drafter, default_sweep, load_sweep
+from import_graph import import_graph
 
 
 def write_lines(path, rows) -> str:
@@ -162,45 +162,12 @@ def test_bad_engine_settings_in_a_sweep_file_are_one_line_errors(tmp_path, monke
 
 # the registry of suite kinds and the import graph ---------------------------------------------------
 
-HARNESS = Path(__file__).parent.parent / "harness"
-
-
-def _harness_imports(module: Path, top_level_only: bool) -> set[str]:
-    """The harness modules `module` imports (at its top level only, or anywhere in it)."""
-    tree = ast.parse(module.read_text())
-    nodes = tree.body if top_level_only else list(ast.walk(tree))
-    found = set()
-    for node in nodes:
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("deepinfer.harness"):
-            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
-        elif isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        else:
-            continue
-        prefix = "deepinfer.harness."
-        found.update(name.removeprefix(prefix) for name in names
-                     if name.startswith(prefix) and (HARNESS / f"{name.removeprefix(prefix)}.py").is_file())
-    return found
-
-
-def test_the_harness_imports_no_module_in_a_cycle() -> None:
-    graph = {path.stem: _harness_imports(path, top_level_only=True) for path in HARNESS.glob("*.py")}
-    done: set[str] = set()
-
-    def visit(module: str, path: list[str]) -> None:
-        assert module not in path, f"import cycle: {' -> '.join(path[path.index(module):] + [module])}"
-        if module not in done:
-            for imported in graph.get(module, ()):
-                visit(imported, [*path, module])
-            done.add(module)
-
-    for module in graph:
-        visit(module, [])
-
-
 def test_suite_kinds_never_import_the_registry() -> None:
+    """The registry imports the kinds; a kind importing it back would be a cycle (tests/test_imports.py
+    checks the whole tree) and would make `import deepinfer.harness.traces` alone load every kind."""
+    graph = import_graph()
     for kind in ("suite_base", "traces", "lm_eval_suite"):
-        assert "suite_registry" not in _harness_imports(HARNESS / f"{kind}.py", top_level_only=False), kind
+        assert "deepinfer.harness.suite_registry" not in graph[f"deepinfer.harness.{kind}"], kind
 
 
 IMPORT_ORDERS = [("deepinfer.harness.traces", "deepinfer.harness.suite_registry"), ("deepinfer.harness.suite_registry", "deepinfer.harness.traces"),

@@ -6,28 +6,14 @@ This is the one source of truth for the writer, the loader and the model: names 
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from deepinfer.checkpoint.errors import CheckpointError
+from deepinfer.checkpoint.layout_v41 import expected_tensors_v41, is_draft_tensor, is_optional
+from deepinfer.checkpoint.quantized_v4 import quantized_layout
+from deepinfer.checkpoint.tensor_spec import FP32, INDEX, MTP_PREFIX, WEIGHT, TensorSpec
 from deepinfer.config import CSA, HCA, SLIDING, ModelConfig
 from deepinfer.config_v41 import V41Config
-
-WEIGHT, FP32, INDEX = "weight", "fp32", "index"
-FP8, FP4, SCALE = "fp8", "fp4", "scale"  # quantized checkpoints: E4M3, packed E2M1 pairs, E8M0 scales
-MTP_PREFIX = "mtp."
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    shape: tuple[int, ...]
-    kind: str  # WEIGHT: checkpoint dtype (fp32/bf16); FP32: always float32; INDEX: int64; FP8, FP4, SCALE
-    # (quantized V4.1, and V4 in transformers' FP8 format): float8_e4m3fn, int8 holding two E2M1 codes,
-    # float8_e8m0fnu (V4's float32 scales, `scale_fmt` "float", are FP32)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
 
 def expected_tensors(config: ModelConfig | V41Config, include_mtp: bool) -> dict[str, TensorSpec]:
@@ -35,8 +21,6 @@ def expected_tensors(config: ModelConfig | V41Config, include_mtp: bool) -> dict
     `include_mtp` adds the draft layers (V4: our MTP blocks; V4.1: the released DSpark layers, which
     the backbone leaves unused, see `unused_tensor`)."""
     if isinstance(config, V41Config):
-        from deepinfer.checkpoint.layout_v41 import expected_tensors_v41  # it builds on TensorSpec here
-
         return expected_tensors_v41(config, include_mtp)
     c = config
     h, hc = c.hidden_size, c.hc_mult
@@ -69,8 +53,6 @@ def expected_tensors(config: ModelConfig | V41Config, include_mtp: bool) -> dict
                 p + "confidence.bias": TensorSpec((1,), WEIGHT),
             })
     if c.quantization_config is not None:
-        from deepinfer.checkpoint.quantized_v4 import quantized_layout  # it builds on TensorSpec here
-
         return quantized_layout(c, out)
     return out
 
@@ -79,8 +61,6 @@ def unchecked_tensor(config: ModelConfig | V41Config, name: str) -> bool:
     """A tensor a checkpoint may hold that the layout does not describe (V4.1: the vision tower and the
     routers' image-token biases; the draft layers are checked when present); V4 has none."""
     if isinstance(config, V41Config):
-        from deepinfer.checkpoint.layout_v41 import is_draft_tensor, is_optional
-
         return is_optional(name) and not is_draft_tensor(name)
     return False
 
@@ -89,8 +69,6 @@ def unused_tensor(config: ModelConfig | V41Config, name: str) -> bool:
     """A tensor a checkpoint may hold that the engine leaves unused (V4.1: the draft layers, the vision
     tower, the routers' image-token biases); V4 has none."""
     if isinstance(config, V41Config):
-        from deepinfer.checkpoint.layout_v41 import is_optional
-
         return is_optional(name)
     return False
 

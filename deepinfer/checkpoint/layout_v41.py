@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from deepinfer.checkpoint.layout import FP4, FP8, FP32, MTP_PREFIX, SCALE, WEIGHT, TensorSpec
+from deepinfer.checkpoint.tensor_spec import FP4, FP8, FP32, MTP_PREFIX, SCALE, WEIGHT, TensorSpec
 from deepinfer.config_v41 import DRAFT_ROLE, FULL, REINDEX, LayerRole, V41Config, draft_config
 from deepinfer.kernels.quant import QuantizedWeight, fp8_block_encode, mxfp4_encode
 

@@ -11,13 +11,13 @@ import torch
 from deepinfer.checkpoint.errors import CheckpointError
 from deepinfer.checkpoint.files import INDEX_NAME, WeightReader, read_headers, weight_files
 from deepinfer.checkpoint.hashing import cached_hash, content_hash, hash_tensors, store_hash
-from deepinfer.checkpoint.layout import (
-    FP4, FP8, FP32, INDEX, MTP_PREFIX, SCALE, expected_tensors, unchecked_tensor, unused_tensor, weight_dtype_name,
-)
+from deepinfer.checkpoint.layout import expected_tensors, unchecked_tensor, unused_tensor, weight_dtype_name
 from deepinfer.checkpoint.layout_v41 import dequantize as dequantize_v41, is_draft_tensor, quantized_weights
 from deepinfer.checkpoint.quantized_v4 import dequantize as dequantize_v4
-from deepinfer.config import ModelConfig, load_config
+from deepinfer.checkpoint.tensor_spec import FP4, FP8, FP32, INDEX, MTP_PREFIX, SCALE
+from deepinfer.config import ModelConfig
 from deepinfer.config_v41 import V41Config
+from deepinfer.families import load_config
 from deepinfer.kernels.quant import QuantizedWeight
 
 

@@ -26,7 +26,7 @@ import re
 
 import torch
 
-from deepinfer.checkpoint.layout import FP4, FP8, FP32, SCALE, TensorSpec
+from deepinfer.checkpoint.tensor_spec import FP4, FP8, FP32, SCALE, TensorSpec
 from deepinfer.config import ModelConfig
 from deepinfer.kernels.quant import MXFP4_GROUP, fp8_block_decode, mxfp4_decode
 

@@ -20,7 +20,8 @@ from dataclasses import replace
 
 import torch
 
-from deepinfer.checkpoint.layout import FP32, INDEX, TensorSpec, expected_tensors
+from deepinfer.checkpoint.layout import expected_tensors
+from deepinfer.checkpoint.tensor_spec import FP32, INDEX, TensorSpec
 from deepinfer.checkpoint.layout_v41 import quantize
 from deepinfer.config import ModelConfig
 from deepinfer.config_v41 import V41Config
