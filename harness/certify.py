@@ -30,7 +30,7 @@ from deepinfer.audit.certificate import (CERTIFICATE, build_certificate, load_ce
 from deepinfer.audit.files import atomic_write, folder_lock, json_bytes
 from deepinfer.audit.store import read_run
 from deepinfer.checkpoint import DEFAULT_PRESET, content_hash, default_checkpoint
-from deepinfer.engine.llm import PRESET_PREFIX
+from deepinfer.engine.host import PRESET_PREFIX
 from deepinfer.errors import DeepInferError
 from deepinfer.parallel import process_rank
 from deepinfer.harness.record import record_run

@@ -18,7 +18,7 @@ from pathlib import Path
 from deepinfer.checkpoint import CheckpointError, default_checkpoint, inspect_checkpoint, preset_config
 from deepinfer.config_v41 import V41Config
 from deepinfer.engine.config import EngineConfig, parse_device, resolve_device
-from deepinfer.engine.llm import PRESET_PREFIX
+from deepinfer.engine.host import PRESET_PREFIX
 from deepinfer.errors import DeepInferError
 
 ROLES = ("reference", "variant", "control")

@@ -52,7 +52,7 @@ def main() -> None:
         llm = LLM(case.get("model") or f"preset:{case['preset']}", dtype=case["dtype"], expert_parallel=case["ep"],
                   data_parallel=case["dp"], context_parallel=case.get("cp", 1), **case.get("engine", {}))
         requests = standard_requests(llm.config.vocab_size, count=spec["requests"])
-        results[case["name"] + "-weights"] = sorted({type(e.experts.w13).__name__ for e in llm._exchanges})
+        results[case["name"] + "-weights"] = sorted({type(e.experts.w13).__name__ for e in llm.host.exchanges})
         splits = []
         if llm.model.context is not None:  # count the steps that were split
             split = llm.model.context.split
@@ -60,8 +60,8 @@ def main() -> None:
         results[case["name"]] = serve(llm, requests)
         results[case["name"] + "-splits"] = sum(s is not None for s in splits)
         if case.get("replace"):
-            before = placement_digest([exchange.placement for exchange in llm._exchanges])
-            per_rank = llm._exchanges[0].placement.per_rank + 1
+            before = placement_digest([exchange.placement for exchange in llm.host.exchanges])
+            per_rank = llm.host.exchanges[0].placement.per_rank + 1
             placements = [balanced_placement(loads, llm.layout.world, per_rank) for loads in llm.expert_loads()]
             llm.place_experts(placements)
             results[case["name"] + "-replaced"] = serve(llm, requests)

@@ -62,7 +62,7 @@ class Recording(DeviceDrafter):
 
 def _offline_drafts(llm: LLM, tokens: list[int]) -> list[int]:
     """The draft model's greedy block after `tokens`, from one forward over all but the last token."""
-    model, draft = llm.model, llm._draft_model("dspark", True)
+    model, draft = llm.model, llm.host.draft_model("dspark", True)
     anchor = len(tokens) - 1
     cache = CacheManager(model.pools, max_num_seqs=1, max_model_len=anchor, max_step_tokens=anchor,
                          num_blocks=None, block_size=16, dtype=torch.float32, device="cpu")

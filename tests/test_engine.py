@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint import CheckpointError
-from deepinfer.engine.llm import PromptTooLongError, RequestError
+from deepinfer.engine.core import PromptTooLongError, RequestError
 from deepinfer.engine.sampler import first_argmax, uniform_noise
 from deepinfer.errors import DeepInferError
 from deepinfer.model import NULL_BLOCK

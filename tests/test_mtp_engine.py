@@ -62,7 +62,7 @@ def _offline_drafts(llm: LLM, target: torch.Tensor, tokens: list[int], count: in
     (no paged cache): positions 0 .. n - 1 read the target's streams (`target`, of these tokens or more:
     a position's streams depend on the tokens up to it), the drafted positions the block's own output
     streams one position back; draft j is the last position's greedy token."""
-    mtp, n = llm._draft_model("mtp", True), len(tokens) - 1
+    mtp, n = llm.host.draft_model("mtp", True), len(tokens) - 1
     streams, ids = target[:n], list(tokens[1:])
     width = llm.config.sliding_window - 1
     context, invalid = torch.zeros(1, width, llm.config.head_dim), torch.zeros(1, width, dtype=torch.bool)
@@ -121,7 +121,7 @@ def test_a_verify_step_with_mtp_drafts_reads_the_device_once(monkeypatch) -> Non
     counter = SyncCounter(monkeypatch)
     table = {name: getattr(ops, name) for name in kernels.OPS}
     table["moe_experts"] = counter.uncounted(ops.moe_experts)
-    for module in [*llm.model.modules(), *llm._draft_model("mtp", True).modules()]:
+    for module in [*llm.model.modules(), *llm.host.draft_model("mtp", True).modules()]:
         if "ops" in vars(module):
             vars(module)["ops"] = kernels.Ops("batch_invariant", "cpu", table)
     llm.runner.ops = kernels.Ops("batch_invariant", "cpu", table)

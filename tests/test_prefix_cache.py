@@ -205,9 +205,9 @@ def test_eviction_under_a_small_cache_keeps_hits_exact_and_frees_everything(tiny
     small = hot(tiny.with_engine(dataclasses.replace(tiny.engine_config, num_cache_blocks=9,
                                                      max_num_batched_tokens=32)))
     evictions = []
-    evict, step = small.scheduler.prefix.evict, small.step
+    evict, step = small.scheduler.prefix.evict, small.core.step
     monkeypatch.setattr(small.scheduler.prefix, "evict", lambda: evictions.append(1) or evict())
-    monkeypatch.setattr(small, "step", lambda: (step(), check_holders(small))[0])
+    monkeypatch.setattr(small.core, "step", lambda: (step(), check_holders(small))[0])
     want = outcome(tiny, prompts, params)
     assert outcome(small, prompts, params) == want
     assert outcome(small, prompts, params) == want

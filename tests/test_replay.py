@@ -17,6 +17,7 @@ import pytest
 from deepinfer.audit.errors import AuditError
 from deepinfer import LLM, RequestOutput
 from deepinfer import cli as engine_cli
+from deepinfer.engine.core import EngineCore
 from deepinfer.parallel import ParallelLayout
 from deepinfer.recipe.tokenizer import (
     ASSISTANT,
@@ -266,11 +267,13 @@ class ScriptedEngine:
 
     def __init__(self, tokenizer: TextTokenizer, script: dict[str, list[str]]) -> None:
         self.tokenizer = tokenizer
+        self.host = SimpleNamespace(tokenizer=tokenizer)  # what EngineCore.tokenize reads
+        self.core = self  # LLM.submit queues through the engine core: this object plays both parts
         self.script = script
         self._queued: list[tuple[int, list[int], object]] = []
-        self._next_id = 0
+        self.next_id = 0
 
-    tokenize = LLM.tokenize  # uses only the tokenizer and max_model_len
+    tokenize = EngineCore.tokenize  # uses only the tokenizer and max_model_len
 
     def encode(self, ids: list[int]) -> list[int]:
         return list(ids)
@@ -278,11 +281,11 @@ class ScriptedEngine:
     def check_params(self, params):
         return params
 
-    def _enqueue(self, prompt: list[int], params, request_id: int) -> int:
+    def enqueue(self, prompt: list[int], params, request_id: int) -> int:
         self._queued.append((request_id, list(prompt), params))
         return request_id
 
-    submit = LLM.submit  # checks and queues through encode, check_params and _enqueue
+    submit = LLM.submit  # checks and queues through encode, check_params and core.enqueue
     stream = LLM.stream  # the engine's own loop over step()
 
     def has_unfinished(self) -> bool:

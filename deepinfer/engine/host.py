@@ -1,0 +1,200 @@
+"""A loaded model and what every engine over it shares: `ModelHost`.
+
+Loading is the expensive part of an engine (reading or generating the weights, the CPU self-test,
+starting the parallel layout), so it happens once per model; `LLM.with_engine` starts engines with
+other scheduling and cache settings over the same host.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import torch
+
+from deepinfer import kernels
+from deepinfer.checkpoint import CheckpointError, default_checkpoint, load_checkpoint, preset_config
+from deepinfer.checkpoint.layout import weight_dtype_name
+from deepinfer.checkpoint.layout_v41 import is_draft_tensor
+from deepinfer.checkpoint.loader import load_draft_tensors, load_mtp_tensors, stored_formats, weights_in_memory
+from deepinfer.checkpoint.random_init import stored_random_tensors
+from deepinfer.config import ModelConfig
+from deepinfer.config_v41 import V41Config
+from deepinfer.engine.cache import cache_memory, default_max_model_len
+from deepinfer.engine.config import DTYPES, EngineConfig, parse_device
+from deepinfer.engine.structured import StructuredCompiler
+from deepinfer.errors import DeepInferError
+from deepinfer.kernels.cpu_isa import CpuIsaError
+from deepinfer.kernels.selftest import CpuInvarianceError, checked_cpu_ops
+from deepinfer.model import DeepseekV41, build_model
+from deepinfer.model.dspark import DSpark
+from deepinfer.model.mtp import MTP
+from deepinfer.parallel import ExpertPlacement, move_experts, spread_experts, start_layout
+from deepinfer.parallel.context import ContextGroup
+from deepinfer.parallel.placement import held_tensors
+from deepinfer.recipe.tokenizer import TextTokenizer, build_tokenizer
+
+PRESET_PREFIX = "preset:"
+# the engine settings that decide how the model is built and loaded (engines over one host share them)
+MODEL_SETTINGS = ("device", "dtype", "numerics", "cache_qdq", "weight_storage", "engram_tables", "expert_parallel",
+                  "data_parallel", "context_parallel")
+
+
+def _model_settings(config: EngineConfig) -> dict:
+    """`MODEL_SETTINGS` as they take effect (aliases and `auto` resolved), so equal means the same model."""
+    return {"device": parse_device(config.device), "dtype": config.torch_dtype, "numerics": config.numerics,
+            "cache_qdq": config.cache_qdq, "weight_storage": config.keeps_weights_quantized,
+            "engram_tables": config.engram_tables, "expert_parallel": config.expert_parallel,
+            "data_parallel": config.data_parallel, "context_parallel": config.context_parallel}
+
+
+class ModelHost:
+    """One checkpoint loaded as the `MODEL_SETTINGS` of `config` say: its config, tokenizer and
+    weights on the device, the numerics table (on CPU, the primitives the start self-test measured on
+    this machine), the parallel layout and the experts' exchanges, the structured-output compiler and
+    the draft models (each made on first use). `model` is as `LLM` takes it."""
+
+    def __init__(self, model: str | Path | None, config: EngineConfig) -> None:
+        self.built_as = config
+        self.device, self.dtype, self.numerics = config.torch_device, config.torch_dtype, config.numerics
+        if config.numerics == "batch_invariant" and self.device.type == "cpu":
+            try:
+                ops = checked_cpu_ops(self.dtype)  # the primitives, measured on this CPU
+            except (CpuIsaError, CpuInvarianceError) as err:
+                raise DeepInferError(str(err)) from None
+        else:
+            ops = kernels.bind(config.numerics, self.device)
+        self.layout = start_layout(config.expert_parallel, config.data_parallel, config.context_parallel, self.device)
+        quantized_as = self.dtype if config.keeps_weights_quantized else None
+        self.weight_storage = "quantized" if quantized_as is not None else "decoded"
+        self._source, self._quantized_as, self._load_seed = model, quantized_as, config.seed
+        self._draft_models: dict[str, DSpark | MTP] = {}
+        self._structured: StructuredCompiler | None = None
+        model_config, tensors, self.tokenizer, self.model_id, self.stored_formats = self._load(model, quantized_as,
+                                                                                                config.seed)
+        self.config: ModelConfig | V41Config = model_config
+        self.check_max_model_len(config)  # before the weights load, so a bad setting fails fast
+        self.model = build_model(model_config, ops, self.dtype,
+                                 cache_qdq=config.cache_qdq, engram_on_host=config.engram_tables == "host")
+        self.exchanges = spread_experts(self.model, self.layout, self.device) if self.layout.expert_parallel > 1 else []
+        if self.layout.context_parallel > 1:
+            self.model.context = ContextGroup(self.layout.rank, self.layout.world)
+        self.model.load_tensors(tensors, self.device)
+        if isinstance(self.model, DeepseekV41) and model_config.engram_layer_ids:
+            if self.tokenizer is None:
+                raise DeepInferError("this V4.1 checkpoint has Engram layers, whose hashes need its tokenizer.json")
+            self.model.use_tokenizer(self.tokenizer.backend)
+
+    def check_engine(self, config: EngineConfig) -> None:
+        """Refuse an engine `config` whose `MODEL_SETTINGS` differ from the ones this model was built by."""
+        built, wanted = _model_settings(self.built_as), _model_settings(config)
+        changed = [name for name in MODEL_SETTINGS if wanted[name] != built[name]]
+        if changed:
+            raise DeepInferError(f"with_engine: {changed[0]} decides how the model was built "
+                                 f"({getattr(self.built_as, changed[0])!r}); load the model again to change it")
+
+    def check_max_model_len(self, config: EngineConfig) -> None:
+        if config.max_model_len is not None and config.max_model_len > self.config.max_position_embeddings:
+            raise DeepInferError(f"max_model_len={config.max_model_len} exceeds the model's "
+                                 f"max_position_embeddings={self.config.max_position_embeddings}")
+
+    def default_max_model_len(self, config: EngineConfig, pools: dict) -> int:
+        """The context an engine gets when `config` sets none (one rule: `cache.default_max_model_len`,
+        with the loaded weights counted against memory)."""
+        weights = itertools.chain(self.model.parameters(), self.model.buffers())
+        weight_bytes = sum(t.numel() * t.element_size() for t in weights)
+        return default_max_model_len(
+            pools, self.config.max_position_embeddings,
+            cache_memory(self.device, weight_bytes), max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, chunked_prefill=config.enable_chunked_prefill,
+            block_size=config.block_size, itemsize=self.dtype.itemsize,
+        )
+
+    def compiler(self) -> StructuredCompiler:
+        """The structured-output compiler over this model's tokenizer (made on first use)."""
+        if self._structured is None:
+            self._structured = StructuredCompiler(self.tokenizer)
+        return self._structured
+
+    def draft_model(self, speculation: str, cache_qdq: bool) -> DSpark | MTP:
+        """The checkpoint's draft layers that `speculation` runs (V4.1's DSpark layers, V4's MTP block),
+        loaded once and shared by every engine that speculates with them."""
+        if speculation not in self._draft_models:
+            draft = self._new_draft(speculation, cache_qdq)
+            draft.load_tensors(self._draft_tensors(speculation), self.device)
+            draft.share(self.model)
+            self._draft_models[speculation] = draft
+        return self._draft_models[speculation]
+
+    # experts across ranks ------------------------------------------------------------------------
+
+    def expert_loads(self) -> list[list[int]]:
+        """Per MoE layer, the slots each expert received from every rank's tokens since the last call
+        (a collective; [] without expert parallelism): what `deepinfer.parallel.balanced_placement`
+        balances."""
+        return [exchange.take_loads().tolist() for exchange in self.exchanges]
+
+    def place_experts(self, placements: list[ExpertPlacement]) -> None:
+        """Move the experts to `placements` (one per MoE layer): the weights travel between ranks and
+        routing follows (a collective)."""
+        if not self.exchanges:
+            raise DeepInferError("place_experts needs expert parallelism (expert_parallel > 1)")
+        if len(placements) != len(self.exchanges):
+            raise DeepInferError(f"{len(placements)} placements for {len(self.exchanges)} MoE layers")
+        for exchange, placement in zip(self.exchanges, placements):
+            move_experts(exchange, placement)
+
+    # loading -----------------------------------------------------------------------------------
+
+    def _load(self, model: str | Path | None, quantized_as: torch.dtype | None, seed: int):
+        """(model config, tensors as `weights_in_memory` gives them, tokenizer, model id, stored formats);
+        a preset's weights are seeded with the engine's `seed` (under expert parallelism, only the
+        routed experts this rank holds are generated)."""
+        if isinstance(model, str) and model.startswith(PRESET_PREFIX):
+            config = preset_config(model[len(PRESET_PREFIX):])
+            # a quantized preset is generated as its checkpoint is written, in the checkpoint's dtype
+            dtype = self.dtype if config.quantization_config is None else DTYPES[weight_dtype_name(config) or "float32"]
+            stored = stored_random_tensors(config, seed, dtype, device=self.device, include_mtp=False)
+            needed = (held_tensors(config.n_routed_experts, self.layout.rank, self.layout.world)
+                      if self.layout.expert_parallel > 1 else lambda name: True)
+            tensors = {name: stored[name] for name in stored if needed(name)}  # generated here, a rank its share
+            formats = stored_formats(config, str(dtype).removeprefix("torch."))
+            tokenizer = TextTokenizer(build_tokenizer(config.vocab_size))
+            tensors = weights_in_memory(config, tensors, quantized_as)
+            return config, tensors, tokenizer, f"{model}:seed={seed}", formats
+        folder = Path(model) if model is not None else default_checkpoint()
+        checkpoint = load_checkpoint(folder, device=self.device, quantized_as=quantized_as)
+        tokenizer = TextTokenizer.from_folder(folder) if checkpoint.tokenizer_path else None
+        return checkpoint.config, checkpoint.tensors, tokenizer, checkpoint.content_hash, checkpoint.formats
+
+    def _new_draft(self, speculation: str, cache_qdq: bool) -> DSpark | MTP:
+        """The draft model `speculation` runs, its weights not loaded; refused for a checkpoint without it."""
+        config = self.config
+        if speculation == "dspark":
+            if not isinstance(config, V41Config) or not config.num_draft_layers:
+                raise DeepInferError("speculation=dspark needs a V4.1 checkpoint with DSpark draft layers "
+                                     f"(mtp.*); {self.model_id} has none")
+            return DSpark(config, self.model.ops, self.dtype, self.device, cache_qdq=cache_qdq)
+        if isinstance(config, V41Config):
+            raise DeepInferError(f"speculation=mtp runs a V4 checkpoint's MTP block; {self.model_id} is V4.1 "
+                                 "(its draft layers run with speculation=dspark)")
+        if not config.num_nextn_predict_layers:
+            raise DeepInferError(f"speculation=mtp needs a V4 checkpoint with an MTP block (mtp.*); "
+                                 f"{self.model_id} has none")
+        return MTP(config, self.model.ops, self.dtype, self.device)
+
+    def _draft_tensors(self, speculation: str) -> dict:
+        """The draft layers' tensors as `weights_in_memory` gives them (a preset's seeded like its backbone)."""
+        source, quantized_as = self._source, self._quantized_as
+        if isinstance(source, str) and source.startswith(PRESET_PREFIX):
+            config = self.config
+            dtype = self.dtype if config.quantization_config is None else DTYPES[weight_dtype_name(config) or "float32"]
+            stored = stored_random_tensors(config, self._load_seed, dtype, device=self.device, include_mtp=True)
+            tensors = {name: stored[name] for name in stored if is_draft_tensor(name)}
+            return weights_in_memory(config, tensors, quantized_as)
+        load = load_draft_tensors if speculation == "dspark" else load_mtp_tensors
+        try:
+            return load(Path(source) if source is not None else default_checkpoint(), self.device,
+                        quantized_as=quantized_as)
+        except CheckpointError as err:
+            raise DeepInferError(str(err)) from None
