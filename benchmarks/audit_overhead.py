@@ -68,7 +68,7 @@ def main() -> None:
     args = parser.parse_args()
     suite = load_suite(args.suite)
     sweep = default_sweep()
-    configurations = [sweep.reference, *[v for v in sweep.variants if v.name in ("batch-1", "chunk-32")]]
+    configurations = [sweep.reference, *[v for v in sweep.variants if v.name in ("batch-1", "chunk-16")]]
     measure(suite, replace(sweep.reference, name="warmup"), args.model)
     runs = [measure(suite, variant, args.model) for variant in configurations]
     for run in runs:

@@ -22,10 +22,12 @@ import torch.distributed as dist
 from deepinfer import LLM, EngineConfig
 from deepinfer.parallel import balanced_placement, placement_digest
 from deepinfer.harness.invariance import signature, standard_requests
+from deepinfer.harness.sweep import FACTORS
 
-# (name, engine settings over the EP engine's) served after the first placement
-CONFIGURATIONS = (("all-at-once", {}), ("batch-1", {"max_num_seqs": 1}), ("batch-3", {"max_num_seqs": 3}),
-                  ("chunk-16", {"max_num_batched_tokens": 16}), ("sync-steps", {"async_scheduling": False}))
+# (name, engine settings over the EP engine's) served after the first placement: the engine-level
+# factors of harness.sweep.FACTORS that change how the ranks' steps are cut
+CONFIGURATIONS = (("all-at-once", {}), *((name, factor) for name, factor in FACTORS
+                                         if name in ("batch-1", "batch-3", "chunk-16", "sync-steps")))
 
 
 def serve(llm: LLM, requests) -> tuple[list[tuple], float]:

@@ -48,9 +48,10 @@ def add_audit(commands: argparse._SubParsersAction) -> None:
                                          "of the sweep, compare each with the reference, and write "
                                          "certificate.json, report.md and report.html into --out.")
     _model_and_suite(certify)
-    certify.add_argument("--sweep", help="sweep JSON file (default: batch 1/8/32, shuffled, staggered, chunk 32, "
-                                         "preemption, synchronous steps, one CPU thread or (CUDA) no graphs, plus "
-                                         "a numerics=fast control)")
+    certify.add_argument("--sweep", help="sweep JSON file (default: a batch-32 reference, batch 1/3/8, shuffled, "
+                                         "staggered, chunks of 16 and 64 and none, preemption, synchronous steps, "
+                                         "speculation, the prefix cache cold and hot, three shards, one CPU thread "
+                                         "or (CUDA) no graphs, plus a numerics=fast control)")
     certify.add_argument("--out", required=True, help="output folder (must be new or empty unless --resume)")
     certify.add_argument("--resume", action="store_true", help="continue an interrupted certification in --out")
     certify.add_argument("--sign-key", help="Ed25519 private key (PEM) to sign the certificate with")

@@ -16,23 +16,10 @@ from pathlib import Path
 from deepinfer import LLM, RequestOutput, SamplingParams
 from deepinfer.engine.sequence import Sequence
 from deepinfer.harness.serve import serve
-from deepinfer.harness.sweep import Variant, checkpoint_drafter, draft_model_variants
+from deepinfer.harness.sweep import FACTORS, Variant, checkpoint_drafter, draft_model_variants
 
-STANDARD_VARIANTS = (
-    Variant.of("all-at-once"),
-    Variant.of("batch-1", max_num_seqs=1),
-    Variant.of("batch-3", max_num_seqs=3),
-    Variant.of("batch-8", max_num_seqs=8),
-    Variant.of("shuffled", shuffle=True),
-    Variant.of("staggered", stagger=2),
-    Variant.of("chunk-16", max_num_batched_tokens=16),
-    Variant.of("chunk-64", max_num_batched_tokens=64),
-    Variant.of("chunk-off", enable_chunked_prefill=False),
-    Variant.of("preemption", max_num_batched_tokens=64, num_cache_blocks=14),
-    Variant.of("speculation", speculation="ngram"),
-    Variant.of("prefix-cold", prefix_caching=False),
-    Variant.of("prefix-hot", warm=True),
-)
+# every factor of the contract (`harness.sweep.FACTORS`) over an engine that takes all requests at once
+STANDARD_VARIANTS = (Variant.of("all-at-once"), *(Variant.of(name, **factor) for name, factor in FACTORS))
 
 
 def model_variants(model: str | Path | None) -> tuple[Variant, ...]:

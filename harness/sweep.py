@@ -65,6 +65,29 @@ class Variant:
                 **{key: getattr(self, key) for key in RUN_FIELDS}}
 
 
+# The factors the determinism contract names (deepinfer/ARCHITECTURE.md §1), one configuration each as
+# settings over a reference: `default_sweep` (over batch-32) and the invariance matrix
+# (`harness/invariance.py`, over all-at-once) run every one; benchmarks/ep_invariance.py picks some.
+# Preemption: 12 blocks per cache pool (raised to one sequence's worth where that is more, see
+# `CacheManager`) hold under two sequences' sliding-window rows at a 64-token step whatever
+# max_model_len resolves to, so the requests must take turns.
+FACTORS: tuple[tuple[str, dict], ...] = (
+    ("batch-1", {"max_num_seqs": 1}),
+    ("batch-3", {"max_num_seqs": 3}),
+    ("batch-8", {"max_num_seqs": 8}),
+    ("shuffled", {"shuffle": True}),
+    ("staggered", {"stagger": 2}),
+    ("chunk-16", {"max_num_batched_tokens": 16}),
+    ("chunk-64", {"max_num_batched_tokens": 64}),
+    ("chunk-off", {"enable_chunked_prefill": False}),
+    ("preemption", {"max_num_batched_tokens": 64, "num_cache_blocks": 12}),
+    ("sync-steps", {"async_scheduling": False}),
+    ("speculation", {"speculation": "ngram"}),
+    ("prefix-cold", {"prefix_caching": False}),
+    ("prefix-hot", {"warm": True}),
+)
+
+
 @dataclass(frozen=True)
 class Sweep:
     reference: Variant
@@ -114,33 +137,20 @@ def draft_model_variants(base: Variant, drafter: str | None) -> tuple[Variant, .
 
 def default_sweep(dtype: str | None = None, device: str | None = None, drafter: str | None = None,
                   expert_parallel: int | None = None, data_parallel: int | None = None) -> Sweep:
-    """The sweep `make certify` runs: batch sizes 1/8/32, shuffled, staggered, chunk 32, forced
-    preemption, each step read before the next is scheduled (the others schedule asynchronously),
-    speculative decoding with prompt-lookup drafts and, given the checkpoint's `drafter`
-    (`checkpoint_drafter`), with its own draft model (`draft_model_variants`), the prefix cache off
-    (cold) and hot (the suite served twice in one engine, the second pass recorded), the suite split
-    over three engines (`shards`), on CPU one thread, on CUDA every step run eagerly (the others
-    replay decode steps from CUDA graphs), and a `fast` numerics control. The
-    preemption variant's 12 blocks per cache pool (raised to one sequence's worth where that is more,
-    see `CacheManager`) hold under two sequences' sliding-window rows at a 64-token step whatever
-    max_model_len resolves to, so the requests must take turns. `dtype`, `device`, `expert_parallel`
-    and `data_parallel` (None: the engine's defaults) apply to every configuration."""
+    """The sweep `make certify` runs: over a batch-32 reference every one of FACTORS (batch sizes 1, 3
+    and 8, shuffled, staggered, chunks of 16 and 64 tokens and chunking off, forced preemption, each
+    step read before the next is scheduled (the others schedule asynchronously), speculative decoding
+    with prompt-lookup drafts, the prefix cache off (cold) and hot (the suite served twice in one
+    engine, the second pass recorded)); given the checkpoint's `drafter` (`checkpoint_drafter`),
+    speculation with its own draft model (`draft_model_variants`); the suite split over three engines
+    (`shards`); on CPU one thread, on CUDA every step run eagerly (the others replay decode steps from
+    CUDA graphs); and a `fast` numerics control. `dtype`, `device`, `expert_parallel` and
+    `data_parallel` (None: the engine's defaults) apply to every configuration."""
     settings = {"dtype": dtype, "device": device, "expert_parallel": expert_parallel, "data_parallel": data_parallel}
     given = {key: value for key, value in settings.items() if value is not None}
     reference = Variant.of("batch-32", max_num_seqs=32, **given)
-    variants = (
-        reference.derive("batch-1", max_num_seqs=1),
-        reference.derive("batch-8", max_num_seqs=8),
-        reference.derive("shuffled", shuffle=True),
-        reference.derive("staggered", stagger=2),
-        reference.derive("chunk-32", max_num_batched_tokens=32),
-        reference.derive("preemption", max_num_batched_tokens=64, num_cache_blocks=12),
-        reference.derive("sync-steps", async_scheduling=False),
-        reference.derive("speculation", speculation="ngram"),
-        reference.derive("prefix-cold", prefix_caching=False),
-        reference.derive("prefix-hot", warm=True),
-        reference.derive("shards-3", shards=3),
-    )
+    variants = tuple(reference.derive(name, **factor) for name, factor in FACTORS)
+    variants += (reference.derive("shards-3", shards=3),)
     variants += draft_model_variants(reference, drafter)
     if parse_device(reference.engine.device).type == "cpu":
         variants += (reference.derive("threads-1", threads=1),)

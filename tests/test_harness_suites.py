@@ -17,7 +17,7 @@ from deepinfer import LLM
 from deepinfer.errors import DeepInferError
 from deepinfer.harness.record import record_run
 from deepinfer.harness.suite_registry import KINDS, TOP_LOGPROBS, Suite, SuiteKind, load_suite, register_kind, request_seed
-from deepinfer.harness.sweep import Variant, check_variant, checkpoint_drafter, default_sweep, load_sweep
+from deepinfer.harness.sweep import FACTORS, Variant, check_variant, checkpoint_drafter, default_sweep, load_sweep
 from import_graph import import_graph
 
 
@@ -93,7 +93,9 @@ def test_default_sweep_covers_the_contract() -> None:
     assert sweep.reference.engine.max_num_seqs == 32
     assert {variants["batch-1"].engine.max_num_seqs, variants["batch-8"].engine.max_num_seqs} == {1, 8}
     assert variants["shuffled"].shuffle and variants["staggered"].stagger
-    assert variants["chunk-32"].engine.max_num_batched_tokens == 32 and variants["preemption"].engine.num_cache_blocks
+    assert variants["chunk-16"].engine.max_num_batched_tokens == 16 and variants["preemption"].engine.num_cache_blocks
+    assert not variants["chunk-off"].engine.enable_chunked_prefill and variants["batch-3"].engine.max_num_seqs == 3
+    assert [v.name for v in sweep.variants][:len(FACTORS)] == [name for name, _ in FACTORS]  # the matrix's list too
     assert variants["threads-1"].threads == 1 and sweep.reference.threads is None
     assert sweep.reference.engine.async_scheduling and not variants["sync-steps"].engine.async_scheduling
     assert sweep.reference.engine.speculation == "off" and variants["speculation"].engine.speculation == "ngram"
