@@ -80,3 +80,13 @@ def test_reading_runs_and_rendering_reports_loads_no_torch(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_python_dash_m_deepinfer_is_the_console_script(tmp_path):
+    """One command line: `python -m deepinfer` has every command the `deepinfer` console script has."""
+    commands = []
+    for argv in ([sys.executable, "-m", "deepinfer", "--help"], [str(Path(sys.executable).parent / "deepinfer"), "--help"]):
+        done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        commands.append(done.stdout.split("commands:", 1)[1])
+    assert commands[0] == commands[1] and "audit" in commands[0] and "generate" in commands[0]
