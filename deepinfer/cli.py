@@ -18,7 +18,7 @@ from deepinfer.checkpoint.layout_v41 import footprint
 from deepinfer.checkpoint.quantized_v4 import describe as describe_quantization
 from deepinfer.config import CSA, HCA, ModelConfig
 from deepinfer.config_v41 import V41Config
-from deepinfer.dspark_distill import RECORD_NAME, DistillSettings, distill
+from deepinfer.model.dspark_distill import RECORD_NAME, DistillSettings, distill
 from deepinfer.engine.config import add_engine_flags, config_from_flags
 from deepinfer.errors import DeepInferError
 

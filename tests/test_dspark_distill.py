@@ -1,5 +1,5 @@
-"""`deepinfer dspark distill` (deepinfer/dspark_distill.py): self-distillation of a V4.1 checkpoint's DSpark
-draft layers on the target's own generations, written back in place.
+"""`deepinfer dspark distill` (deepinfer/model/dspark_distill.py): self-distillation of a V4.1
+checkpoint's DSpark draft layers on the target's own generations, written back in place.
 
 On `v41-tiny` (random weights), in small settings so the file runs in well under a minute: the same run
 writes the same bits twice; it raises the drafts' acceptance on held-out generations over the random
@@ -25,7 +25,7 @@ from deepinfer import LLM
 from deepinfer.checkpoint import create_checkpoint, load_checkpoint, load_draft_tensors
 from deepinfer.checkpoint.layout_v41 import expected_tensors_v41
 from deepinfer.cli import main
-from deepinfer.dspark_distill import (
+from deepinfer.model.dspark_distill import (
     PROMPT_TOKENS, RECORD_NAME, DistillError, DistillSettings, distill, distilled_checkpoint, generate,
 )
 from deepinfer.model.dspark import DSpark
@@ -184,6 +184,6 @@ def test_the_cached_builder_distills_once(monkeypatch):
     def again(*args, **kwargs):
         raise AssertionError("distilled again")
 
-    monkeypatch.setattr("deepinfer.dspark_distill.distill", again)
+    monkeypatch.setattr("deepinfer.model.dspark_distill.distill", again)
     assert distilled_checkpoint("v41-tiny", settings=QUICK) == folder
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]

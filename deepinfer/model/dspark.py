@@ -221,7 +221,7 @@ class DSpark(DraftDecoder):
 
     def forward(self, tokens: torch.Tensor, anchors: torch.Tensor, features: torch.Tensor,
                 context_valid: torch.Tensor) -> BlockOutput:
-        """`blocks` straight from target features, with autograd (what `deepinfer.dspark_distill` trains):
+        """`blocks` straight from target features, with autograd (what `deepinfer.model.dspark_distill` trains):
         block s reads the C positions anchors[s] - C .. anchors[s] - 1, whose features are features[s]
         [C, 3 * hidden], where `context_valid` [S, C] holds (positions before 0 do not)."""
         count, width = context_valid.shape
