@@ -9,15 +9,11 @@ import signal
 import sys
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from deepinfer.checkpoint import MODEL_HELP, PRESETS, create_checkpoint, inspect_checkpoint, parameter_counts
-from deepinfer.checkpoint.layout_v41 import footprint
-from deepinfer.checkpoint.quantized_v4 import describe as describe_quantization
-from deepinfer.config import CSA, HCA, ModelConfig
-from deepinfer.config_v41 import V41Config
+from deepinfer.families.registry import family_of
 from deepinfer.model.dspark_distill import RECORD_NAME, DistillSettings, distill
 from deepinfer.engine.config import add_engine_flags, config_from_flags
 from deepinfer.errors import DeepInferError
@@ -140,7 +136,7 @@ def _cmd_checkpoint_info(args: argparse.Namespace) -> int:
     total = sum(counts.values())
     lines = [
         f"checkpoint  {info.folder}",
-        *_architecture_lines(c),
+        *family_of(c).architecture_lines(c),
         f"widths      hidden {c.hidden_size}, vocab {c.vocab_size}, {c.num_attention_heads} heads x {c.head_dim} "
         f"(rope {c.rope_head_dim}), q_lora {c.q_lora_rank}, output {c.o_groups} groups x {c.o_lora_rank}",
         f"experts     {c.n_routed_experts} routed (top-{c.num_experts_per_tok}) + {c.n_shared_experts} shared, "
@@ -148,48 +144,12 @@ def _cmd_checkpoint_info(args: argparse.Namespace) -> int:
         f"parameters  {_count(total)} total" + ("" if info.has_weights else " (config only, no weights)"),
         *(f"  {group:<27} {_count(n):>8}  {100 * n / total:5.1f}%" for group, n in counts.items()),
         f"dtype       {info.weight_dtype or '-'}",
-        f"mtp         {f'present ({c.num_nextn_predict_layers} block)' if info.has_mtp else 'absent'}"
-        + (" (DSpark draft layers: not used yet)" if info.has_mtp and isinstance(c, V41Config) else ""),
+        f"mtp         {f'present ({family_of(c).draft_name})' if info.has_mtp else 'absent'}",
         f"tokenizer   {'present' if info.tokenizer_path else 'absent'}",
         f"content     {info.content_hash or '-'}" + (" (hashed from the weights' bytes)" if args.verify else ""),
     ]
     print("\n".join(lines))
     return 0
-
-
-def _architecture_lines(c: ModelConfig | V41Config) -> list[str]:
-    """The layer schedule and attention of either model family, for `checkpoint info`."""
-    if isinstance(c, V41Config):
-        roles, parts = c.roles, footprint(c)
-        candidate = next((i for i, r in enumerate(roles) if r.candidate_source), None)
-        return [
-            f"model       DeepSeek-V4.1 ({c.model_type})",
-            f"layers      {c.num_hidden_layers}: {_tally(f'{r.kind} r{r.ratio}' if r.ratio else r.kind for r in roles)}",
-            f"attention   window {c.sliding_window}, KV sources {c.kv_source_layer_ids}, indexer {c.index_n_heads} "
-            f"heads x {c.index_head_dim} top-{c.index_topk}, candidate pool "
-            + (f"from layer {candidate} ({c.candidate_topk_blocks} blocks of {c.candidate_block_size})"
-               if candidate is not None else "off"),
-            f"engram      layers {c.engram_layer_ids}, tables {c.engram_num_embeddings} rows x {c.engram_head_dim}",
-            f"footprint   {_gib(sum(parts.values()))} in the release's formats (backbone): "
-            + ", ".join(f"{part} {_gib(n)}" for part, n in parts.items()),
-        ]
-    return [
-        f"model       DeepSeek-V4 ({c.model_type})",
-        f"layers      {c.num_hidden_layers}: {_tally(c.layer_types)}",
-        f"mlp         {_tally(c.mlp_layer_types)}",
-        f"attention   window {c.sliding_window}, compress CSA {c.compress_rates.get(CSA, '-')} / "
-        f"HCA {c.compress_rates.get(HCA, '-')}, indexer {c.index_n_heads} heads x {c.index_head_dim} "
-        f"top-{c.index_topk}",
-        *([f"quantized   {describe_quantization(c)}"] if c.quantization_config is not None else []),
-    ]
-
-
-def _tally(items) -> str:
-    return ", ".join(f"{kind} x{n}" for kind, n in Counter(items).items())
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _count(n: int) -> str:

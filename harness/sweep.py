@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 from deepinfer.checkpoint import CheckpointError, default_checkpoint, inspect_checkpoint, preset_config
-from deepinfer.config_v41 import V41Config
+from deepinfer.families.registry import family_of
 from deepinfer.engine.config import EngineConfig, parse_device, resolve_device
 from deepinfer.engine.host import PRESET_PREFIX
 from deepinfer.errors import DeepInferError
@@ -117,11 +117,8 @@ def checkpoint_drafter(model: str | Path | None) -> str | None:
         except CheckpointError:
             return None
         config, stored = info.config, info.has_mtp
-    if not stored:
-        return None
-    if isinstance(config, V41Config):
-        return "dspark" if config.num_draft_layers else None
-    return "mtp" if config.num_nextn_predict_layers else None
+    family = family_of(config)
+    return family.speculation if stored and family.has_draft(config) else None
 
 
 def draft_model_variants(base: Variant, drafter: str | None) -> tuple[Variant, ...]:

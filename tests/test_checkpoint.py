@@ -23,12 +23,12 @@ from deepinfer.checkpoint import (
 )
 from deepinfer.checkpoint.files import weight_files
 from deepinfer.checkpoint.hashing import cache_path
-from deepinfer.checkpoint.tensor_spec import FP32, INDEX, WEIGHT
-from deepinfer.checkpoint.layout_v41 import released_format
+from deepinfer.families.tensor_spec import FP32, INDEX, WEIGHT
+from deepinfer.families.v41.layout import released_format
 from deepinfer.checkpoint.random_init import RandomTensors, random_tensor
 from deepinfer import LLM, SamplingParams
 from deepinfer.cli import main
-from deepinfer.config import CSA, HCA, SLIDING, ConfigError
+from deepinfer.families.v4.config import CSA, HCA, SLIDING, ConfigError
 
 transformers = pytest.importorskip("transformers")
 

@@ -15,7 +15,7 @@ from checkpoint_edits import copy_with
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint import CheckpointError, load_checkpoint
-from deepinfer.checkpoint.layout_v41 import footprint
+from deepinfer.families.v41.layout import footprint
 from deepinfer.checkpoint.presets_v41 import v41_preset_config
 from deepinfer.cli import main
 from deepinfer.kernels.quant import QuantizedWeight
@@ -147,7 +147,8 @@ def test_a_quantized_checkpoint_missing_a_scale_fails_in_one_line(tmp_path):
 
 def test_only_v41_presets_quantize(tmp_path, capsys):
     assert main(["checkpoint", "create", "--preset", "tiny", "--out", str(tmp_path / "t"), "--quantized"]) == 2
-    assert capsys.readouterr().err == "error: --quantized writes V4.1's released formats; preset 'tiny' is a V4 model\n"
+    assert capsys.readouterr().err == ("error: --quantized writes a family's released formats; preset 'tiny' is a V4 "
+                                       "model, which has none\n")
     assert not (tmp_path / "t").exists()
 
 

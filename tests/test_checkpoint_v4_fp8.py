@@ -26,11 +26,11 @@ from safetensors.torch import load_file, save_file
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint import CheckpointError, expected_tensors, load_checkpoint, parameter_counts, preset_config
-from deepinfer.checkpoint.tensor_spec import FP4, FP8
-from deepinfer.checkpoint.quantized_v4 import SCALE_SUFFIX
+from deepinfer.families.tensor_spec import FP4, FP8
+from deepinfer.families.v4.quantized import SCALE_SUFFIX
 from deepinfer.cli import main
-from deepinfer.config import ConfigError, ModelConfig
-from deepinfer.families import load_config
+from deepinfer.families.v4.config import ConfigError, ModelConfig
+from deepinfer.families.registry import load_config
 from deepinfer.kernels.quant import fp8_block_encode, mxfp4_encode
 
 transformers = pytest.importorskip("transformers")

@@ -5,8 +5,8 @@ import pytest
 
 from deepinfer.checkpoint.presets import PRESETS, preset_config
 from deepinfer.checkpoint.presets_v41 import V41_PRESETS
-from deepinfer.config import CSA, ConfigError, ModelConfig
-from deepinfer.families import load_config
+from deepinfer.families.v4.config import CSA, ConfigError, ModelConfig
+from deepinfer.families.registry import load_config
 
 
 def _write(folder: Path, raw) -> Path:
@@ -77,7 +77,7 @@ def test_wrong_type(tmp_path, field, value, expected):
 
 @pytest.mark.parametrize("change,expected", [
     ({"layer_types": ["sliding_attention"] * 3}, "field 'layer_types' has 3 entries, expected num_hidden_layers=4"),
-    ({"model_type": "llama"}, "model_type is 'llama', expected 'deepseek_v4' or 'deepseek_v41'"),
+    ({"model_type": "llama"}, "model_type is 'llama', expected one of 'deepseek_v4', 'deepseek_v41'"),
     ({"num_key_value_heads": 2}, "field 'num_key_value_heads' must be 1 (shared-KV MQA), got 2"),
     ({"partial_rotary_factor": 0.3},
      "field 'partial_rotary_factor' gives rope dim 19; it must be even and in (0, head_dim]"),

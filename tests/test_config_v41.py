@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1's nested config.json (deepinfer/config_v41.py): parsing, layer roles, validation.
+"""DeepSeek-V4.1's nested config.json (deepinfer/families/v41/config.py): parsing, layer roles, validation.
 
 The layer schedule rules are checked against NeMo AutoModel's `DeepseekV41TextConfig` (the oracle
 package of the dev install): over random schedules, ours rejects exactly what NeMo rejects.
@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepinfer.checkpoint.presets_v41 import V41_PRESETS, v41_preset_config
-from deepinfer.config import ConfigError
-from deepinfer.families import load_config
-from deepinfer.config_v41 import FULL, REINDEX, REUSE, SWA, V41Config
+from deepinfer.families.v4.config import ConfigError
+from deepinfer.families.registry import load_config
+from deepinfer.families.v41.config import FULL, REINDEX, REUSE, SWA, V41Config
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 

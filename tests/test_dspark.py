@@ -30,12 +30,12 @@ from checkpoint_edits import copy_with
 
 from deepinfer import kernels
 from deepinfer.checkpoint import CheckpointError, load_checkpoint, load_draft_tensors
-from deepinfer.checkpoint.tensor_spec import FP4, FP8
-from deepinfer.checkpoint.layout_v41 import expected_tensors_v41, is_draft_tensor, is_optional, released_format
+from deepinfer.families.tensor_spec import FP4, FP8
+from deepinfer.families.v41.layout import expected_tensors_v41, is_draft_tensor, is_optional, released_format
 from deepinfer.checkpoint.presets_v41 import v41_preset_config
 from deepinfer.checkpoint.random_init import stored_random_tensors
 from deepinfer.cli import main
-from deepinfer.config_v41 import V41Config
+from deepinfer.families.v41.config import V41Config
 from deepinfer.model.dspark import POST_NORM, PRE_NORM, DSpark
 from deepinfer.model.transformer_v41 import DeepseekV41
 from deepinfer.recipe.tokenizer import build_tokenizer

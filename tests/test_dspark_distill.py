@@ -23,7 +23,7 @@ from checkpoint_edits import copy_with
 from deepinfer import kernels
 from deepinfer import LLM
 from deepinfer.checkpoint import create_checkpoint, load_checkpoint, load_draft_tensors
-from deepinfer.checkpoint.layout_v41 import expected_tensors_v41
+from deepinfer.families.v41.layout import expected_tensors_v41
 from deepinfer.cli import main
 from deepinfer.model.dspark_distill import (
     PROMPT_TOKENS, RECORD_NAME, DistillError, DistillSettings, distill, distilled_checkpoint, generate,

@@ -153,8 +153,8 @@ def test_confident_lengths_count_the_leading_slots_above_the_threshold(rows: lis
 
 
 @pytest.mark.parametrize("model,settings,message", [
-    ("preset:tiny", {}, "speculation=dspark needs a V4.1 checkpoint with DSpark draft layers (mtp.*); "
-                        "preset:tiny:seed=0 has none"),
+    ("preset:tiny", {}, "speculation=dspark runs a V4.1 checkpoint's DSpark draft layers; preset:tiny:seed=0 is V4 "
+                        "(its draft layers run with speculation=mtp)"),
     ("preset:v41-tiny", {"draft_confidence": 1.5}, "draft_confidence must be a number from 0 to 1, got 1.5"),
     ("preset:v41-tiny", {"draft_confidence": "high"}, "draft_confidence must be a number from 0 to 1, got 'high'"),
     ("preset:v41-tiny", {"draft_tokens": 6}, "draft_tokens=6: the checkpoint's dspark draft model proposes at most 5 "

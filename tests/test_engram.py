@@ -24,7 +24,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
 from deepinfer import kernels
-from deepinfer.config_v41 import V41Config
+from deepinfer.families.v41.config import V41Config
 from deepinfer.model.engram import (
     Engram,
     compressed_token_map,

@@ -17,7 +17,7 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint import preset_config, write_weights
 from deepinfer.checkpoint.random_init import RandomTensors
-from deepinfer.config import CSA, HCA, SLIDING
+from deepinfer.families.v4.config import CSA, HCA, SLIDING
 from deepinfer.engine.scheduler import ScheduledChunk
 from deepinfer.engine.sequence import Sequence
 

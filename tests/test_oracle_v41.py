@@ -45,9 +45,9 @@ from transformers import PreTrainedTokenizerFast
 from deepinfer import kernels
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint import load_checkpoint
-from deepinfer.checkpoint.tensor_spec import FP4, FP8
-from deepinfer.checkpoint.layout_v41 import QUANTIZATION, ROW_GROUP, expected_tensors_v41, is_optional, released_format
-from deepinfer.config_v41 import FULL, REINDEX, REUSE, SWA, LayerRole, V41Config
+from deepinfer.families.tensor_spec import FP4, FP8
+from deepinfer.families.v41.layout import QUANTIZATION, ROW_GROUP, expected_tensors_v41, is_optional, released_format
+from deepinfer.families.v41.config import FULL, REINDEX, REUSE, SWA, LayerRole, V41Config
 from deepinfer.engine.cache import CacheManager
 from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.scheduler import ScheduledChunk

@@ -3,7 +3,7 @@
 from deepinfer.checkpoint.errors import CheckpointError
 from deepinfer.checkpoint.hashing import content_hash
 from deepinfer.checkpoint.layout import expected_tensors, parameter_counts
-from deepinfer.checkpoint.tensor_spec import TensorSpec
+from deepinfer.families.tensor_spec import TensorSpec
 from deepinfer.checkpoint.loader import (
     Checkpoint, CheckpointInfo, inspect_checkpoint, load_checkpoint, load_draft_tensors, load_mtp_tensors,
 )

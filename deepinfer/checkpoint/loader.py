@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,12 +11,11 @@ from deepinfer.checkpoint.errors import CheckpointError
 from deepinfer.checkpoint.files import INDEX_NAME, WeightReader, read_headers, weight_files
 from deepinfer.checkpoint.hashing import cached_hash, content_hash, hash_tensors, store_hash
 from deepinfer.checkpoint.layout import expected_tensors, unchecked_tensor, unused_tensor, weight_dtype_name
-from deepinfer.checkpoint.layout_v41 import dequantize as dequantize_v41, is_draft_tensor, quantized_weights
-from deepinfer.checkpoint.quantized_v4 import dequantize as dequantize_v4
-from deepinfer.checkpoint.tensor_spec import FP4, FP8, FP32, INDEX, MTP_PREFIX, SCALE
-from deepinfer.config import ModelConfig
-from deepinfer.config_v41 import V41Config
-from deepinfer.families import load_config
+from deepinfer.families.v41.layout import is_draft_tensor
+from deepinfer.families.tensor_spec import FP4, FP8, FP32, INDEX, MTP_PREFIX, SCALE
+from deepinfer.families.v4.config import ModelConfig
+from deepinfer.families.v41.config import V41Config
+from deepinfer.families.registry import drafting_family, family_of, load_config
 from deepinfer.kernels.quant import QuantizedWeight
 
 
@@ -73,24 +71,24 @@ def load_draft_tensors(folder: str | Path, device: str | torch.device = "cpu", *
     decoded as `load_checkpoint` decodes the backbone (`quantized_as` likewise); what
     `deepinfer.model.dspark.DSpark.load_tensors` takes. The target's embedding and head are not among
     them (the draft shares the target's)."""
-    return _draft_tensors(folder, device, quantized_as, "DSpark draft layers",
-                          lambda config: isinstance(config, V41Config) and config.num_draft_layers > 0)
+    return _draft_tensors(folder, device, quantized_as, "dspark")
 
 
 def load_mtp_tensors(folder: str | Path, device: str | torch.device = "cpu", *,
                      quantized_as: torch.dtype | None = None) -> dict[str, torch.Tensor | QuantizedWeight]:
     """A V4 checkpoint's MTP block (`mtp.*`), read, validated and decoded as `load_draft_tensors` reads
     V4.1's draft layers; what `deepinfer.model.mtp.MTP.load_tensors` takes."""
-    return _draft_tensors(folder, device, quantized_as, "MTP block",
-                          lambda config: isinstance(config, ModelConfig) and config.num_nextn_predict_layers > 0)
+    return _draft_tensors(folder, device, quantized_as, "mtp")
 
 
-def _draft_tensors(folder: str | Path, device: str | torch.device, quantized_as: torch.dtype | None, what: str,
-                   has_draft: Callable[[ModelConfig | V41Config], bool]) -> dict[str, torch.Tensor | QuantizedWeight]:
-    """The `mtp.*` tensors of a checkpoint whose config `has_draft` (`what` names them in errors)."""
+def _draft_tensors(folder: str | Path, device: str | torch.device, quantized_as: torch.dtype | None,
+                   speculation: str) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """The `mtp.*` tensors of a checkpoint of the family whose draft model `speculation` runs, whose
+    config declares them."""
     folder = _existing(folder)
     config = load_config(folder)
-    if not has_draft(config):
+    family, what = family_of(config), drafting_family(speculation).draft_name
+    if family.speculation != speculation or not family.has_draft(config):
         raise CheckpointError(f"{folder}: the config has no {what}")
     with WeightReader(weight_files(folder), device) as reader:
         has_mtp, _, _ = check_tensors(config, reader.headers)
@@ -103,11 +101,7 @@ def _draft_tensors(folder: str | Path, device: str | torch.device, quantized_as:
 def weights_in_memory(config: ModelConfig | V41Config, tensors: dict[str, torch.Tensor],
                       quantized_as: torch.dtype | None) -> dict[str, torch.Tensor | QuantizedWeight]:
     """A checkpoint's stored tensors as the engine takes them (see `load_checkpoint`)."""
-    if not isinstance(config, V41Config):
-        return dequantize_v4(config, tensors)
-    if quantized_as is None:
-        return dequantize_v41(config, tensors)  # FP8 / FP4 values times powers of two: exact
-    return quantized_weights(config, tensors, quantized_as)
+    return family_of(config).weights_in_memory(config, tensors, quantized_as)
 
 
 def stored_formats(config: ModelConfig | V41Config, weight_dtype: str, wider: list[str] = ()) -> dict[str, str]:
@@ -123,14 +117,7 @@ def stored_formats(config: ModelConfig | V41Config, weight_dtype: str, wider: li
 def _part_formats(config: ModelConfig | V41Config, weight_dtype: str) -> dict[str, str]:
     if config.quantization_config is None:
         return {"weights": weight_dtype}
-    if isinstance(config, V41Config):
-        rows, cols = config.quantization_config.get("weight_block_size", [32, 32])
-        return {"dense": f"fp8_e4m3 {rows}x{cols} ue8m0", "routed_experts": "mxfp4 1x32 ue8m0",
-                "engram_tables": "fp8_e4m3 1x32 ue8m0", "other": weight_dtype}
-    rows, cols = config.quantization("weight_block_size")
-    dense = f"fp8_e4m3 {rows}x{cols} {config.quantization('scale_fmt')}"
-    experts = "mxfp4 1x32 ue8m0" if config.quantization("expert_dtype") == "fp4" else dense
-    return {"dense": dense, "routed_experts": experts, "other": weight_dtype}
+    return family_of(config).quantized_formats(config, weight_dtype)
 
 
 def inspect_checkpoint(folder: str | Path, *, verify: bool = False) -> CheckpointInfo:

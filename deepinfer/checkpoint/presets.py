@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from deepinfer.checkpoint.errors import CheckpointError
 from deepinfer.checkpoint.presets_v41 import V41_CONFIG_ONLY, V41_PRESETS, v41_preset_config
-from deepinfer.config import CSA, HCA, SLIDING, ModelConfig
-from deepinfer.config_v41 import V41Config
+from deepinfer.families.v4.config import CSA, HCA, SLIDING, ModelConfig
+from deepinfer.families.v41.config import V41Config
 
 PRESETS = ("tiny", "small", "flash-4l", "flash") + V41_PRESETS
 # too big to write here: config.json + tokenizer.json only

@@ -13,8 +13,8 @@ same one `checkpoint create` writes), so the config always agrees with it.
 
 from __future__ import annotations
 
-from deepinfer.checkpoint.layout_v41 import QUANTIZATION
-from deepinfer.config_v41 import MODEL_TYPE, TEXT_MODEL_TYPE, V41Config
+from deepinfer.families.v41.layout import QUANTIZATION
+from deepinfer.families.v41.config import MODEL_TYPE, TEXT_MODEL_TYPE, V41Config
 from deepinfer.model.engram import engram_layouts, vocabulary_map
 from deepinfer.recipe.tokenizer import BOS, EOS, PAD, build_tokenizer
 

@@ -21,10 +21,10 @@ from dataclasses import replace
 import torch
 
 from deepinfer.checkpoint.layout import expected_tensors
-from deepinfer.checkpoint.tensor_spec import FP32, INDEX, TensorSpec
-from deepinfer.checkpoint.layout_v41 import quantize
-from deepinfer.config import ModelConfig
-from deepinfer.config_v41 import V41Config
+from deepinfer.families.tensor_spec import FP32, INDEX, TensorSpec
+from deepinfer.families.registry import family_of
+from deepinfer.families.v4.config import ModelConfig
+from deepinfer.families.v41.config import V41Config
 
 EMBED_STD = 1.0
 HEAD_GAIN = 3.0  # logits std ≈ HEAD_GAIN, since the final norm output has unit RMS
@@ -56,10 +56,11 @@ def stored_random_tensors(config: ModelConfig | V41Config, seed: int, dtype: tor
     """The seeded tensors as a checkpoint of `config` stores them: `RandomTensors` of the plain model,
     encoded in the release's formats when the config declares V4.1's quantization (the plain tensors
     are generated one at a time, so only the encoded model is ever held whole)."""
-    if isinstance(config, V41Config) and config.quantization_config is not None:
-        plain = replace(config, quantization_config=None)
-        return quantize(plain, RandomTensors(plain, seed, dtype, device, include_mtp))[1]
-    return RandomTensors(config, seed, dtype, device, include_mtp)
+    if config.quantization_config is None:
+        return RandomTensors(config, seed, dtype, device, include_mtp)
+    plain = replace(config, quantization_config=None)
+    encoded = family_of(config).encode_random(config, RandomTensors(plain, seed, dtype, device, include_mtp))
+    return encoded if encoded is not None else RandomTensors(config, seed, dtype, device, include_mtp)
 
 
 class RandomTensors(Mapping[str, torch.Tensor]):

@@ -17,9 +17,8 @@ from deepinfer.checkpoint.errors import CheckpointError
 from deepinfer.checkpoint.files import INDEX_NAME, WeightReader, deepinfer_home, read_headers, weight_files
 from deepinfer.checkpoint.hashing import TensorHasher, content_hash, store_hash
 from deepinfer.checkpoint.layout import expected_tensors, weight_dtype_name
-from deepinfer.checkpoint.layout_v41 import released_format
+from deepinfer.families.registry import family_of
 from deepinfer.checkpoint.presets import CONFIG_ONLY_PRESETS, preset_config
-from deepinfer.config_v41 import V41Config
 from deepinfer.checkpoint.random_init import stored_random_tensors
 from deepinfer.progress import Progress
 from deepinfer.recipe.tokenizer import build_tokenizer
@@ -120,10 +119,12 @@ def create_checkpoint(preset: str, out: str | Path, seed: int, *, device: str | 
     a status line every 10 s when piped).
     """
     config = preset_config(preset)
-    if quantized and not isinstance(config, V41Config):
-        raise CheckpointError(f"--quantized writes V4.1's released formats; preset {preset!r} is a V4 model")
     if quantized:
-        config = released_format(config)
+        family = family_of(config)
+        config = family.released_format(config)
+        if config is None:
+            raise CheckpointError(f"--quantized writes a family's released formats; preset {preset!r} is a "
+                                  f"{family.name} model, which has none")
     out = Path(out)
     _refuse_existing(out)
     try:
@@ -161,7 +162,8 @@ def default_checkpoint_path() -> Path:
     """Where the embedded default lives (it may not exist yet): named by a digest of its config and of the
     tensors the writer writes for it, so a default built before its layout changed (before its draft
     layers were written, say) is not taken for the current one."""
-    config = released_format(preset_config(DEFAULT_PRESET))
+    preset = preset_config(DEFAULT_PRESET)
+    config = family_of(preset).released_format(preset)
     key = json.dumps({"config": config.to_dict(), "tensors": sorted(expected_tensors(config, include_mtp=True))},
                      sort_keys=True)
     return deepinfer_home() / f"{DEFAULT_PRESET}-seed0-{hashlib.sha256(key.encode()).hexdigest()[:12]}"

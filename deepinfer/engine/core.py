@@ -11,7 +11,6 @@ from dataclasses import replace
 
 from deepinfer.engine.cache import CacheManager, step_budget
 from deepinfer.engine.config import EngineConfig
-from deepinfer.engine.draft_runner import device_drafts, draft_pools
 from deepinfer.engine.drafter import DEVICE_SPECULATION, build_drafter
 from deepinfer.engine.host import ModelHost
 from deepinfer.engine.output import OutputProcessor
@@ -62,7 +61,7 @@ class EngineCore:
             if draft.max_drafts is not None and config.draft_tokens > draft.max_drafts:
                 raise DeepInferError(f"draft_tokens={config.draft_tokens}: the checkpoint's {config.speculation} "
                                      f"draft model proposes at most {draft.max_drafts} tokens per step")
-        self.pools = draft_pools(host.model.pools, draft) if draft is not None else host.model.pools
+        self.pools = host.family.draft_pools(host.model.pools, draft) if draft is not None else host.model.pools
         if config.max_model_len is None:  # ranks sharing requests must make the same steps: the same cache
             config = replace(config, max_model_len=agree(host.default_max_model_len(config, self.pools)))
         self.engine_config = config
@@ -83,7 +82,7 @@ class EngineCore:
         )
         drafts = None
         if draft is not None:
-            drafts = device_drafts(draft, self.cache, config.draft_tokens, config.draft_confidence)
+            drafts = host.family.draft_runner(draft, self.cache, config.draft_tokens, config.draft_confidence)
         self.runner = ModelRunner(host.model, self.cache, host.device, cuda_graphs=config.cuda_graphs, drafts=drafts)
         self.async_scheduling = config.async_scheduling
         self.in_flight: tuple[SchedulerOutput, RunnerOutput] | None = None

@@ -87,23 +87,6 @@ def draft_pool(draft: DSpark) -> PoolSpec:
                     window=config.sliding_window)
 
 
-def draft_pools(pools: list[PoolSpec], draft: DSpark | MTP) -> list[PoolSpec]:
-    """A target's cache pools with room for its draft's KV: DSpark's own pool (`draft_pool`), or the
-    MTP block as one more layer of the window pool."""
-    if isinstance(draft, DSpark):
-        return pools + [draft_pool(draft)]
-    return [replace(spec, layers=spec.layers + (draft.layer_id,)) if spec.name == "window" else spec
-            for spec in pools]
-
-
-def device_drafts(draft: DSpark | MTP, cache: CacheManager, draft_tokens: int, threshold: float) -> DeviceDrafts:
-    """The runner of `draft` over `cache` (whose pools are `draft_pools`'): DSpark drafts its block,
-    the MTP block `draft_tokens` tokens."""
-    if isinstance(draft, DSpark):
-        return DSparkRunner(draft, cache, threshold)
-    return MTPRunner(draft, cache, draft_tokens, threshold)
-
-
 def confident_lengths(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
     """Per row of confidences [S, B] (each slot's chance to hold if the ones before it did), how many
     leading slots keep the chance that all of them hold at or above `threshold` (int64 [S])."""

@@ -15,20 +15,18 @@ import torch
 from deepinfer import kernels
 from deepinfer.checkpoint import CheckpointError, default_checkpoint, load_checkpoint, preset_config
 from deepinfer.checkpoint.layout import weight_dtype_name
-from deepinfer.checkpoint.layout_v41 import is_draft_tensor
+from deepinfer.families.registry import drafting_family, family_of
+from deepinfer.families.v41.layout import is_draft_tensor
 from deepinfer.checkpoint.loader import load_draft_tensors, load_mtp_tensors, stored_formats, weights_in_memory
 from deepinfer.checkpoint.random_init import stored_random_tensors
-from deepinfer.config import ModelConfig
-from deepinfer.config_v41 import V41Config
+from deepinfer.families.v4.config import ModelConfig
+from deepinfer.families.v41.config import V41Config
 from deepinfer.engine.cache import cache_memory, default_max_model_len
 from deepinfer.engine.config import DTYPES, EngineConfig, parse_device
 from deepinfer.engine.structured import StructuredCompiler
 from deepinfer.errors import DeepInferError
 from deepinfer.kernels.cpu_isa import CpuIsaError
 from deepinfer.kernels.selftest import CpuInvarianceError, checked_cpu_ops
-from deepinfer.model import DeepseekV41, build_model
-from deepinfer.model.dspark import DSpark
-from deepinfer.model.mtp import MTP
 from deepinfer.parallel import ExpertPlacement, move_experts, spread_experts, start_layout
 from deepinfer.parallel.context import ContextGroup
 from deepinfer.parallel.placement import held_tensors
@@ -68,22 +66,20 @@ class ModelHost:
         quantized_as = self.dtype if config.keeps_weights_quantized else None
         self.weight_storage = "quantized" if quantized_as is not None else "decoded"
         self._source, self._quantized_as, self._load_seed = model, quantized_as, config.seed
-        self._draft_models: dict[str, DSpark | MTP] = {}
+        self._draft_models: dict[str, object] = {}  # by speculation: the family's draft model
         self._structured: StructuredCompiler | None = None
         model_config, tensors, self.tokenizer, self.model_id, self.stored_formats = self._load(model, quantized_as,
                                                                                                 config.seed)
         self.config: ModelConfig | V41Config = model_config
+        self.family = family_of(model_config)
         self.check_max_model_len(config)  # before the weights load, so a bad setting fails fast
-        self.model = build_model(model_config, ops, self.dtype,
-                                 cache_qdq=config.cache_qdq, engram_on_host=config.engram_tables == "host")
+        self.model = self.family.build_model(model_config, ops, self.dtype, cache_qdq=config.cache_qdq,
+                                             engram_on_host=config.engram_tables == "host")
         self.exchanges = spread_experts(self.model, self.layout, self.device) if self.layout.expert_parallel > 1 else []
         if self.layout.context_parallel > 1:
             self.model.context = ContextGroup(self.layout.rank, self.layout.world)
         self.model.load_tensors(tensors, self.device)
-        if isinstance(self.model, DeepseekV41) and model_config.engram_layer_ids:
-            if self.tokenizer is None:
-                raise DeepInferError("this V4.1 checkpoint has Engram layers, whose hashes need its tokenizer.json")
-            self.model.use_tokenizer(self.tokenizer.backend)
+        self.family.use_tokenizer(self.model, self.tokenizer)
 
     def check_engine(self, config: EngineConfig) -> None:
         """Refuse an engine `config` whose `MODEL_SETTINGS` differ from the ones this model was built by."""
@@ -116,7 +112,7 @@ class ModelHost:
             self._structured = StructuredCompiler(self.tokenizer)
         return self._structured
 
-    def draft_model(self, speculation: str, cache_qdq: bool) -> DSpark | MTP:
+    def draft_model(self, speculation: str, cache_qdq: bool):
         """The checkpoint's draft layers that `speculation` runs (V4.1's DSpark layers, V4's MTP block),
         loaded once and shared by every engine that speculates with them."""
         if speculation not in self._draft_models:
@@ -167,21 +163,17 @@ class ModelHost:
         tokenizer = TextTokenizer.from_folder(folder) if checkpoint.tokenizer_path else None
         return checkpoint.config, checkpoint.tensors, tokenizer, checkpoint.content_hash, checkpoint.formats
 
-    def _new_draft(self, speculation: str, cache_qdq: bool) -> DSpark | MTP:
+    def _new_draft(self, speculation: str, cache_qdq: bool):
         """The draft model `speculation` runs, its weights not loaded; refused for a checkpoint without it."""
-        config = self.config
-        if speculation == "dspark":
-            if not isinstance(config, V41Config) or not config.num_draft_layers:
-                raise DeepInferError("speculation=dspark needs a V4.1 checkpoint with DSpark draft layers "
-                                     f"(mtp.*); {self.model_id} has none")
-            return DSpark(config, self.model.ops, self.dtype, self.device, cache_qdq=cache_qdq)
-        if isinstance(config, V41Config):
-            raise DeepInferError(f"speculation=mtp runs a V4 checkpoint's MTP block; {self.model_id} is V4.1 "
-                                 "(its draft layers run with speculation=dspark)")
-        if not config.num_nextn_predict_layers:
-            raise DeepInferError(f"speculation=mtp needs a V4 checkpoint with an MTP block (mtp.*); "
-                                 f"{self.model_id} has none")
-        return MTP(config, self.model.ops, self.dtype, self.device)
+        family, drafter = self.family, drafting_family(speculation)
+        if family is not drafter:
+            own = f" (its draft layers run with speculation={family.speculation})" if family.speculation else ""
+            raise DeepInferError(f"speculation={speculation} runs a {drafter.name} checkpoint's {drafter.draft_name}; "
+                                 f"{self.model_id} is {family.name}{own}")
+        if not family.has_draft(self.config):
+            raise DeepInferError(f"speculation={speculation} needs a {family.name} checkpoint with its "
+                                 f"{family.draft_name} (mtp.*); {self.model_id} has none")
+        return family.new_draft(self.config, self.model.ops, self.dtype, self.device, cache_qdq)
 
     def _draft_tensors(self, speculation: str) -> dict:
         """The draft layers' tensors as `weights_in_memory` gives them (a preset's seeded like its backbone)."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import torch
 
-from deepinfer.config import ModelConfig
+from deepinfer.families.v4.config import ModelConfig
 from deepinfer.engine.cache import CacheManager
 from deepinfer.engine.draft_runner import DeviceDrafts, DraftInputs
 from deepinfer.engine.graph import StepGraph

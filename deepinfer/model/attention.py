@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.config import CSA, HCA, SLIDING, ModelConfig
+from deepinfer.families.v4.config import CSA, HCA, SLIDING, ModelConfig
 from deepinfer.model.batch import CacheAddresses, CompressorAddresses, gather_bytes, query_chunks
 from deepinfer.model.layers import Linear, RMSNorm, empty
 from deepinfer.model.rope import RotaryTable

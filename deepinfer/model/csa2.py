@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from deepinfer.config_v41 import FULL, REINDEX, SWA, LayerRole, V41Config
+from deepinfer.families.v41.config import FULL, REINDEX, SWA, LayerRole, V41Config
 from deepinfer.model.batch import CacheAddresses, CompressorAddresses, gather_bytes, query_chunks
 from deepinfer.model.layers import Linear, RMSNorm, empty
 from deepinfer.model.rope import RotaryTable

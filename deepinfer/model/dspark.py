@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from deepinfer.config_v41 import V41Config, draft_config
+from deepinfer.families.v41.config import V41Config, draft_config
 from deepinfer.model.csa2 import CacheFormats
 from deepinfer.model.layers import Linear, RMSNorm
 from deepinfer.model.rope import RotaryTable

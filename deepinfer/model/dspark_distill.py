@@ -54,13 +54,13 @@ from deepinfer import LLM, SamplingParams, __version__
 from deepinfer.checkpoint import DEFAULT_PRESET, create_checkpoint, load_draft_tensors
 from deepinfer.checkpoint.files import deepinfer_home, read_headers, weight_files
 from deepinfer.checkpoint.hashing import content_hash
-from deepinfer.checkpoint.tensor_spec import FP4, FP8, SCALE
-from deepinfer.checkpoint.layout_v41 import expected_tensors_v41, quantize
+from deepinfer.families.tensor_spec import FP4, FP8, SCALE
+from deepinfer.families.v41.layout import expected_tensors_v41, quantize
 from deepinfer.checkpoint.loader import weights_in_memory
 from deepinfer.checkpoint.presets import preset_config
 from deepinfer.checkpoint.writer import replace_tensors
-from deepinfer.families import load_config
-from deepinfer.config_v41 import V41Config
+from deepinfer.families.registry import load_config
+from deepinfer.families.v41.config import V41Config
 from deepinfer.engine.cache import CacheManager
 from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.scheduler import ScheduledChunk

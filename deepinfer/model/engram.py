@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from tokenizers import Regex, Tokenizer, normalizers
 from torch import nn
 
-from deepinfer.config import ConfigError
-from deepinfer.config_v41 import V41Config
+from deepinfer.families.v4.config import ConfigError
+from deepinfer.families.v41.config import V41Config
 from deepinfer.model.layers import Linear, empty
 from deepinfer.kernels import Ops
 from deepinfer.kernels.quant import QuantizedWeight

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.config import ModelConfig
+from deepinfer.families.v4.config import ModelConfig
 from deepinfer.model.layers import Linear, empty
 from deepinfer.kernels import Ops
 

@@ -24,7 +24,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from deepinfer.config import SLIDING, ModelConfig
+from deepinfer.families.v4.config import SLIDING, ModelConfig
 from deepinfer.model.batch import CacheAddresses
 from deepinfer.model.hyper import head_collapse
 from deepinfer.model.layers import Linear, RMSNorm, empty

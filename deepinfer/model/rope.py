@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.config import ModelConfig
+from deepinfer.families.v4.config import ModelConfig
 from deepinfer.kernels import Ops
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from deepinfer.config import CSA, SLIDING, ModelConfig
+from deepinfer.families.v4.config import CSA, SLIDING, ModelConfig
 from deepinfer.model.attention import POOL_PREFIX, Attention
 from deepinfer.model.batch import CacheAddresses, PoolSpec, StepBatch
 from deepinfer.model.hyper import HyperHead, HyperMix

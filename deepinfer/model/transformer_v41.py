@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.config_v41 import DRAFT_ROLE, SWA, V41Config
+from deepinfer.families.v41.config import DRAFT_ROLE, SWA, V41Config
 from deepinfer.model.batch import CacheAddresses, PoolSpec, StepBatch
 from deepinfer.model.csa2 import Attention2, CacheFormats, Selection, pool_prefix
 from deepinfer.model.engram import Engram, EngramTokens, config_layouts, engram_rows, engram_token_map

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from deepinfer.config import ConfigError, check_field, is_required
+from deepinfer.families.v4.config import ConfigError, check_field, is_required
 
 MODEL_TYPE = "deepseek_v41"
 TEXT_MODEL_TYPE = "deepseek_v41_text"

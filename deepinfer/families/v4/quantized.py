@@ -26,8 +26,8 @@ import re
 
 import torch
 
-from deepinfer.checkpoint.tensor_spec import FP4, FP8, FP32, SCALE, TensorSpec
-from deepinfer.config import ModelConfig
+from deepinfer.families.tensor_spec import FP4, FP8, FP32, SCALE, TensorSpec
+from deepinfer.families.v4.config import ModelConfig
 from deepinfer.kernels.quant import MXFP4_GROUP, fp8_block_decode, mxfp4_decode
 
 SCALE_SUFFIX = "_scale_inv"

@@ -18,8 +18,8 @@ from dataclasses import replace
 
 import torch
 
-from deepinfer.checkpoint.tensor_spec import FP4, FP8, FP32, MTP_PREFIX, SCALE, WEIGHT, TensorSpec
-from deepinfer.config_v41 import DRAFT_ROLE, FULL, REINDEX, LayerRole, V41Config, draft_config
+from deepinfer.families.tensor_spec import FP4, FP8, FP32, MTP_PREFIX, SCALE, WEIGHT, TensorSpec
+from deepinfer.families.v41.config import DRAFT_ROLE, FULL, REINDEX, LayerRole, V41Config, draft_config
 from deepinfer.kernels.quant import QuantizedWeight, fp8_block_encode, mxfp4_encode
 
 OPTIONAL_PREFIXES = ("mtp.", "vision.", "aligner.", "image_")

@@ -1,0 +1,1 @@
+"""DeepSeek-V4: `config.py`, `layout.py` (tensor inventory), `quantized.py` (transformers' FP8 format), `family.py`."""
