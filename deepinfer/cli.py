@@ -14,7 +14,7 @@ from pathlib import Path
 
 from deepinfer.checkpoint import MODEL_HELP, PRESETS, create_checkpoint, inspect_checkpoint, parameter_counts
 from deepinfer.families.registry import family_of
-from deepinfer.model.dspark_distill import RECORD_NAME, DistillSettings, distill
+from deepinfer.families.v41.dspark_distill import RECORD_NAME, DistillSettings, distill
 from deepinfer.engine.config import add_engine_flags, config_from_flags
 from deepinfer.errors import DeepInferError
 

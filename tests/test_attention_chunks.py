@@ -39,7 +39,7 @@ def test_chunked_queries_give_the_bits_of_whole_steps(monkeypatch, preset, devic
     monkeypatch.setattr(batch_module, "READ_BUDGET_BYTES", 1)  # one query per chunk
     monkeypatch.setattr(batch_module, "query_chunks", lambda tokens, row_bytes: chunked.append(tokens)
                         or chunks(tokens, row_bytes))
-    for module in ("deepinfer.model.attention", "deepinfer.model.csa2"):
+    for module in ("deepinfer.families.v4.attention", "deepinfer.families.v41.csa2"):
         monkeypatch.setattr(f"{module}.query_chunks", batch_module.query_chunks)
     assert run() == whole
     assert max(chunked) > 100  # the prefill steps' queries ran one by one

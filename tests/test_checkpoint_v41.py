@@ -16,7 +16,7 @@ from checkpoint_edits import copy_with
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint import CheckpointError, load_checkpoint
 from deepinfer.families.v41.layout import footprint
-from deepinfer.checkpoint.presets_v41 import v41_preset_config
+from deepinfer.families.v41.presets import v41_preset_config
 from deepinfer.cli import main
 from deepinfer.kernels.quant import QuantizedWeight
 

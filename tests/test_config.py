@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from deepinfer.checkpoint.presets import PRESETS, preset_config
-from deepinfer.checkpoint.presets_v41 import V41_PRESETS
+from deepinfer.families.v41.presets import V41_PRESETS
 from deepinfer.families.v4.config import CSA, ConfigError, ModelConfig
 from deepinfer.families.registry import load_config
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepinfer.checkpoint.presets_v41 import V41_PRESETS, v41_preset_config
+from deepinfer.families.v41.presets import V41_PRESETS, v41_preset_config
 from deepinfer.families.v4.config import ConfigError
 from deepinfer.families.registry import load_config
 from deepinfer.families.v41.config import FULL, REINDEX, REUSE, SWA, V41Config

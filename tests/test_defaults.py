@@ -24,7 +24,7 @@ from deepinfer.checkpoint import preset_config
 from deepinfer.engine.cache import CACHE_MEMORY_FRACTION, cache_bytes, cache_memory, default_max_model_len
 from deepinfer.engine.config import EngineConfig, config_from_flags
 from deepinfer.errors import DeepInferError
-from deepinfer.model import DeepseekV4
+from deepinfer.families.v4.model import DeepseekV4
 from deepinfer.sampling_params import CONTENT_SEEDS, derive_seed, request_content_hash
 from deepinfer.harness.cassette import cassette_engine, read_cassette
 from deepinfer.harness.cli import add_audit, main

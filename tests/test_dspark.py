@@ -1,4 +1,4 @@
-"""The DSpark draft model of V4.1 (deepinfer/model/dspark.py) and its `mtp.*` tensors.
+"""The DSpark draft model of V4.1 (deepinfer/families/v41/dspark.py) and its `mtp.*` tensors.
 
 Layout: `checkpoint create --preset v41-tiny` writes the draft layers as `expected_tensors_v41(config,
 include_mtp=True)` lists them (FP8 / MXFP4 like the release with `--quantized`); the loader checks
@@ -32,12 +32,12 @@ from deepinfer import kernels
 from deepinfer.checkpoint import CheckpointError, load_checkpoint, load_draft_tensors
 from deepinfer.families.tensor_spec import FP4, FP8
 from deepinfer.families.v41.layout import expected_tensors_v41, is_draft_tensor, is_optional, released_format
-from deepinfer.checkpoint.presets_v41 import v41_preset_config
+from deepinfer.families.v41.presets import v41_preset_config
 from deepinfer.checkpoint.random_init import stored_random_tensors
 from deepinfer.cli import main
 from deepinfer.families.v41.config import V41Config
-from deepinfer.model.dspark import POST_NORM, PRE_NORM, DSpark
-from deepinfer.model.transformer_v41 import DeepseekV41
+from deepinfer.families.v41.dspark import POST_NORM, PRE_NORM, DSpark
+from deepinfer.families.v41.model import DeepseekV41
 from deepinfer.recipe.tokenizer import build_tokenizer
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")

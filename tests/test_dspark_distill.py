@@ -1,4 +1,4 @@
-"""`deepinfer dspark distill` (deepinfer/model/dspark_distill.py): self-distillation of a V4.1
+"""`deepinfer dspark distill` (deepinfer/families/v41/dspark_distill.py): self-distillation of a V4.1
 checkpoint's DSpark draft layers on the target's own generations, written back in place.
 
 On `v41-tiny` (random weights), in small settings so the file runs in well under a minute: the same run
@@ -25,10 +25,10 @@ from deepinfer import LLM
 from deepinfer.checkpoint import create_checkpoint, load_checkpoint, load_draft_tensors
 from deepinfer.families.v41.layout import expected_tensors_v41
 from deepinfer.cli import main
-from deepinfer.model.dspark_distill import (
+from deepinfer.families.v41.dspark_distill import (
     PROMPT_TOKENS, RECORD_NAME, DistillError, DistillSettings, distill, distilled_checkpoint, generate,
 )
-from deepinfer.model.dspark import DSpark
+from deepinfer.families.v41.dspark import DSpark
 
 QUICK = DistillSettings(steps=6, batch=16, prompts=4, held_out=2, max_tokens=12)
 TRAINED = DistillSettings(steps=80, batch=32, prompts=32, held_out=32, max_tokens=48)
@@ -184,6 +184,6 @@ def test_the_cached_builder_distills_once(monkeypatch):
     def again(*args, **kwargs):
         raise AssertionError("distilled again")
 
-    monkeypatch.setattr("deepinfer.model.dspark_distill.distill", again)
+    monkeypatch.setattr("deepinfer.families.v41.dspark_distill.distill", again)
     assert distilled_checkpoint("v41-tiny", settings=QUICK) == folder
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]

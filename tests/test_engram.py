@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1 Engram (deepinfer/model/engram.py) against NeMo AutoModel's port, the V4.1 oracle.
+"""DeepSeek-V4.1 Engram (deepinfer/families/v41/engram.py) against NeMo AutoModel's port, the V4.1 oracle.
 
 Checked: the token normalisation map (our tiny-preset tokenizer and a byte-fallback tokenizer with
 accented, full-width and whitespace-only tokens), the table layout (the released Flash row counts,
@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerFast
 
 from deepinfer import kernels
 from deepinfer.families.v41.config import V41Config
-from deepinfer.model.engram import (
+from deepinfer.families.v41.engram import (
     Engram,
     compressed_token_map,
     config_layouts,

@@ -1,4 +1,4 @@
-"""The V4.1 model (deepinfer/model/transformer_v41.py, csa2.py, engram.py) against NeMo AutoModel's V4.1
+"""The V4.1 model (deepinfer/families/v41/model.py, csa2.py, engram.py) against NeMo AutoModel's V4.1
 port on CPU in fp32, on three tiny configurations whose union has every CSA2 role, each with the cache
 quantize-dequantize of the release on and off, in one-pass prefill, 37-token chunks and token-by-token
 decode, and end to end through `LLM` (prompt logprobs and greedy tokens) from the checkpoint NeMo's
@@ -52,8 +52,8 @@ from deepinfer.engine.cache import CacheManager
 from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.scheduler import ScheduledChunk
 from deepinfer.engine.sequence import Sequence
-from deepinfer.model.engram import compressed_token_map, engram_layouts
-from deepinfer.model.transformer_v41 import DeepseekV41
+from deepinfer.families.v41.engram import compressed_token_map, engram_layouts
+from deepinfer.families.v41.model import DeepseekV41
 from deepinfer.recipe.tokenizer import PAD, build_tokenizer
 from deepinfer.kernels.quant import fp8_block_encode
 from test_config_v41 import flash_text

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from deepinfer import kernels
 from deepinfer import LLM, SamplingParams, transfer
-from deepinfer.model import NULL_BLOCK, DeepseekV4, StepBatch, bucket
+from deepinfer.families.v4.model import DeepseekV4
+from deepinfer.model import NULL_BLOCK, StepBatch, bucket
 from deepinfer.model.batch import close_capacity, graph_bucket
 
 PARAMS = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

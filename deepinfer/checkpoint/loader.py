@@ -69,7 +69,7 @@ def load_draft_tensors(folder: str | Path, device: str | torch.device = "cpu", *
                        quantized_as: torch.dtype | None = None) -> dict[str, torch.Tensor | QuantizedWeight]:
     """A V4.1 checkpoint's DSpark draft layers (`mtp.*`), validated with the rest of its headers and
     decoded as `load_checkpoint` decodes the backbone (`quantized_as` likewise); what
-    `deepinfer.model.dspark.DSpark.load_tensors` takes. The target's embedding and head are not among
+    `deepinfer.families.v41.dspark.DSpark.load_tensors` takes. The target's embedding and head are not among
     them (the draft shares the target's)."""
     return _draft_tensors(folder, device, quantized_as, "dspark")
 
@@ -77,7 +77,7 @@ def load_draft_tensors(folder: str | Path, device: str | torch.device = "cpu", *
 def load_mtp_tensors(folder: str | Path, device: str | torch.device = "cpu", *,
                      quantized_as: torch.dtype | None = None) -> dict[str, torch.Tensor | QuantizedWeight]:
     """A V4 checkpoint's MTP block (`mtp.*`), read, validated and decoded as `load_draft_tensors` reads
-    V4.1's draft layers; what `deepinfer.model.mtp.MTP.load_tensors` takes."""
+    V4.1's draft layers; what `deepinfer.families.v4.mtp.MTP.load_tensors` takes."""
     return _draft_tensors(folder, device, quantized_as, "mtp")
 
 

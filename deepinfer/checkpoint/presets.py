@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from deepinfer.checkpoint.errors import CheckpointError
-from deepinfer.checkpoint.presets_v41 import V41_CONFIG_ONLY, V41_PRESETS, v41_preset_config
+from deepinfer.families.v41.presets import V41_CONFIG_ONLY, V41_PRESETS, v41_preset_config
 from deepinfer.families.v4.config import CSA, HCA, SLIDING, ModelConfig
 from deepinfer.families.v41.config import V41Config
 

@@ -6,7 +6,7 @@ same noise), so a draft that tracks the target's distribution is kept under samp
 under greedy decoding; how many a sequence verifies next follows the drafter's confidence: the
 longest run of drafts whose predicted chance that all of them hold stays at or above `threshold`.
 
-`DSparkRunner` runs V4.1's DSpark draft layers (`deepinfer.model.dspark`). The target's forward also
+`DSparkRunner` runs V4.1's DSpark draft layers (`deepinfer.families.v41.dspark`). The target's forward also
 hands over the streams entering the draft's target layers; every computed token's streams become each
 draft layer's context KV, written to the draft's own window pool (`DRAFT_POOL`, one row per token per
 draft layer, freed behind the window like the target's). Rows of drafts the step rejects are
@@ -19,7 +19,7 @@ context rows of positions n - W .. n - 1 (W the sliding window, padded and maske
 block's shapes and bits do not depend on the batch); slot j's token is chosen from the
 Markov-corrected logits.
 
-`MTPRunner` runs V4's MTP block (`deepinfer.model.mtp`) as one more layer of the target's window pool
+`MTPRunner` runs V4's MTP block (`deepinfer.families.v4.mtp`) as one more layer of the target's window pool
 (layer `num_hidden_layers`: its rows are kept, released and addressed exactly as the target's window
 rows of the same positions, with no block tables of its own). Every step runs the block over all its
 tokens, each with the token after it (the next input, or where the target drew, its draw), reading the
@@ -45,9 +45,9 @@ from deepinfer.engine.cache import CacheManager
 from deepinfer.engine.sampler import SamplingBatch, sample
 from deepinfer.model import PoolSpec, StepBatch
 from deepinfer.model.batch import CacheAddresses, Paged
-from deepinfer.model.dspark import DSpark
-from deepinfer.model.mtp import MTP
-from deepinfer.model.transformer import Choose
+from deepinfer.families.v41.dspark import DSpark
+from deepinfer.families.v4.mtp import MTP
+from deepinfer.model.decoder import Choose
 from deepinfer.kernels import Ops
 
 DRAFT_POOL = "draft_window"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.model import DeepseekV4, StepBatch
+from deepinfer.model import Decoder, StepBatch
 
 
 class StepGraph:
@@ -22,7 +22,7 @@ class StepGraph:
     hidden states before the next.
     """
 
-    def __init__(self, model: DeepseekV4, caches: list[dict[str, torch.Tensor]], batch: StepBatch,
+    def __init__(self, model: Decoder, caches: list[dict[str, torch.Tensor]], batch: StepBatch,
                  pool: tuple | None = None) -> None:
         self.batch = batch
         self.shapes = batch.shapes()

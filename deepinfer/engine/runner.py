@@ -34,7 +34,7 @@ from deepinfer.engine.graph import StepGraph
 from deepinfer.engine.sampler import SamplingBatch, sample, top_logprobs
 from deepinfer.engine.scheduler import ScheduledChunk, SchedulerOutput
 from deepinfer.engine.structured import allowed_tokens, step_masks
-from deepinfer.model import NULL_BLOCK, DeepseekV4, StepBatch, bucket
+from deepinfer.model import NULL_BLOCK, Decoder, StepBatch, bucket
 from deepinfer.model.batch import graph_bucket
 from deepinfer.transfer import Download, upload
 
@@ -123,7 +123,7 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV4, cache: CacheManager, device: torch.device | str,
+    def __init__(self, model: Decoder, cache: CacheManager, device: torch.device | str,
                  cuda_graphs: bool = False, drafts: DeviceDrafts | None = None) -> None:
         self.model = model
         self.drafts = drafts

@@ -1,5 +1,8 @@
-from deepinfer.model.batch import NULL_BLOCK, PoolSpec, StepBatch, bucket
-from deepinfer.model.transformer import Decoder, DeepseekV4
-from deepinfer.model.transformer_v41 import DeepseekV41
+"""What the model families share: step metadata and cache pools (`batch`), the decoder base classes
+(`decoder`), layers, hyper-connections, MoE and rotary tables. Each family's model is in its package
+under `deepinfer/families/`."""
 
-__all__ = ["Decoder", "DeepseekV4", "DeepseekV41", "NULL_BLOCK", "PoolSpec", "StepBatch", "bucket"]
+from deepinfer.model.batch import NULL_BLOCK, PoolSpec, StepBatch, bucket
+from deepinfer.model.decoder import Decoder
+
+__all__ = ["Decoder", "NULL_BLOCK", "PoolSpec", "StepBatch", "bucket"]

@@ -115,7 +115,7 @@ class StepBatch:
     bucket of the step's longest table); sample_index [R]: the tokens whose final hidden states the
     forward returns (a bucket; None returns all T). Models with Engram (V4.1) also get
     engram_ids [T], the compressed token ids, and engram_lookback [B, n-gram order - 1], each row's
-    compressed ids just before its first token (`deepinfer.model.engram`); with the Engram tables in
+    compressed ids just before its first token (`deepinfer.families.v41.engram`); with the Engram tables in
     host memory, engram_memory holds per Engram layer the table rows its tokens read, [T, K * head_dim],
     gathered on the host.
     """

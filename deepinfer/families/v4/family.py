@@ -14,8 +14,8 @@ from deepinfer.families.v4.config import CSA, HCA, ModelConfig
 from deepinfer.engine.draft_runner import MTPRunner
 from deepinfer.families.base import Family
 from deepinfer.kernels import Ops
-from deepinfer.model.transformer import DeepseekV4
-from deepinfer.model.mtp import MTP
+from deepinfer.families.v4.model import DeepseekV4
+from deepinfer.families.v4.mtp import MTP
 
 
 def tally(items) -> str:

@@ -19,8 +19,8 @@ from deepinfer.errors import DeepInferError
 from deepinfer.families.base import Family
 from deepinfer.families.v4.family import tally
 from deepinfer.kernels import Ops
-from deepinfer.model.dspark import DSpark
-from deepinfer.model.transformer_v41 import DeepseekV41
+from deepinfer.families.v41.dspark import DSpark
+from deepinfer.families.v41.model import DeepseekV41
 
 
 def _gib(n: int) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from deepinfer.families.v41.layout import QUANTIZATION
 from deepinfer.families.v41.config import MODEL_TYPE, TEXT_MODEL_TYPE, V41Config
-from deepinfer.model.engram import engram_layouts, vocabulary_map
+from deepinfer.families.v41.engram import engram_layouts, vocabulary_map
 from deepinfer.recipe.tokenizer import BOS, EOS, PAD, build_tokenizer
 
 V41_PRESETS = ("v41-tiny", "v41-small", "v41-flash-5l", "v41-flash")

@@ -29,7 +29,8 @@ from deepinfer.model.batch import CacheAddresses
 from deepinfer.model.hyper import head_collapse
 from deepinfer.model.layers import Linear, RMSNorm, empty
 from deepinfer.model.rope import RotaryTable
-from deepinfer.model.transformer import Block, Choose, DraftDecoder, greedy
+from deepinfer.families.v4.model import Block
+from deepinfer.model.decoder import Choose, DraftDecoder, greedy
 from deepinfer.kernels import Ops
 
 

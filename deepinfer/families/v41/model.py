@@ -15,13 +15,13 @@ from torch import nn
 
 from deepinfer.families.v41.config import DRAFT_ROLE, SWA, V41Config
 from deepinfer.model.batch import CacheAddresses, PoolSpec, StepBatch
-from deepinfer.model.csa2 import Attention2, CacheFormats, Selection, pool_prefix
-from deepinfer.model.engram import Engram, EngramTokens, config_layouts, engram_rows, engram_token_map
+from deepinfer.families.v41.csa2 import Attention2, CacheFormats, Selection, pool_prefix
+from deepinfer.families.v41.engram import Engram, EngramTokens, config_layouts, engram_rows, engram_token_map
 from deepinfer.model.hyper import HyperMix
 from deepinfer.model.layers import Linear, RMSNorm, empty
 from deepinfer.model.moe import MoE
 from deepinfer.model.rope import RotaryTable
-from deepinfer.model.transformer import Decoder
+from deepinfer.model.decoder import Decoder
 from deepinfer.kernels import Ops
 
 
@@ -140,7 +140,7 @@ class DeepseekV41(Decoder):
         final hidden states [R, hidden] of the rows in `batch.sample_index` (all when None). Given
         `streams_at`, it also receives the streams [T, n, hidden] of every token entering each layer of
         `config.dspark_target_layer_ids` (after that layer's Engram): the DSpark draft's features
-        (`deepinfer.model.dspark.target_features`). Reading them changes nothing else. With `context`
+        (`deepinfer.families.v41.dspark.target_features`). Reading them changes nothing else. With `context`
         set, a long step's rows are split over the ranks (`deepinfer.parallel.context`)."""
         split = None if self.context is None else self.context.split(batch.input_ids.shape[0], batch.input_ids.device)
         addresses = CacheAddresses.of(batch, self.pools, split)

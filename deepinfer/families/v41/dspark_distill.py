@@ -66,9 +66,9 @@ from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.scheduler import ScheduledChunk
 from deepinfer.engine.sequence import Sequence
 from deepinfer.errors import DeepInferError
-from deepinfer.model.dspark import PRE_NORM, DSpark, target_features
+from deepinfer.families.v41.dspark import PRE_NORM, DSpark, target_features
 from deepinfer.model.layers import Linear
-from deepinfer.model.transformer_v41 import DeepseekV41
+from deepinfer.families.v41.model import DeepseekV41
 from deepinfer.progress import Progress
 from deepinfer.recipe.tokenizer import CORPUS_PATH
 from deepinfer.sampling_params import derive_seed

@@ -28,11 +28,11 @@ import torch
 from torch import nn
 
 from deepinfer.families.v41.config import V41Config, draft_config
-from deepinfer.model.csa2 import CacheFormats
+from deepinfer.families.v41.csa2 import CacheFormats
 from deepinfer.model.layers import Linear, RMSNorm
 from deepinfer.model.rope import RotaryTable
-from deepinfer.model.transformer import Choose, DraftDecoder, greedy
-from deepinfer.model.transformer_v41 import Block41
+from deepinfer.model.decoder import Choose, DraftDecoder, greedy
+from deepinfer.families.v41.model import Block41
 from deepinfer.kernels import Ops
 
 PRE_NORM, POST_NORM = "pre_norm", "post_norm"  # which hidden state the confidence head reads
@@ -221,7 +221,7 @@ class DSpark(DraftDecoder):
 
     def forward(self, tokens: torch.Tensor, anchors: torch.Tensor, features: torch.Tensor,
                 context_valid: torch.Tensor) -> BlockOutput:
-        """`blocks` straight from target features, with autograd (what `deepinfer.model.dspark_distill` trains):
+        """`blocks` straight from target features, with autograd (what `deepinfer.families.v41.dspark_distill` trains):
         block s reads the C positions anchors[s] - C .. anchors[s] - 1, whose features are features[s]
         [C, 3 * hidden], where `context_valid` [S, C] holds (positions before 0 do not)."""
         count, width = context_valid.shape
