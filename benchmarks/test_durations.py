@@ -1,5 +1,5 @@
-"""Where the test suite's time goes: runs `pytest --durations=0` (or reads its saved output) and writes a
-Markdown table of seconds per test file and the slowest tests.
+"""Where the test suite's time goes: runs `make test`'s pytest command with `--durations=0` (or reads a saved
+output) and writes a Markdown table of seconds per test file and the slowest tests.
 
     .venv/bin/python -m benchmarks.test_durations --out benchmarks/results/test_durations_<cpu>.md
     .venv/bin/python -m benchmarks.test_durations --log pytest-output.txt --command "pytest -n 2 ..." --out ...
@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 LINE = re.compile(r"\s*([\d.]+)s (call|setup|teardown)\s+(tests/[^:]+)::(\S+)")
+MAKE_TEST_OPTIONS = "-q -n auto --dist loadfile"
 SUMMARY = re.compile(r"=* ?(\d+ passed.*) in ([\d.]+)s")
 
 
@@ -56,7 +57,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.log is not None and args.command is None:
         parser.error("--log needs --command: the table says what ran")
-    command = args.command or f"{Path(sys.executable).parent / 'pytest'} -q --durations=0"
+    command = args.command or f"{Path(sys.executable).parent / 'pytest'} {MAKE_TEST_OPTIONS} --durations=0"
     if args.log is not None:
         log = args.log.read_text()
     else:

@@ -4,6 +4,7 @@ is not DeepSeek's `deepinfer`; and in this venv nothing of ours answers to Huggi
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -90,3 +91,11 @@ def test_python_dash_m_deepinfer_is_the_console_script(tmp_path):
         assert done.returncode == 0, done.stderr
         commands.append(done.stdout.split("commands:", 1)[1])
     assert commands[0] == commands[1] and "audit" in commands[0] and "generate" in commands[0]
+
+
+def test_the_durations_table_times_the_suite_as_make_test_runs_it():
+    spec = importlib.util.spec_from_file_location("test_durations", REPO / "benchmarks" / "test_durations.py")
+    durations = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(durations)
+    makefile = (REPO / "Makefile").read_text()
+    assert f"\t$(VENV)/bin/pytest {durations.MAKE_TEST_OPTIONS}\n" in makefile
