@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from import_graph import import_graph
+from import_graph import REPO, import_graph
 
 GRAPH = import_graph()
 LAYERS = ("deepinfer.kernels", "deepinfer.audit", "deepinfer.harness", "deepinfer.reports")
@@ -53,3 +53,15 @@ def test_the_layers_import_only_downwards() -> None:
              if layer(imported) != layer(module) and layer(imported) not in ALLOWED[layer(module)]
              and not any(module == m and (imported == i or i.startswith(imported + ".")) for m, i in EXCEPTIONS)]
     assert wrong == []
+
+
+def test_architecture_names_every_module_in_its_layout_section() -> None:
+    """ARCHITECTURE.md §2 says what each module does: a module added without a line there fails here."""
+    text = (REPO / "deepinfer" / "ARCHITECTURE.md").read_text()
+    layout = text[text.index("## 2. Layout and layering"):text.index("## 3.")]
+    modules = [path for folder in ("deepinfer", "kernels", "audit", "harness", "reports")
+               for path in (REPO / folder).rglob("*.py") if path.name != "__init__.py"]
+    assert modules
+    unnamed = sorted(str(path.relative_to(REPO)) for path in modules if f"`{path.name}`" not in layout
+                     and f"/{path.name}`" not in layout)
+    assert not unnamed, f"modules ARCHITECTURE.md §2 does not name: {unnamed}"
