@@ -27,7 +27,8 @@ install: $(VENV)/.installed
 dev: $(VENV)/.dev-installed
 
 # One worker per core, each file on one worker (module fixtures are built once); tests/conftest.py gives
-# each worker its share of the threads and starts the heaviest files first.
+# each worker its share of the threads. xdist queues files with more tests first (its default): starting the
+# longest files first instead put test_invariance beside test_parallel's 4-rank launch and ran 745 s, not 692 s.
 test: $(VENV)/.dev-installed
 	$(VENV)/bin/pytest -q -n auto --dist loadfile
 

@@ -19,16 +19,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # Workers share the machine's cores; tests of thread invariance choose their counts with `cpu_threads`.
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
-# The files that take longest (benchmarks/results/test_durations_*.md), started first so that the workers
-# finish together instead of one of them ending the run with a long file.
-HEAVIEST_FIRST = ("test_invariance.py", "test_parallel.py", "test_triton_kernels.py", "test_harness_v41.py",
-                  "test_cpu_paths.py", "test_oracle.py", "test_defaults.py", "test_dspark_distill.py")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
-
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_deepinfer_home(tmp_path_factory):
