@@ -5,7 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, field
+import copy
+from dataclasses import dataclass, field, fields
 
 from deepinfer.errors import DeepInferError
 
@@ -43,14 +44,14 @@ MAX_JSON_NESTING = 100  # levels of objects and arrays in a request line or a JS
 
 
 def json_nesting(value: object) -> int:
-    """How many levels of objects and arrays `value` has, walked without recursion (a hostile value
-    may be nested deeper than Python's recursion limit); the count stops just past MAX_JSON_NESTING."""
-    deepest, stack = 0, [(value, 1)]
-    while stack and deepest <= MAX_JSON_NESTING:
-        item, depth = stack.pop()
-        if isinstance(item, (dict, list)):
-            deepest = max(deepest, depth)
-            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    """How many levels of objects and arrays `value` has, walked a level at a time without recursion (a
+    hostile value may be nested deeper than Python's recursion limit, or 70,000 keys wide); the count
+    stops just past MAX_JSON_NESTING."""
+    deepest, level = 0, [value] if isinstance(value, (dict, list)) else []
+    while level and deepest <= MAX_JSON_NESTING:
+        deepest += 1
+        level = [child for item in level for child in (item.values() if isinstance(item, dict) else item)
+                 if isinstance(child, (dict, list))]
     return deepest
 
 
@@ -158,8 +159,13 @@ class SamplingParams:
     def to_dict(self, *, skip_defaults: bool = False) -> dict:
         """All fields; with `skip_defaults`, only those that differ from their defaults. Stream hashes
         record the latter, so a field added later with a default leaves earlier hashes unchanged."""
-        values = asdict(self)
+        values = self._values()
         if skip_defaults:
-            defaults = asdict(SamplingParams())
+            defaults = SamplingParams()._values()
             values = {k: v for k, v in values.items() if v != defaults[k] or type(v) is not type(defaults[k])}
         return values
+
+    def _values(self) -> dict:
+        """The fields, each container copied one level deep: a schema of 70,000 properties is not
+        walked again for every row that records it (dataclasses.asdict copies it whole)."""
+        return {f.name: copy.copy(getattr(self, f.name)) for f in fields(self)}

@@ -27,7 +27,7 @@ from deepinfer.errors import DeepInferError
 from deepinfer.model import NULL_BLOCK
 from deepinfer.recipe.chat import ChatFormatError, encode_chat, parse_completion
 from deepinfer.recipe.tokenizer import TextTokenizer
-from deepinfer.sampling_params import SUITE_SEEDS, SamplingParamsError, derive_seed
+from deepinfer.sampling_params import MAX_JSON_NESTING, SUITE_SEEDS, SamplingParamsError, derive_seed, json_nesting
 from sampling import filter_one, sample_one, sample_positions
 
 VOCAB = 1024  # the tiny preset's vocabulary
@@ -206,6 +206,35 @@ def test_bad_prompt_in_a_batch_queues_nothing(llm):
 def test_invalid_sampling_params(kwargs, message):
     with raises(SamplingParamsError, f"invalid sampling params: {message}"):
         SamplingParams(**kwargs)
+
+
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=3),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=3), inner,
+                                                                                       max_size=4), max_leaves=40)
+
+
+def _nesting(value: object) -> int:
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+    return 0 if children is None else 1 + max((_nesting(child) for child in children), default=0)
+
+
+@given(JSON_VALUES)
+def test_json_nesting_counts_levels_of_objects_and_arrays(value):
+    assert json_nesting(value) == _nesting(value)
+    assert json_nesting([value] * 3) == 1 + _nesting(value)
+
+
+def test_json_nesting_stops_past_the_limit_and_to_dict_copies_its_containers():
+    deep: list = []
+    for _ in range(5000):  # deeper than Python's recursion limit
+        deep = [deep]
+    assert json_nesting(deep) == MAX_JSON_NESTING + 1
+    params = SamplingParams(stop=["x"], structured={"json_schema": {"type": "object"}})
+    values = params.to_dict(skip_defaults=True)
+    values["stop"].append("y")
+    values["structured"]["json_schema"] = {}
+    assert (params.stop, params.structured) == (["x"], {"json_schema": {"type": "object"}})
+    assert values.keys() == {"stop", "structured"}
 
 
 def test_checkpoint_without_tokenizer(no_tokenizer):
