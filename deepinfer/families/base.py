@@ -24,6 +24,7 @@ class Family:
     name: str  # in messages: "V4"
     speculation: str | None = None  # the `speculation` mode that runs the family's draft model
     draft_name = "draft layers"  # what checkpoints call the draft model's `mtp.*` tensors, in messages
+    encoding: str | None = None  # the official prompt encoding (deepinfer.recipe.official.ENCODINGS), if any
 
     # the checkpoint --------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ def tally(items) -> str:
 class V4(Family):
     model_type, config_class, name = "deepseek_v4", ModelConfig, "V4"
     speculation, draft_name = "mtp", "MTP block"
+    encoding = "v4"
 
     def expected_tensors(self, config: ModelConfig, include_mtp: bool):
         return expected_tensors_v4(config, include_mtp)

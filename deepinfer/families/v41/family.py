@@ -30,6 +30,7 @@ def _gib(n: int) -> str:
 class V41(Family):
     model_type, config_class, name = "deepseek_v41", V41Config, "V4.1"
     speculation, draft_name = "dspark", "DSpark draft layers"
+    encoding = "v41"
 
     def expected_tensors(self, config: V41Config, include_mtp: bool):
         return expected_tensors_v41(config, include_mtp)
