@@ -149,14 +149,9 @@ def _cmd_recipe_encode(args: argparse.Namespace) -> int:
         except (OSError, UnicodeDecodeError) as err:
             raise DeepInferError(f"{args.tokenizer}: cannot read ({getattr(err, 'strerror', None) or err})") from None
         encoding = args.family
-        if encoding == "v41":
-            try:
-                text = v41_tokenizer_text(text)
-            except json.JSONDecodeError as err:
-                raise DeepInferError(f"{args.tokenizer}: not a tokenizer.json ({err.msg})") from None
-            except DeepInferError as err:
-                raise err.at(args.tokenizer) from None
     try:
+        if args.tokenizer is not None and encoding == "v41":
+            text = v41_tokenizer_text(text)
         encoder = OfficialEncoder(encoding, text)
     except DeepInferError as err:
         raise err.at(args.tokenizer or str(Path(args.model) / "tokenizer.json")) from None

@@ -36,3 +36,9 @@ class DeepInferError(Exception):
         """This error, located at `where` (replacing any location it had)."""
         self.where = where
         return self
+
+
+def first_line(error: BaseException) -> str:
+    """The first non-empty line of an exception's message (libraries' messages run to several lines),
+    or its type's name when it has none."""
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)

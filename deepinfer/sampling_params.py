@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
-import copy
 from dataclasses import dataclass, field, fields
 
 from deepinfer.errors import DeepInferError

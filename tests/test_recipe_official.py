@@ -144,6 +144,10 @@ def test_bad_input_is_one_line_and_prints_nothing(capsys, tmp_path, tiny_checkpo
     other.write_text('{"added_tokens": []}')
     assert _run(capsys, "--tokenizer", str(other), "--family", "v41", "--format", "chat", str(file)) == (
         2, "", f"error: {other}: the tokenizer has neither <｜System｜> nor <｜place▁holder▁no▁0｜> to put it at\n")
+    shapeless = tmp_path / "shapeless.json"
+    shapeless.write_text('{"added_tokens": 5}')
+    assert _run(capsys, "--tokenizer", str(shapeless), "--family", "v41", "--format", "chat", str(file)) == (
+        2, "", f"error: {shapeless}: not a tokenizer.json (no list of added_tokens)\n")
     code, out, err = _run(capsys, "--tokenizer", str(other), "--family", "v4", "--format", "chat", str(file))
     assert (code, out) == (2, "") and err.startswith(f"error: {other}: cannot load the tokenizer: ")
     assert len(err.splitlines()) == 1

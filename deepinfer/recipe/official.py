@@ -23,7 +23,7 @@ import importlib.metadata
 import json
 from pathlib import Path
 
-from deepinfer.errors import DeepInferError
+from deepinfer.errors import DeepInferError, first_line
 
 FORMATS = ("chat", "messages", "responses")  # Chat Completions, Anthropic Messages, OpenAI Responses
 ENCODINGS = ("v4", "v41")  # the family's `encoding`: DeepseekV4Encoding, DeepseekV41Encoding
@@ -62,9 +62,14 @@ def v4_tokenizer_path() -> Path:
 
 def v41_tokenizer_text(v4_text: str) -> str:
     """V4's tokenizer.json with V4.1's `<｜System｜>` in place of its first placeholder (see the module
-    docstring); RecipeError when the placeholder is not there."""
-    tokenizer = json.loads(v4_text)
-    added = tokenizer.get("added_tokens", [])
+    docstring); RecipeError when the text is no tokenizer.json or the placeholder is not there."""
+    try:
+        tokenizer = json.loads(v4_text)
+    except json.JSONDecodeError as err:
+        raise RecipeError(f"not a tokenizer.json ({err.msg})") from None
+    added = tokenizer.get("added_tokens", []) if isinstance(tokenizer, dict) else None
+    if not isinstance(added, list) or not all(isinstance(token, dict) and "content" in token for token in added):
+        raise RecipeError("not a tokenizer.json (no list of added_tokens)")
     if any(token["content"] == V41_SYSTEM_TOKEN for token in added):
         return v4_text
     spots = [token for token in added if token["content"] == V41_SYSTEM_PLACEHOLDER]
@@ -88,7 +93,7 @@ class OfficialEncoder:
         try:
             tokenizer = lib.Tokenizer.from_str(tokenizer_text)
         except Exception as err:  # the Rust side's error, its first line
-            raise RecipeError(f"cannot load the tokenizer: {_first_line(err)}") from None
+            raise RecipeError(f"cannot load the tokenizer: {first_line(err)}") from None
         self.encoding = kind().with_tokenizer(tokenizer)
         self.requests = {"chat": lib.ChatCompletionRequest, "messages": lib.MessagesRequest,
                          "responses": lib.ResponsesRequest}
@@ -111,7 +116,7 @@ class OfficialEncoder:
         try:
             return self.requests[format](body).convert(options)
         except Exception as err:  # ConversionError, or a ValueError for a body of the wrong shape
-            raise RecipeError(f"not a {format} request the recipe accepts: {_first_line(err)}") from None
+            raise RecipeError(f"not a {format} request the recipe accepts: {first_line(err)}") from None
 
     def render(self, body: dict, format: str) -> str:
         """The prompt text the encoding renders for `body` (special tokens spelled out)."""
@@ -123,9 +128,4 @@ class OfficialEncoder:
         try:
             return self.encoding.encode(conversation)
         except RuntimeError as err:  # a special token the tokenizer lacks, say
-            raise RecipeError(_first_line(err).removeprefix("failed to encode conversation: ")) from None
-
-
-def _first_line(error: Exception) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__
+            raise RecipeError(first_line(err).removeprefix("failed to encode conversation: ")) from None
