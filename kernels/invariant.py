@@ -16,8 +16,11 @@ batch-dependent choice to make:
   to give every row the bits of ROW_TILE calls (`RowTiles`, fp32 only); a tile that fails is not used, so the bits are
   the same either way. fp32 calls go to oneDNN's inner product
   (its JIT kernels are chosen by instruction set, not vendor, and it takes the column-major weight
-  `matmul_layout` stores without copying it); bf16 ones to F.linear, which PyTorch sends to oneDNN
-  too (fp32 accumulation, one rounding at the end, so K stays whole);
+  `matmul_layout` stores without copying it), except on small weights (`MKL_WEIGHT`), whose calls are
+  mostly fixed cost, where MKL's sgemm is used if its ROW_TILE calls are proven on the weight's shape
+  at its first call (`library_for`: every place in the tile, one thread, the current count and every
+  core; the choice is per shape, never per batch or thread count); bf16 ones to F.linear, which
+  PyTorch sends to oneDNN too (fp32 accumulation, one rounding at the end, so K stays whole);
 - attention and indexer scores cut every token's keys into blocks of KV_BLOCK (the last padded with
   invalid keys) and compute each (token, block) pair's [H, D] x [D, KV_BLOCK] product, and attention
   each block's value product, through `batched_matmul`, whose library calls hold exactly
@@ -66,6 +69,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 from collections.abc import Callable
 
 import torch
@@ -97,6 +101,10 @@ ROW_TILES = (1, 2, 4, 8, 16, ROW_TILE, 32, 64, 128, 256)
 # ~1e-5 us a multiply-add), so a small weight's few rows are padded to one tile rather than cut in two
 CALL_COST_ROWS = 12
 CALL_COST_MACS = 2_000_000
+# fp32 weights of at most MKL_WEIGHT elements are multiplied by MKL where its calls are proven on them
+# (`library_for`): there a call's fixed cost is most of its time, and oneDNN's is MKL's several times
+# over (inside an engine's decode step on a 2-core AMD EPYC Zen 4: ~50 us a call against ~20 us)
+MKL_WEIGHT = 32768
 K_BLOCK = 512  # fp32 reduction width per matmul call (2048 let oneDNN split K over 8+ threads on a Xeon)
 KV_BLOCK = 64  # keys per attention / indexer score matrix
 MATRIX_BATCH = 16  # matrices per batched matmul call
@@ -158,46 +166,79 @@ def _column_major(weight: torch.Tensor) -> bool:
 
 
 class RowTiles:
-    """The row tiles `linear` may cut a batch into. Per weight dtype, the candidates the start self-test
-    proved on its probe weights (`kernels.selftest.proven_row_tiles`); per weight shape and thread
-    count, those of them proven again on the weight itself at its first call (`proven_tiles`), since
-    the kernel a library runs depends on the call's shape (on a Xeon, oneDNN's AVX2 code passed the
-    probes with tiles that changed a tiny model's bits). ROW_TILE alone where nothing was proven;
-    whatever the cut, a row's bits are those of ROW_TILE calls: that is what each proof checks."""
+    """How `linear` multiplies by a weight: the library (`library_for`) and the row tiles it may cut a
+    batch into. Per weight dtype, the candidate tiles the start self-test proved on its probe weights
+    (`kernels.selftest.proven_row_tiles`); per weight shape and thread count, those of them proven
+    again on the weight itself at its first call (`proven_tiles`), since the kernel a library runs
+    depends on the call's shape (on a Xeon, oneDNN's AVX2 code passed the probes with tiles that
+    changed a tiny model's bits). ROW_TILE alone where nothing was proven; whatever the cut, a row's
+    bits are those of ROW_TILE calls of the weight's library: that is what each proof checks."""
 
     def __init__(self, candidates: dict[torch.dtype, tuple[int, ...]] | None = None) -> None:
         self.candidates = dict(candidates or {})
-        self.by_shape: dict[tuple[torch.dtype, int, int, int], tuple[int, ...]] = {}
+        self.by_shape: dict[tuple[torch.dtype, int, int, int], tuple[str, tuple[int, ...]]] = {}
 
-    def tiles(self, weight: torch.Tensor) -> tuple[int, ...]:
-        candidates = self.candidates.get(weight.dtype, (ROW_TILE,))
-        if candidates == (ROW_TILE,):
-            return candidates
+    def plan(self, weight: torch.Tensor) -> tuple[str, tuple[int, ...]]:
+        """(library, tiles) for `weight` at the current thread count."""
         key = (weight.dtype, weight.shape[0], weight.shape[1], torch.get_num_threads())
-        if key not in self.by_shape:
-            self.by_shape[key] = proven_tiles(weight, candidates)
-        return self.by_shape[key]
+        plan = self.by_shape.get(key)
+        if plan is None:
+            library, candidates = library_for(weight), self.candidates.get(weight.dtype, (ROW_TILE,))
+            if candidates != (ROW_TILE,) and library == "mkl":
+                candidates = ROW_TILES  # the probes prove oneDNN's tiles; an MKL weight proves its own
+            tiles = candidates if candidates == (ROW_TILE,) else proven_tiles(weight, candidates, library)
+            plan = self.by_shape[key] = (library, tiles)
+        return plan
 
 
 CANONICAL = RowTiles()
+_libraries: dict[tuple[torch.dtype, int, int], str] = {}
 
 
-def proven_tiles(weight: torch.Tensor, candidates: tuple[int, ...]) -> tuple[int, ...]:
-    """The tiles of `candidates` whose calls give every row of `x @ weight.T` the bits of ROW_TILE
-    calls on this machine (ROW_TILE itself always): seeded batches starting at three places in a
-    tile, each ending in a padded partial one, at the current thread count and at one thread."""
+def library_for(weight: torch.Tensor) -> str:
+    """The library whose calls define `weight`'s bits on this machine, by weight shape: "mkl" for an
+    fp32 weight of at most MKL_WEIGHT elements whose ROW_TILE calls MKL computes the same way at every
+    place in the tile, at one thread, at the current count and at every core (`_mkl_proven`; on an
+    AMD EPYC its generic code fails for a 6-column router weight), otherwise "onednn". Decided once
+    per shape, so the bits do not depend on the thread count a process runs at."""
+    key = (weight.dtype, weight.shape[0], weight.shape[1])
+    if key not in _libraries:
+        small = weight.dtype == torch.float32 and weight.shape[0] * weight.shape[1] <= MKL_WEIGHT
+        _libraries[key] = "mkl" if not _ONEDNN_LINEAR or (small and _mkl_proven(weight)) else "onednn"
+    return _libraries[key]
+
+
+def _mkl_proven(weight: torch.Tensor) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2 * ROW_TILE + 3, weight.shape[1], generator=gen)
+    with cpu_threads(1):
+        canonical = _cut_linear(x, weight, (ROW_TILE,), "mkl")
+        if not all(torch.equal(_cut_linear(x[start:], weight, (ROW_TILE,), "mkl"), canonical[start:])
+                   for start in (1, ROW_TILE // 2 + 1)):
+            return False
+    for threads in {torch.get_num_threads(), os.cpu_count() or 1} - {1}:
+        with cpu_threads(threads):
+            if not torch.equal(_cut_linear(x, weight, (ROW_TILE,), "mkl"), canonical):
+                return False
+    return True
+
+
+def proven_tiles(weight: torch.Tensor, candidates: tuple[int, ...], library: str = "onednn") -> tuple[int, ...]:
+    """The tiles of `candidates` whose `library` calls give every row of `x @ weight.T` the bits of
+    ROW_TILE calls on this machine (ROW_TILE itself always): seeded batches starting at three places
+    in a tile, each ending in a padded partial one, at the current thread count and at one thread."""
     gen = torch.Generator().manual_seed(0)
     proven = []
     for tile in candidates:
         if tile != ROW_TILE:
             x = torch.randn(2 * tile + 3, weight.shape[1], generator=gen).to(weight.dtype)
-            canonical = _cut_linear(x, weight, (ROW_TILE,))
-            if not all(torch.equal(_cut_linear(x[start:], weight, (tile,)), canonical[start:])
+            canonical = _cut_linear(x, weight, (ROW_TILE,), library)
+            if not all(torch.equal(_cut_linear(x[start:], weight, (tile,), library), canonical[start:])
                        for start in (0, 1, tile // 2 + 1)):
                 continue
             if torch.get_num_threads() > 1:
                 with cpu_threads(1):
-                    if not torch.equal(_cut_linear(x, weight, (tile,)), canonical):
+                    if not torch.equal(_cut_linear(x, weight, (tile,), library), canonical):
                         continue
         proven.append(tile)
     return tuple(proven)
@@ -241,46 +282,51 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, row_tiles: RowTiles = CANON
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if rows.dtype != weight.dtype:
         rows = rows.to(weight.dtype)
-    out = _cut_linear(rows, weight, row_tiles.tiles(weight))
+    library, tiles = row_tiles.plan(weight)
+    out = _cut_linear(rows, weight, tiles, library)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.shape[0])
 
 
-def _cut_linear(rows: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, ...]) -> torch.Tensor:
+def _cut_linear(rows: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, ...], library: str) -> torch.Tensor:
     """rows [n, K] (in the weight's dtype) @ weight.T, one `_tile_linear` call per tile of the cut."""
     n = rows.shape[0]
     cut = cut_rows(n, tiles, call_cost_rows(weight))
     if sum(cut) != n:
         rows = F.pad(rows, (0, 0, 0, sum(cut) - n))
     if len(cut) == 1:
-        out = _tile_linear(rows, weight)
+        out = _tile_linear(rows, weight, library)
     else:
         starts = itertools.accumulate(cut, initial=0)
-        out = torch.cat([_tile_linear(rows[start:start + tile], weight) for start, tile in zip(starts, cut)])
+        out = torch.cat([_tile_linear(rows[start:start + tile], weight, library) for start, tile in zip(starts, cut)])
     return out[:n] if out.shape[0] != n else out
 
 
-def _library_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """One library call: oneDNN's inner product where PyTorch has oneDNN (its JIT kernels are chosen
-    by instruction set, not by CPU vendor, and on AMD CPUs, where MKL runs its generic code, it is
-    several times faster). Not MKL: with one fixed call shape, MKL's generic code (AMD) still gave a
-    row other bits at other places in its tile for a 6-column router weight, and so did its AVX2 code
-    on an Intel Xeon for small weights (kernels/selftest.py found both)."""
-    if _ONEDNN_LINEAR:
-        return torch.ops.mkldnn._linear_pointwise(rows, weight, None, "none", [], "")
+def _onednn_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One oneDNN inner product (its JIT kernels are chosen by instruction set, not by CPU vendor; on
+    AMD CPUs, where MKL runs its generic code, it is several times faster on all but small weights).
+    MKL only where `library_for` proved it: with one fixed call shape, MKL's generic code (AMD) still
+    gave a row other bits at other places in its tile for a 6-column router weight, and so did its
+    AVX2 code on an Intel Xeon for small weights (kernels/selftest.py found both)."""
+    return torch.ops.mkldnn._linear_pointwise(rows, weight, None, "none", [], "")
+
+
+def _mkl_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One call of PyTorch's fp32 CPU matmul: MKL's sgemm (also where PyTorch has no oneDNN)."""
     return F.linear(rows, weight)
 
 
 _ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _tile_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _tile_linear(rows: torch.Tensor, weight: torch.Tensor, library: str) -> torch.Tensor:
     if weight.dtype != torch.float32:
         return F.linear(rows, weight)
+    call = _mkl_linear if library == "mkl" else _onednn_linear
     if rows.shape[1] <= K_BLOCK:
-        return _library_linear(rows, weight)
-    out = _library_linear(rows[:, :K_BLOCK], weight[:, :K_BLOCK])
+        return call(rows, weight)
+    out = call(rows[:, :K_BLOCK], weight[:, :K_BLOCK])
     for start in range(K_BLOCK, rows.shape[1], K_BLOCK):
-        out += _library_linear(rows[:, start:start + K_BLOCK], weight[:, start:start + K_BLOCK])
+        out += call(rows[:, start:start + K_BLOCK], weight[:, start:start + K_BLOCK])
     return out
 
 

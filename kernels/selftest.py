@@ -103,10 +103,11 @@ def variant_primitives(ops, dtype: torch.dtype) -> list[str]:
 
 def proven_row_tiles(dtypes: tuple[torch.dtype, ...]) -> RowTiles:
     """The row tiles `linear` may cut batches into on this machine: for fp32, those of ROW_TILES whose
-    calls give every row of each probe weight the bits of ROW_TILE calls at the current thread count
-    (ROW_TILE itself always; its own invariance is what `check_cpu_invariance` tests), for other
-    dtypes ROW_TILE alone (their rounding can hide what a proof looks for); each
-    weight an engine multiplies by proves them again on its first call (`RowTiles`). Measured once
+    oneDNN calls give every row of each probe weight the bits of ROW_TILE calls at the current thread
+    count (ROW_TILE itself always; its own invariance is what `check_cpu_invariance` tests), for other
+    dtypes ROW_TILE alone (their rounding can hide what a proof looks for); each weight an engine
+    multiplies by proves them again on its first call (`RowTiles`; a weight `invariant.library_for`
+    puts on MKL proves every tile of ROW_TILES on itself instead). Measured once
     per process, dtype and thread count; one RowTiles per set of candidates, so tables bind once."""
     candidates = {}
     for dtype in dict.fromkeys(dtypes):
@@ -161,7 +162,8 @@ def check_cpu_invariance(ops, dtype: torch.dtype) -> dict:
 def _public(record: dict) -> dict:
     """A self-test record as manifests keep it, with the tiles each weight shape proved so far."""
     public = {k: v for k, v in record.items() if k != "ops" and not k.startswith("_")}
-    public["row_tiles_by_shape"] = {f"{n}x{k}": list(tiles) for (dtype, n, k, threads), tiles
+    public["row_tiles_by_shape"] = {f"{n}x{k}": {"library": library, "tiles": list(tiles)}
+                                    for (dtype, n, k, threads), (library, tiles)
                                     in sorted(record["_row_tiles"].by_shape.items(), key=lambda item: item[0][1:])
                                     if dtype == record["_dtype"] and threads == record["_threads"]}
     return public

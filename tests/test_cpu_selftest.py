@@ -25,6 +25,7 @@ def own_results(monkeypatch):
     """Each test's self-tests are its own: a deliberately variant table must not reach later manifests."""
     monkeypatch.setattr(selftest, "_results", {})
     monkeypatch.setattr(selftest, "_proven", {})
+    monkeypatch.setattr(invariant, "_libraries", {})
     monkeypatch.delenv(selftest.WAIVER_VARIABLE, raising=False)
 
 
@@ -111,7 +112,8 @@ def test_manifests_record_the_cpu_and_its_library_paths():
     tiles = selftest.proven_row_tiles((torch.float32,)).candidates[torch.float32]
     assert cpu["selftest"][key]["row_tiles"] == list(tiles) and invariant.ROW_TILE in tiles
     by_shape = cpu["selftest"][key]["row_tiles_by_shape"]
-    assert by_shape and all(set(proven) <= set(tiles) and invariant.ROW_TILE in proven for proven in by_shape.values())
+    assert by_shape and all(plan["library"] in ("mkl", "onednn") and invariant.ROW_TILE in plan["tiles"]
+                            and (plan["library"] == "mkl" or set(plan["tiles"]) <= set(tiles)) for plan in by_shape.values())
     statement = cpu_isa_statement({"environment": environment})
     assert statement == (f"CPU: {environment['cpu']} ({environment['cpu_vendor']}); MKL for {cpu['mkl']['path']}, "
                          f"CNR:{cpu['mkl']['cnr']}; {cpu['onednn']['summary']}; self-test passed "
@@ -123,8 +125,8 @@ def test_every_library_call_of_a_weight_has_one_shape_per_row_tile(monkeypatch):
     one memory layout) per row tile for any batch, one shape in all with ROW_TILE alone; the batched
     attention products have one shape each."""
     shapes = set()
-    library = invariant._library_linear
-    monkeypatch.setattr(invariant, "_library_linear", lambda rows, w: shapes.add((rows.shape, w.shape)) or library(rows, w))
+    onednn = invariant._onednn_linear
+    monkeypatch.setattr(invariant, "_onednn_linear", lambda rows, w: shapes.add((rows.shape, w.shape)) or onednn(rows, w))
     linear = torch.nn.functional.linear
     monkeypatch.setattr(invariant.F, "linear", lambda rows, w: shapes.add((rows.shape, w.shape)) or linear(rows, w))
     bmm = torch.bmm
@@ -139,7 +141,8 @@ def test_every_library_call_of_a_weight_has_one_shape_per_row_tile(monkeypatch):
         for rows in (1, 5, 32, 33, 600):
             invariant.linear(torch.randn(rows, width).to(dtype), weight)
         assert len(shapes) == calls and {shape[0][0] for shape in shapes} == {invariant.ROW_TILE}, shapes
-        tiles = ladder.tiles(weight)  # proven on the weight at its first call
+        library, tiles = ladder.plan(weight)  # proven on the weight at its first call
+        assert library == "onednn"  # too large for MKL (MKL_WEIGHT)
         for rows in (1, 5, 32, 33, 600):
             shapes.clear()
             invariant.linear(torch.randn(rows, width).to(dtype), weight, row_tiles=ladder)
@@ -182,27 +185,54 @@ def test_the_proven_row_tiles_give_every_row_the_bits_of_one_row_tile(dtype):
 def test_a_row_tile_that_changes_the_bits_is_not_proven_and_engines_do_not_cut_into_it(monkeypatch):
     tile_linear = invariant._tile_linear
     monkeypatch.setattr(invariant, "_tile_linear",
-                        lambda rows, w: tile_linear(rows, w) * (1 + (rows.shape[0] == 8) * 2.0 ** -20))
+                        lambda rows, w, library: tile_linear(rows, w, library) * (1 + (rows.shape[0] == 8) * 2.0 ** -20))
     tiles = selftest.proven_row_tiles((torch.float32,)).candidates[torch.float32]
     assert 8 not in tiles and invariant.ROW_TILE in tiles
     LLM("preset:tiny", max_model_len=64)
     key = f"float32, {torch.get_num_threads()} threads"
     record = environment_fingerprint()["torch_cpu"]["selftest"][key]
-    assert record["row_tiles"] == list(tiles) and all(8 not in proven for proven in record["row_tiles_by_shape"].values())
+    assert record["row_tiles"] == list(tiles) and all(8 not in plan["tiles"] for plan in record["row_tiles_by_shape"].values())
 
 
 def test_a_tile_that_changes_the_bits_of_one_weight_shape_only_is_not_used_for_it(monkeypatch):
     """What the probe weights cannot see (on a Xeon, oneDNN's AVX2 code passed them with tiles that
     changed a tiny model's bits): each weight proves the tiles again on its first call."""
     tile_linear = invariant._tile_linear
-    monkeypatch.setattr(invariant, "_tile_linear", lambda rows, w: tile_linear(rows, w) * (
+    monkeypatch.setattr(invariant, "_tile_linear", lambda rows, w, library: tile_linear(rows, w, library) * (
         1 + (rows.shape[0] == 2 and w.shape[0] == 40) * 2.0 ** -20))
     row_tiles = selftest.proven_row_tiles((torch.float32,))
     assert 2 in row_tiles.candidates[torch.float32]
     gen = torch.Generator().manual_seed(5)
-    odd, usual = (invariant.matmul_layout(torch.randn(n, 72, generator=gen)) for n in (40, 41))
-    assert 2 not in row_tiles.tiles(odd) and 2 in row_tiles.tiles(usual)
-    x = torch.randn(30, 72, generator=gen)
+    width = invariant.MKL_WEIGHT // 40 + 1  # oneDNN's weights (the probes prove its tiles)
+    odd, usual = (invariant.matmul_layout(torch.randn(n, width, generator=gen)) for n in (40, 41))
+    assert 2 not in row_tiles.plan(odd)[1] and 2 in row_tiles.plan(usual)[1]
+    x = torch.randn(30, width, generator=gen)
     for weight in (odd, usual):
         canonical = invariant.linear(x, weight)
         assert all(torch.equal(invariant.linear(x[i:i + 1], weight, row_tiles=row_tiles), canonical[i:i + 1]) for i in range(30))
+
+
+def test_small_weights_are_multiplied_by_mkl_only_where_its_calls_are_proven_on_them(monkeypatch):
+    """MKL's calls cost a small weight far less than oneDNN's, but its generic code on AMD gave rows of
+    a 6-column router weight other bits at other places in the tile: a small weight whose MKL calls do
+    that (here made so) is multiplied by oneDNN, one whose calls agree by MKL, and either way a row has
+    the bits of its library's ROW_TILE calls however the batch is cut; large weights stay on oneDNN."""
+    mkl = invariant._mkl_linear
+    monkeypatch.setattr(invariant, "_mkl_linear", lambda rows, w: mkl(rows, w) * (
+        1 + (w.shape[0] == 40) * torch.linspace(0, 2.0 ** -20, rows.shape[0])[:, None]))
+    row_tiles = selftest.proven_row_tiles((torch.float32,))
+    gen = torch.Generator().manual_seed(6)
+    odd, usual, large = (invariant.matmul_layout(torch.randn(n, k, generator=gen))
+                         for n, k in ((40, 72), (41, 72), (48, invariant.MKL_WEIGHT // 48 + 1)))
+    assert invariant.library_for(odd) == "onednn" and invariant.library_for(large) == "onednn"
+    assert invariant.library_for(usual) == ("mkl" if invariant._mkl_proven(usual) else "onednn")
+    for weight in (odd, usual, large):
+        library, tiles = row_tiles.plan(weight)
+        assert library == invariant.library_for(weight) and invariant.ROW_TILE in tiles
+        x = torch.randn(70, weight.shape[1], generator=gen)
+        canonical = invariant.linear(x, weight)
+        assert torch.equal(canonical, invariant._cut_linear(x, weight, (invariant.ROW_TILE,), library))
+        for start, stop in ((0, 1), (5, 7), (3, 40), (0, 70)):
+            assert torch.equal(invariant.linear(x[start:stop], weight, row_tiles=row_tiles), canonical[start:stop])
+        with cpu_threads(1):
+            assert torch.equal(invariant.linear(x, weight, row_tiles=row_tiles), canonical)
