@@ -18,7 +18,7 @@ batch-dependent choice to make:
   (its JIT kernels are chosen by instruction set, not vendor, and it takes the column-major weight
   `matmul_layout` stores without copying it), except on small weights (`MKL_WEIGHT`), whose calls are
   mostly fixed cost, where MKL's sgemm is used if its ROW_TILE calls are proven on the weight's shape
-  at its first call (`library_for`: every place in the tile, one thread, the current count and every
+  at its first call (`library_for`: three places in the tile, one thread, the current count and every
   core; the choice is per shape, never per batch or thread count); bf16 ones to F.linear, which
   PyTorch sends to oneDNN too (fp32 accumulation, one rounding at the end, so K stays whole);
 - attention and indexer scores cut every token's keys into blocks of KV_BLOCK (the last padded with
@@ -197,8 +197,8 @@ _libraries: dict[tuple[torch.dtype, int, int], str] = {}
 
 def library_for(weight: torch.Tensor) -> str:
     """The library whose calls define `weight`'s bits on this machine, by weight shape: "mkl" for an
-    fp32 weight of at most MKL_WEIGHT elements whose ROW_TILE calls MKL computes the same way at every
-    place in the tile, at one thread, at the current count and at every core (`_mkl_proven`; on an
+    fp32 weight of at most MKL_WEIGHT elements whose ROW_TILE calls MKL computes the same way at three
+    places in the tile, at one thread, at the current count and at every core (`_mkl_proven`; on an
     AMD EPYC its generic code fails for a 6-column router weight), otherwise "onednn". Decided once
     per shape, so the bits do not depend on the thread count a process runs at."""
     key = (weight.dtype, weight.shape[0], weight.shape[1])
