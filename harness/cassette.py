@@ -187,10 +187,16 @@ def _check_seal(seal: dict, lines: list[tuple[int, str]], path: Path
 def verify_cassette(llm: LLM, cassette: Cassette) -> ReplayReport:
     """Replay the cassette's episodes on `llm` and compare each with its recording. The trace file's
     malformed lines are listed as `malformed` (there is nothing of theirs to reproduce)."""
-    recorded_with = cassette.header["manifest"]["checkpoint"]["content_hash"]
+    checkpoint = cassette.header["manifest"]["checkpoint"]
+    recorded_with = checkpoint["content_hash"]
     if llm.model_id != recorded_with:
         raise DeepInferError(f"{cassette.path}: recorded with checkpoint {recorded_with}, "
                              f"but the engine has {llm.model_id}")
+    recorded_tokenizer = (checkpoint.get("tokenizer") or {}).get("content_hash")  # older cassettes lack it
+    serving_tokenizer = llm.tokenizer.content_hash if llm.tokenizer is not None else None
+    if "tokenizer" in checkpoint and recorded_tokenizer != serving_tokenizer:
+        raise DeepInferError(f"{cassette.path}: recorded with tokenizer {recorded_tokenizer}, "
+                             f"but the engine has {serving_tokenizer}")
     runs, hits = _replay_counting_hits(llm, cassette.episodes, cassette.mode, cassette.header["run_seed"])
     found = [(e.line, _verify_episode(run, llm)) for e, run in zip(cassette.episodes, runs)]
     found += [(e.line, EpisodeResult(f"line-{e.line}", "error", detail=e.message)) for e in cassette.errors]

@@ -50,13 +50,15 @@ def run_manifest(llm: LLM, model: str | Path | None, *, suite: dict, run_seed: i
     `engine` is the engine's `EngineConfig` as resolved (max_model_len filled in; its seed is the run
     seed, recorded under `seeds`), plus what it derived from it: the blocks each cache pool got, the
     step budget, and the parallel layout (world size, degrees, the hash of the experts' placement).
-    `checkpoint` names the model family and how the checkpoint stores its weights."""
+    `checkpoint` names the model family, how the checkpoint stores its weights and the tokenizer served
+    with it (where it came from, the sha256 of its tokenizer.json, its size; None without one)."""
     return build_manifest(
         engine={**{k: v for k, v in asdict(llm.engine_config).items() if k != "seed"},  # seeds has it
                 "cache_blocks": llm.cache.num_blocks, "step_budget": llm.max_num_batched_tokens,
                 "parallel": {**llm.layout.describe(), "expert_placement": _placement(llm)}},
         checkpoint={"path": str(model) if model is not None else None, "content_hash": llm.model_id,
-                    "family": llm.config.model_type, "formats": llm.stored_formats},
+                    "family": llm.config.model_type, "formats": llm.stored_formats,
+                    "tokenizer": llm.tokenizer.describe() if llm.tokenizer is not None else None},
         suite=suite, seeds={"run_seed": run_seed}, variant=variant,
         environment=environment_fingerprint(), git=git_state(), engine_version=engine_version(),
     )

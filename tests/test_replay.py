@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from deepinfer.audit.errors import AuditError
+from deepinfer.errors import DeepInferError
 from deepinfer import LLM, RequestOutput
 from deepinfer import cli as engine_cli
 from deepinfer.engine.core import EngineCore
@@ -117,6 +118,21 @@ def test_shipped_sample_replays_in_both_modes_and_verifies(llm, tmp_path) -> Non
     assert [r.describe() for r in verified.results] == [
         f"{e.episode_id}: identical ({e.turns} turn(s) reproduced bit for bit)" for e in episodes[:3]
     ]
+
+
+def test_verify_refuses_a_cassette_recorded_with_another_tokenizer(llm, tmp_path) -> None:
+    cassette = tmp_path / "c.jsonl"
+    record_cassette(llm, write_lines(tmp_path / "t.jsonl", [episode("one")]), cassette, mode="free-running",
+                    variant=VARIANT)
+    lines = cassette.read_text(encoding="utf-8").splitlines()
+    header = json.loads(lines[0])
+    assert header["manifest"]["checkpoint"]["tokenizer"]["content_hash"] == llm.tokenizer.content_hash
+    header["manifest"]["checkpoint"]["tokenizer"]["content_hash"] = "0" * 64
+    write_lines(cassette, sealed_lines(header, lines[1:]))
+    with pytest.raises(DeepInferError) as err:
+        verify_cassette(llm, read_cassette(cassette))
+    assert str(err.value) == (f"{cassette}: recorded with tokenizer {'0' * 64}, "
+                              f"but the engine has {llm.tokenizer.content_hash}")
 
 
 # record -> verify with edits ----------------------------------------------------------------------

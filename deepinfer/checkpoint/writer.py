@@ -21,7 +21,7 @@ from deepinfer.families.registry import family_of
 from deepinfer.checkpoint.presets import CONFIG_ONLY_PRESETS, preset_config
 from deepinfer.checkpoint.random_init import stored_random_tensors
 from deepinfer.progress import Progress
-from deepinfer.recipe.tokenizer import build_tokenizer
+from deepinfer.recipe.tokenizer import preset_tokenizer
 
 SHARD_BYTES = 2 * 1024**3
 DEFAULT_PRESET = "v41-tiny"  # the embedded default: the target family, stored in the release's formats
@@ -144,7 +144,7 @@ def create_checkpoint(preset: str, out: str | Path, seed: int, *, device: str | 
             tensors = stored_random_tensors(config, seed, dtype, device)
             with Progress(f"checkpoint {preset}", len(tensors), enabled=progress, unit="tensors") as bar:
                 digest = write_weights(tmp, tensors, max_shard_bytes, progress=bar)
-        build_tokenizer(config.vocab_size).save(str(tmp / "tokenizer.json"))
+        preset_tokenizer(family_of(config).encoding, config.vocab_size).save(tmp)
         (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
         os.rename(tmp, out)  # atomic; also succeeds onto an empty folder
         if digest is not None:
@@ -159,13 +159,14 @@ def create_checkpoint(preset: str, out: str | Path, seed: int, *, device: str | 
 
 
 def default_checkpoint_path() -> Path:
-    """Where the embedded default lives (it may not exist yet): named by a digest of its config and of the
-    tensors the writer writes for it, so a default built before its layout changed (before its draft
-    layers were written, say) is not taken for the current one."""
+    """Where the embedded default lives (it may not exist yet): named by a digest of its config, of the
+    tensors the writer writes for it and of its tokenizer, so a default built before its layout or its
+    tokenizer changed (before its draft layers were written, say) is not taken for the current one."""
     preset = preset_config(DEFAULT_PRESET)
-    config = family_of(preset).released_format(preset)
-    key = json.dumps({"config": config.to_dict(), "tensors": sorted(expected_tensors(config, include_mtp=True))},
-                     sort_keys=True)
+    family = family_of(preset)
+    config = family.released_format(preset)
+    key = json.dumps({"config": config.to_dict(), "tensors": sorted(expected_tensors(config, include_mtp=True)),
+                      "tokenizer": preset_tokenizer(family.encoding, config.vocab_size).content_hash}, sort_keys=True)
     return deepinfer_home() / f"{DEFAULT_PRESET}-seed0-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 

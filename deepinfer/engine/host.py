@@ -30,7 +30,7 @@ from deepinfer.kernels.selftest import CpuInvarianceError, checked_cpu_ops
 from deepinfer.parallel import ExpertPlacement, move_experts, spread_experts, start_layout
 from deepinfer.parallel.context import ContextGroup
 from deepinfer.parallel.placement import held_tensors
-from deepinfer.recipe.tokenizer import TextTokenizer, build_tokenizer
+from deepinfer.recipe.tokenizer import TextTokenizer, preset_tokenizer
 
 PRESET_PREFIX = "preset:"
 # the engine settings that decide how the model is built and loaded (engines over one host share them)
@@ -155,7 +155,7 @@ class ModelHost:
                       if self.layout.expert_parallel > 1 else lambda name: True)
             tensors = {name: stored[name] for name in stored if needed(name)}  # generated here, a rank its share
             formats = stored_formats(config, str(dtype).removeprefix("torch."))
-            tokenizer = TextTokenizer(build_tokenizer(config.vocab_size))
+            tokenizer = preset_tokenizer(family_of(config).encoding, config.vocab_size)
             tensors = weights_in_memory(config, tensors, quantized_as)
             return config, tensors, tokenizer, f"{model}:seed={seed}", formats
         folder = Path(model) if model is not None else default_checkpoint()

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import faulthandler
 import functools
-import hashlib
 import json
 import os
 import pickle
@@ -195,10 +194,9 @@ class StructuredCompiler:
     """Compiles constraints for one tokenizer and hands out a fresh `Matcher` per request."""
 
     def __init__(self, tokenizer: TextTokenizer) -> None:
-        text = tokenizer.backend.to_str()
-        self.digest = hashlib.sha256(text.encode()).hexdigest()
+        self.digest = tokenizer.content_hash
         self.eos = tokenizer.eos_id
-        self.guidance = _guidance_tokenizer(text, tokenizer.vocab_size, self.eos)
+        self.guidance = _guidance_tokenizer(tokenizer.text, tokenizer.vocab_size, self.eos)
 
     def check(self, structured: dict) -> None:
         """Compile `structured` (or find it compiled); StructuredError when it cannot compile."""

@@ -13,13 +13,16 @@ same one `checkpoint create` writes), so the config always agrees with it.
 
 from __future__ import annotations
 
+import functools
+
 from deepinfer.families.v41.layout import QUANTIZATION
 from deepinfer.families.v41.config import MODEL_TYPE, TEXT_MODEL_TYPE, V41Config
 from deepinfer.families.v41.engram import engram_layouts, vocabulary_map
-from deepinfer.recipe.tokenizer import BOS, EOS, PAD, build_tokenizer
+from deepinfer.recipe.tokenizer import BOS, EOS, PAD, V4_VOCAB_SIZE, preset_tokenizer
 
 V41_PRESETS = ("v41-tiny", "v41-small", "v41-flash-5l", "v41-flash")
 V41_CONFIG_ONLY = ("v41-flash",)
+RELEASE_NOISE_TOKEN_ID = 128799  # the release's DSpark mask token, a placeholder of V4's vocabulary (V41 notes, section 2)
 # every role in six layers; the three draft layers (not built yet) are window-only
 _ROLE_SCHEDULE = dict(compress_ratios=[0, 2, 2, 1, 1, 1, 0, 0, 0], kv_source_layer_ids=[1, 3],
                       index_source_layer_ids=[1, 3, 5], candidate_source_layer_id=3, engram_layer_ids=[0, 4],
@@ -74,10 +77,16 @@ def v41_preset_config(name: str) -> V41Config:
     return _config(**shapes[name])
 
 
+@functools.cache
+def _compressed_vocab_size(vocab_size: int) -> int:
+    """Engram's compressed vocabulary under the preset tokenizer (folding V4's takes most of a second)."""
+    return vocabulary_map(preset_tokenizer("v41", vocab_size).backend, vocab_size)[1]
+
+
 def _config(*, dtype: str, yarn_original: int, quantized: bool = False, **fields) -> V41Config:
     text = {**_COMMON, **fields}
-    tokenizer = build_tokenizer(text["vocab_size"])
-    _, compressed = vocabulary_map(tokenizer, text["vocab_size"])
+    tokenizer = preset_tokenizer("v41", text["vocab_size"])
+    compressed = _compressed_vocab_size(text["vocab_size"])
     layouts = engram_layouts(text["engram_layer_ids"], text["engram_max_ngram_size"], text["engram_n_heads"],
                              text["engram_vocab_size"], compressed)
     text.update(
@@ -87,7 +96,7 @@ def _config(*, dtype: str, yarn_original: int, quantized: bool = False, **fields
         engram_compressed_vocab_size=compressed, engram_num_embeddings=[x.rows for x in layouts],
         engram_pad_token_id=tokenizer.token_to_id(PAD), pad_token_id=tokenizer.token_to_id(PAD),
         bos_token_id=tokenizer.token_to_id(BOS), eos_token_id=tokenizer.token_to_id(EOS),
-        dspark_noise_token_id=tokenizer.get_vocab_size() - 1,
+        dspark_noise_token_id=RELEASE_NOISE_TOKEN_ID if tokenizer.vocab_size == V4_VOCAB_SIZE else tokenizer.vocab_size - 1,
     )
     raw = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": MODEL_TYPE, "dtype": dtype, "text_config": text}
     if quantized:
