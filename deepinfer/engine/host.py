@@ -30,6 +30,7 @@ from deepinfer.kernels.selftest import CpuInvarianceError, checked_cpu_ops
 from deepinfer.parallel import ExpertPlacement, move_experts, spread_experts, start_layout
 from deepinfer.parallel.context import ContextGroup
 from deepinfer.parallel.placement import held_tensors
+from deepinfer.recipe.official import Protocol
 from deepinfer.recipe.tokenizer import TextTokenizer, preset_tokenizer
 
 PRESET_PREFIX = "preset:"
@@ -68,6 +69,7 @@ class ModelHost:
         self._source, self._quantized_as, self._load_seed = model, quantized_as, config.seed
         self._draft_models: dict[str, object] = {}  # by speculation: the family's draft model
         self._structured: StructuredCompiler | None = None
+        self._protocol: Protocol | None = None
         model_config, tensors, self.tokenizer, self.model_id, self.stored_formats = self._load(model, quantized_as,
                                                                                                 config.seed)
         self.config: ModelConfig | V41Config = model_config
@@ -105,6 +107,17 @@ class ModelHost:
             max_num_batched_tokens=config.max_num_batched_tokens, chunked_prefill=config.enable_chunked_prefill,
             block_size=config.block_size, itemsize=self.dtype.itemsize,
         )
+
+    def protocol(self) -> Protocol:
+        """DeepSeek's protocol for this model: its family's official encoding over its tokenizer (made on
+        first use); a one-line error for a checkpoint without a tokenizer or a family without one."""
+        if self._protocol is None:
+            if self.tokenizer is None:
+                raise DeepInferError("chat needs a tokenizer: this checkpoint has no tokenizer.json")
+            if self.family.encoding is None:
+                raise DeepInferError(f"the {self.family.name} family has no official prompt encoding")
+            self._protocol = Protocol(self.family.encoding, self.tokenizer.text)
+        return self._protocol
 
     def compiler(self) -> StructuredCompiler:
         """The structured-output compiler over this model's tokenizer (made on first use)."""

@@ -18,7 +18,7 @@ from deepinfer.engine.host import ModelHost
 from deepinfer.errors import DeepInferError
 from deepinfer.outputs import RequestOutput
 from deepinfer.parallel import ExpertPlacement, gather_objects
-from deepinfer.recipe.chat import ChatFormatError, parse_completion, render_chat, tool_call_constraint
+from deepinfer.recipe.official import RESPONSE_PREFIX, ClientRequest, RecipeError, chat_body
 from deepinfer.sampling_params import TOOL_CALL, SamplingParams
 
 
@@ -169,24 +169,53 @@ class LLM:
         thinking: bool = False,
         tool_choice: str | dict | None = None,
     ) -> list[RequestOutput]:
-        """Generate the next assistant turn of each conversation (OpenAI Chat Completions messages);
-        each output carries the parsed assistant `message` (content, reasoning, tool_calls). A request
-        whose params say `structured="tool_call"` is constrained to tool calls of `tools` as
-        `tool_choice` allows ("required" or a named function: `recipe.chat.tool_call_constraint`)."""
-        if self.tokenizer is None:
-            raise RequestError("chat needs a tokenizer: this checkpoint has no tokenizer.json")
-        prompts = []
-        for i, messages in enumerate(conversations):
-            try:
-                prompts.append(self.tokenize(render_chat(messages, tools=tools, thinking=thinking)))
-            except ChatFormatError as err:
-                raise ChatFormatError(f"conversation {i}: {err}") from None
-        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
-        if any(p is not None and p.structured == TOOL_CALL for p in per_prompt):
-            constraint = tool_call_constraint(tools, tool_choice, thinking)
-            per_prompt = [replace(p, structured=constraint) if p is not None and p.structured == TOOL_CALL else p
-                          for p in per_prompt]
-        outputs = self.generate(prompts, per_prompt)
-        for output in outputs:
-            output.message = parse_completion(output.text, thinking=thinking)
+        """Generate the next assistant turn of each conversation (OpenAI Chat Completions messages),
+        prompted and parsed as DeepSeek's API does (`recipe.official`, the family's official encoding);
+        each output carries the parsed assistant `message` (content, reasoning_content, tool_calls).
+        `params` are the engine's, whole; a request whose params say `structured="tool_call"` is
+        constrained to DSML calls of `tools` as `tool_choice` forces them ("required" or a named
+        function: `recipe.dsml`)."""
+        bodies = [chat_body(messages, tools, tool_choice, thinking) for messages in conversations]
+        requests = self._client_requests(bodies, "chat", "conversation")
+        per_prompt = params if isinstance(params, list) else [params] * len(requests)
+        protocol = self.host.protocol()
+        per_prompt = [replace(p, structured=protocol.constraint(r, tool_calls_only=True))
+                      if p is not None and p.structured == TOOL_CALL else p for p, r in zip(per_prompt, requests)]
+        outputs = self.generate([r.prompt_ids for r in requests], per_prompt)
+        for output, request in zip(outputs, requests):
+            if output.finish_reason != "error":
+                response = protocol.respond(request, f"chatcmpl-{output.request_id}", output.token_ids, output.finish_reason)
+                output.message = response["choices"][0]["message"]
         return outputs
+
+    def respond(self, bodies: list[dict], format: str = "chat") -> list[dict]:
+        """Answer client request bodies (`format`: "chat" Chat Completions, "messages" Anthropic
+        Messages, "responses" OpenAI Responses) as DeepSeek's API would: each converted and encoded by
+        the official recipe, sampled with the settings it carries (max_tokens as the recipe resolves it
+        for the context, the engine's defaults for what it leaves out; its JSON schema or forced tool
+        calls enforced), and answered with the recipe's response object. A request the engine fails
+        answers `{"error": {"kind", "message"}}`."""
+        requests = self._client_requests(bodies, format, "request")
+        protocol = self.host.protocol()
+        params = [SamplingParams(**{"max_tokens": r.max_tokens(self.max_model_len), **r.carried,
+                                    "structured": protocol.constraint(r)}) for r in requests]
+        outputs = self.generate([r.prompt_ids for r in requests], params)
+        responses = []
+        for output, request in zip(outputs, requests):
+            if output.finish_reason == "error":
+                responses.append({"error": {"kind": output.error_kind, "message": output.error}})
+                continue
+            responses.append(protocol.respond(request, f"{RESPONSE_PREFIX[format]}-{output.request_id}",
+                                              output.token_ids, output.finish_reason, output.logprobs,
+                                              output.top_logprobs))
+        return responses
+
+    def _client_requests(self, bodies: list[dict], format: str, what: str) -> list[ClientRequest]:
+        protocol = self.host.protocol()
+        requests = []
+        for i, body in enumerate(bodies):
+            try:
+                requests.append(protocol.request(body, format))
+            except DeepInferError as err:
+                raise RecipeError(f"{what} {i}: {err}", kind=err.kind) from None
+        return requests
