@@ -317,7 +317,6 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from deepinfer import LLM, SamplingParams
     from deepinfer.prompts_file import PromptRequest, read_prompts_file
-    from deepinfer.recipe.chat import parse_completion
 
     base = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                 min_p=args.min_p, seed=args.seed, logprobs=args.logprobs)
@@ -329,8 +328,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         requests = [PromptRequest("--prompt", "prompt", "prompt", args.prompt)]
     else:
         requests = read_prompts_file(args.prompts_file)
-    params = [request.params(base) for request in requests]
+    [request.params(base) for request in requests]  # bad sampling lines are refused before the model loads
     llm = LLM(args.model, config)
+    params = [request.params(base, llm) for request in requests]
     prompts = [request.prompt_ids(llm) for request in requests]
     for request, request_params in zip(requests, params):  # constraints compile here, so errors name the line
         try:
@@ -352,8 +352,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 row["top_logprobs"] = output.top_logprobs
             if output.error is not None:
                 row["error"] = output.error
-            if request.source == "messages":
-                row["message"] = parse_completion(output.text)
+            if request.source == "messages" and output.error is None:
+                row["message"] = request.message(llm, output)
             sink.write(json.dumps(row) + "\n")
     finally:
         if sink is not sys.stdout:

@@ -1,12 +1,19 @@
 """JSONL request files: the input of `deepinfer generate --prompts-file` and of the harness's native suite.
 
 One JSON object per line with exactly one of `prompt` (text), `prompt_token_ids` or `messages`
-(OpenAI Chat Completions shape, plus optional `tools` and `tool_choice`), an optional `sampling`
-object of `SamplingParams` fields and an optional string `id`. Blank lines are skipped. Every error
-names `file:line`. Files are read a line at a time with bounds (`MAX_LINE_BYTES` a line,
-`MAX_FILE_BYTES` a file, `MAX_JSON_NESTING` levels of JSON), so an endless input (/dev/zero) or a hostile
-line is refused in one line, promptly, and SIGTERM is honoured while reading. A messages request whose `sampling` says `"structured": "tool_call"` is constrained
-to tool calls of its `tools` as its `tool_choice` allows (`recipe.chat.tool_call_constraint`).
+(OpenAI Chat Completions shape, plus optional `tools`, `tool_choice` and DeepSeek's `thinking`), an
+optional `sampling` object of `SamplingParams` fields and an optional string `id`. Blank lines are
+skipped. Every error names `file:line`. Files are read a line at a time with bounds (`MAX_LINE_BYTES` a
+line, `MAX_FILE_BYTES` a file, `MAX_JSON_NESTING` levels of JSON), so an endless input (/dev/zero) or a
+hostile line is refused in one line, promptly, and SIGTERM is honoured while reading.
+
+A messages line is a Chat Completions body (`body()`), prompted as DeepSeek's API would prompt it: the
+official recipe with the model family's encoding (`recipe.official.Protocol`; thinking on unless
+`"thinking": {"type": "disabled"}`, as the API does). Its sampling is the line's `sampling` object over
+the caller's defaults (the body's own sampling keys are not read: a request file says them once, in
+`sampling`). With `"structured": "tool_call"` in it, the turn is constrained to DSML tool calls of its
+`tools` as its `tool_choice` forces them (`recipe.dsml`), made once the engine's protocol is known
+(`params(base, llm)`).
 """
 
 from __future__ import annotations
@@ -17,16 +24,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deepinfer.errors import DeepInferError
-from deepinfer.recipe.chat import render_chat, tool_call_constraint
+from deepinfer.recipe.official import chat_body
 from deepinfer.sampling_params import MAX_JSON_NESTING, TOOL_CALL, SamplingParams, json_nesting
 
 if TYPE_CHECKING:
     from deepinfer.engine.llm import LLM
+    from deepinfer.outputs import RequestOutput
 
 MAX_LINE_BYTES = 64 << 20  # a request line (a 1M-token prompt is ~4 MB of text)
 MAX_FILE_BYTES = 1 << 30
 SOURCES = ("prompt", "prompt_token_ids", "messages")
-FIELDS = {*SOURCES, "tools", "tool_choice", "sampling", "id"}
+CHAT_FIELDS = ("tools", "tool_choice", "thinking")  # what a messages line's body holds besides its messages
+FIELDS = {*SOURCES, *CHAT_FIELDS, "sampling", "id"}
 
 
 @dataclass
@@ -40,10 +49,17 @@ class PromptRequest:
     tools: list | None = None
     sampling: dict = field(default_factory=dict)
     tool_choice: str | dict | None = None
+    thinking: dict | None = None
 
-    def params(self, base: dict | None = None) -> SamplingParams:
-        """`base` defaults overridden by this line's `sampling` object (`structured="tool_call"` made
-        into the constraint of this request's tools)."""
+    def body(self) -> dict:
+        """A messages line's Chat Completions body."""
+        body = chat_body(self.value, self.tools, self.tool_choice)
+        return body if self.thinking is None else {**body, "thinking": self.thinking}
+
+    def params(self, base: dict | None = None, llm: LLM | None = None) -> SamplingParams:
+        """`base` defaults overridden by this line's `sampling` object; `structured="tool_call"` is made
+        into the DSML constraint of this request's tools when `llm` is given (without it, it is only
+        checked: the constraint depends on the engine's encoding and tokenizer)."""
         unknown = set(self.sampling) - set(SamplingParams.__dataclass_fields__)
         if unknown:
             raise DeepInferError(f"{self.where}: unknown sampling field(s) {sorted(unknown)}")
@@ -52,18 +68,25 @@ class PromptRequest:
             if settings.get("structured") == TOOL_CALL:
                 if self.source != "messages":
                     raise DeepInferError("structured='tool_call' needs a 'messages' request with tools")
-                settings["structured"] = tool_call_constraint(self.tools, self.tool_choice)
+                if llm is not None:
+                    protocol = llm.host.protocol()
+                    settings["structured"] = protocol.constraint(protocol.request(self.body(), "chat"),
+                                                                 tool_calls_only=True)
             return SamplingParams(**settings)
         except DeepInferError as err:
-            raise DeepInferError(f"{self.where}: {err}") from None
+            raise DeepInferError(f"{self.where}: {err}", kind=err.kind) from None
+
+    def message(self, llm: LLM, output: RequestOutput) -> dict:
+        """The assistant message a messages line's output answers with, parsed by the recipe."""
+        protocol = llm.host.protocol()
+        return protocol.message(protocol.request(self.body(), "chat"), f"chatcmpl-{output.request_id}",
+                                output.token_ids, output.finish_reason)
 
     def prompt_ids(self, llm: LLM) -> list[int]:
         """The prompt as token ids, checked against the engine's limits."""
         try:
             if self.source == "messages":
-                if llm.tokenizer is None:
-                    raise DeepInferError("chat messages need a checkpoint with tokenizer.json")
-                return llm.encode(llm.tokenize(render_chat(self.value, self.tools)))
+                return llm.encode(llm.host.protocol().request(self.body(), "chat").prompt_ids)
             return llm.encode(self.value)
         except DeepInferError as err:
             raise err.at(self.where) from None
@@ -144,7 +167,7 @@ def parse_request_line(line: str, where: str, default_id: str) -> PromptRequest:
         raise DeepInferError(f"{where}: 'prompt_token_ids' must be a list of token ids")
     if source == "messages" and not isinstance(value, list):
         raise DeepInferError(f"{where}: 'messages' must be a list of message objects")
-    for key in ("tools", "tool_choice"):
+    for key in CHAT_FIELDS:
         if key in request and source != "messages":
             raise DeepInferError(f"{where}: '{key}' only goes with 'messages'")
     if not isinstance(request.get("sampling", {}), dict):
@@ -153,4 +176,4 @@ def parse_request_line(line: str, where: str, default_id: str) -> PromptRequest:
     if not isinstance(request_id, str) or not request_id:
         raise DeepInferError(f"{where}: 'id' must be a non-empty string")
     return PromptRequest(where, request_id, source, value, request.get("tools"), request.get("sampling", {}),
-                         request.get("tool_choice"))
+                         request.get("tool_choice"), request.get("thinking"))

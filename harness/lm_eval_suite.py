@@ -41,7 +41,7 @@ class LmEvalRequest(SuiteRequest):
     name: str = ""
     instance: Instance | None = None
 
-    def params(self, run_seed: int) -> SamplingParams:
+    def params(self, run_seed: int, llm: LLM | None = None) -> SamplingParams:
         return request_params(self.name, self.instance, run_seed)
 
     def prompt_ids(self, llm: LLM) -> list[int]:

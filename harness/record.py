@@ -56,8 +56,9 @@ def _record_run(model: str | Path | None, suite: Suite, variant: Variant, run_di
     for index, item in enumerate(suite.requests):
         if index in done:
             continue
-        params = item.params(run_seed)
+        params = item.params(run_seed)  # what a refused request's row records
         try:
+            params = item.params(run_seed, llm)  # a "tool_call" constraint made for this engine
             prompt = item.prompt_ids(llm)
             llm.check_params(params)  # a constraint that does not compile refuses its request alone
         except DeepInferError as err:

@@ -28,10 +28,11 @@ class SuiteRequest:
     def prompt_ids(self, llm: LLM) -> list[int]:
         return self.request.prompt_ids(llm)
 
-    def params(self, run_seed: int) -> SamplingParams:
+    def params(self, run_seed: int, llm: LLM | None = None) -> SamplingParams:
         """The request's params with a seed always set (derived from the run seed and the request id
-        when the suite gives none, so it does not depend on arrival order) and top-2 logprobs."""
-        params = self.request.params()
+        when the suite gives none, so it does not depend on arrival order) and top-2 logprobs; a
+        `"tool_call"` constraint is made for `llm`'s protocol when it is given."""
+        params = self.request.params(llm=llm)
         seed = params.seed if params.seed is not None else request_seed(run_seed, self.request_id)
         return replace(params, seed=seed, logprobs=max(params.logprobs or 0, TOP_LOGPROBS))
 

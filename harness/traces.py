@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from itertools import takewhile
 from pathlib import Path
 from typing import Any
@@ -49,7 +49,7 @@ from deepinfer import LLM
 from deepinfer.errors import DeepInferError
 from deepinfer.prompts_file import PromptRequest, json_object, read_jsonl_lines
 from deepinfer.recipe.chat import (ChatFormatError, UnsupportedContentError, check_messages, content_text,
-                                  tool_call_constraint)
+                                  render_chat, tool_call_constraint)
 from deepinfer.sampling_params import TOOL_CALL, SamplingParams
 from deepinfer.harness.suite_base import Suite, SuiteRequest, file_hash
 from deepinfer.harness.trace_import import TraceFormatError, canonical_arguments, chat_tool_choice, from_anthropic, from_responses
@@ -168,10 +168,34 @@ def turn_request_id(episode_id: str, turn: int) -> str:
     return f"{episode_id}/turn-{turn}"
 
 
+class TemplateTurn(PromptRequest):
+    """A trace turn's request, prompted with the project's V3-era chat template (`recipe.chat`) and its
+    tool-call markup, where request files use DeepSeek's official encoding: traces move to the recipe
+    next (ARCHITECTURE §5)."""
+
+    def params(self, base: dict | None = None, llm: LLM | None = None) -> SamplingParams:
+        settings = {**(base or {}), **self.sampling}
+        if settings.get("structured") != TOOL_CALL:
+            return super().params(base)
+        try:
+            constraint = tool_call_constraint(self.tools, self.tool_choice)
+        except DeepInferError as err:
+            raise DeepInferError(f"{self.where}: {err}") from None
+        return replace(super().params(base), structured=constraint)
+
+    def prompt_ids(self, llm: LLM) -> list[int]:
+        try:
+            if llm.tokenizer is None:
+                raise DeepInferError("chat messages need a checkpoint with tokenizer.json")
+            return llm.encode(llm.tokenize(render_chat(self.value, self.tools)))
+        except DeepInferError as err:
+            raise err.at(self.where) from None
+
+
 def _turn_request(episode: Episode, turn: int, messages: list[dict]) -> SuiteRequest:
     request_id = turn_request_id(episode.episode_id, turn)
-    return SuiteRequest(request_id, PromptRequest(episode.where, request_id, "messages", messages, episode.tools,
-                                                  episode.sampling, episode.tool_choice))
+    return SuiteRequest(request_id, TemplateTurn(episode.where, request_id, "messages", messages, episode.tools,
+                                                 episode.sampling, episode.tool_choice))
 
 
 # reading files --------------------------------------------------------------------------------------

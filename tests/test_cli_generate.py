@@ -10,7 +10,7 @@ import pytest
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.cli import EXIT_USER_ERROR, main
-from deepinfer.recipe.chat import encode_chat, parse_completion
+from deepinfer.recipe.official import OfficialEncoder
 
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
 
@@ -68,7 +68,8 @@ def test_prompts_file_mixes_text_token_ids_and_chat_in_input_order(capsys, tiny_
                          "--logprobs", "2")
     assert code == 0 and err == ""
     assert [row["index"] for row in out] == [0, 1, 2, 3]
-    prompts = ["hello", [0, 5, 6], encode_chat(api.tokenizer, CHAT), "the fox"]
+    official = OfficialEncoder("v4", api.tokenizer.text).encode({"messages": CHAT}, "chat")  # thinking on, as the API
+    prompts = ["hello", [0, 5, 6], official, "the fox"]
     params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2),
               SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=2),
               SamplingParams(temperature=0, max_tokens=4, logprobs=2),
@@ -81,8 +82,9 @@ def test_prompts_file_mixes_text_token_ids_and_chat_in_input_order(capsys, tiny_
     assert all(len(row["top_logprobs"]) == len(row["token_ids"]) for row in out)
     assert all(len(top) == 2 for row in out for top in row["top_logprobs"])
     assert [("message" in row) for row in out] == [False, False, True, False]
-    assert out[2]["message"]["role"] == "assistant"
-    assert out[2]["message"] == parse_completion(out[2]["text"])
+    message = out[2]["message"]  # parsed by the recipe: thinking on, so the 4 tokens are reasoning
+    assert message["role"] == "assistant" and message["content"] == ""
+    assert message["reasoning_content"] == out[2]["text"].lstrip("\n").removesuffix("\ufffd")
 
 
 def test_out_file_gets_the_lines(capsys, tiny_checkpoint, tmp_path):
@@ -146,15 +148,21 @@ def test_bad_prompts_file_lines(capsys, tmp_path, tiny_checkpoint, lines, messag
     ("lines", "message"),
     [
         ([{"prompt": "a"}, {"messages": [{"role": "bot", "content": "hi"}]}],
-         "{path}:2: message 0: unknown role 'bot' (expected one of system, developer, user, assistant, tool)"),
+         "{path}:2: not a chat request the recipe accepts: invalid request body: unknown variant `bot`, expected one "
+         "of `system`, `user`, `assistant`, `tool`, `latest_reminder`"),
         ([{"prompt_token_ids": [0, 5000]}], "{path}:1: prompt token 5000 is not an id in [0, 1024)"),
         ([{"prompt": "a"}, {"prompt_token_ids": []}], "{path}:2: prompt is empty"),
         ([{"prompt": "a"}, {"prompt": "b", "sampling": {"structured": {"regex": "(("}}}],
          "{path}:2: invalid regex: unclosed group"),
         ([{"prompt": "a", "sampling": {"structured": "tool_call"}}],
          "{path}:1: structured='tool_call' needs a 'messages' request with tools"),
+        ([{"prompt": "a"}, {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto",
+                            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+                            "sampling": {"structured": "tool_call"}}],
+         "{path}:2: structured='tool_call' needs tools and a tool_choice that forces a call ('required' or a named "
+         "function)"),
     ],
-    ids=["bad-role", "bad-token", "empty-ids", "bad-constraint", "tool-call-without-tools"],
+    ids=["bad-role", "bad-token", "empty-ids", "bad-constraint", "tool-call-without-tools", "tool-call-unforced"],
 )
 def test_bad_requests_are_named_by_line(capsys, tmp_path, tiny_checkpoint, lines, message):
     path = write_lines(tmp_path / "requests.jsonl", *lines)

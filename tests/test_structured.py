@@ -257,18 +257,23 @@ def test_a_replayed_anthropic_trace_with_tool_choice_any_calls_tools_every_turn(
     capsys.readouterr()
 
 
-def test_a_request_file_line_constrains_its_turn_with_its_tool_choice(tiny_checkpoint, tmp_path):
+def test_a_request_file_line_constrains_its_turn_with_its_tool_choice(llm, tmp_path):
     from deepinfer.prompts_file import read_prompts_file
 
     path = tmp_path / "requests.jsonl"
     path.write_text("\n".join(json.dumps(row) for row in [
         {"id": "forced", "messages": ASK, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-         "sampling": {"structured": "tool_call", "max_tokens": 120}},
+         "thinking": {"type": "disabled"},  # DeepSeek's API forces no call in thinking mode
+         "sampling": {"structured": "tool_call", "max_tokens": 400}},
         {"id": "plain", "prompt": "hi", "sampling": {"structured": "tool_call"}},
     ]) + "\n")
     forced, plain = read_prompts_file(str(path))
-    grammar = forced.params().structured["grammar"]
-    assert '"get_weather"' in grammar and '"search_notes"' not in grammar
+    assert forced.params().structured == "tool_call"  # made once the engine's encoding and tokenizer are known
+    grammar = forced.params(llm=llm).structured["grammar"]
+    assert 'invoke name=\\"get_weather\\"' in grammar and "search_notes" not in grammar
+    [output] = llm.generate([forced.prompt_ids(llm)], [forced.params(llm=llm)])
+    message = forced.message(llm, output)
+    assert [call["function"]["name"] for call in message["tool_calls"]] == ["get_weather"] * len(message["tool_calls"])
     with pytest.raises(DeepInferError, match=re.escape(f"{path}:2: structured='tool_call' needs a 'messages' request "
                                                        "with tools")):
         plain.params()

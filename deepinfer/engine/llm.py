@@ -184,8 +184,8 @@ class LLM:
         outputs = self.generate([r.prompt_ids for r in requests], per_prompt)
         for output, request in zip(outputs, requests):
             if output.finish_reason != "error":
-                response = protocol.respond(request, f"chatcmpl-{output.request_id}", output.token_ids, output.finish_reason)
-                output.message = response["choices"][0]["message"]
+                output.message = protocol.message(request, f"chatcmpl-{output.request_id}", output.token_ids,
+                                                  output.finish_reason)
         return outputs
 
     def respond(self, bodies: list[dict], format: str = "chat") -> list[dict]:

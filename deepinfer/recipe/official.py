@@ -274,6 +274,11 @@ class Protocol:
         text = RANDOM_CALL_ID.sub(lambda m: f"call_{m[1]}_{_call_digest(response_id, m[1])}", response.to_json())
         return json.loads(text)
 
+    def message(self, request: ClientRequest, response_id: str, token_ids: list[int], finish_reason: str) -> dict:
+        """The assistant message (content, reasoning_content, tool_calls) that a generation answers a
+        Chat Completions request with."""
+        return self.respond(request, response_id, token_ids, finish_reason)["choices"][0]["message"]
+
 
 def _call_digest(response_id: str, index: str) -> str:
     return hashlib.sha256(f"{response_id}/{index}".encode()).hexdigest()[:24]
