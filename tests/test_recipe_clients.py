@@ -105,3 +105,28 @@ def test_the_sdks_sent_what_the_cases_say(sdk_bodies):
     assert bodies["chat-stream"]["stream"] is True and bodies["responses-stream"]["stream"] is True
     assert [m["role"] for m in bodies["chat-tools"]["messages"]].count("tool") == 2
     assert bodies["messages-tools"]["messages"][2]["content"][0]["is_error"] is True
+
+
+CAP = {"chat": "max_tokens", "messages": "max_tokens", "responses": "max_output_tokens"}
+
+
+@pytest.mark.parametrize("preset", ["tiny", "v41-tiny"])
+def test_sdk_request_bodies_are_served_and_answered_in_their_clients_shape(tmp_path, sdk_bodies, preset):
+    """The whole path, `LLM.respond`: each SDK body is served with deepseek-recipe's own prompt ids for it
+    (under the preset's tokenizer) and answered with its API's response object."""
+    from deepinfer import LLM
+
+    llm = LLM(f"preset:{preset}", max_model_len=1024)
+    family = llm.host.family.encoding
+    tokenizer_file = tmp_path / "tokenizer.json"
+    tokenizer_file.write_text(llm.tokenizer.text, encoding="utf-8")
+    for name, (format, _) in CLIENTS.items():
+        body = {**sdk_bodies[name], CAP[format]: 4}  # short answers: the bodies ask for up to 512 tokens
+        served = llm.host.protocol().request(body, format).prompt_ids
+        assert served == _direct(body, format, family, tokenizer_file)[0], name
+        [response] = llm.respond([body], format)
+        usage = response["usage"]
+        assert usage.get("prompt_tokens", usage.get("input_tokens")) == len(served), name
+        assert response["model"] == body["model"]
+        assert {"chat": "chat.completion", "messages": "message", "responses": "response"}[format] == \
+            response.get("object", response.get("type")), name
