@@ -9,11 +9,13 @@ import json
 import re
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.audit.structured_check import violation
 from deepinfer.recipe.dsml import TAGS, ToolCallConstraintError, calls_constraint
-from deepinfer.recipe.official import OfficialEncoder, RecipeError
+from deepinfer.recipe.official import OfficialEncoder, Protocol, RecipeError
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
            "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
@@ -122,39 +124,110 @@ def test_a_body_the_recipe_refuses_is_one_line_naming_the_request(llm):
     assert not llm.has_unfinished()
 
 
-@pytest.mark.parametrize("encoding", ["v4", "v41"])
-def test_the_constraint_accepts_what_the_official_encoding_writes(encoding, v4_text, v41_file):
-    """A call the encoding renders (a string with '<' and '</' in it, an integer, an object) is a sentence of
-    the constraint made for its tool, and the same call with a value its schema forbids is not."""
+PROPERTY_SCHEMAS = {  # a property's schema, a value it allows and one it forbids
+    "plain-string": ({"type": "string"}, st.text(max_size=12), None),
+    "bounded-string": ({"type": "string", "maxLength": 5}, st.text(max_size=5), "abcdefgh"),
+    "integer": ({"type": "integer", "minimum": 1, "maximum": 7}, st.integers(1, 7), 8),
+    "enum": ({"enum": ["fog", "a.b|c", 3]}, st.sampled_from(["fog", "a.b|c", 3]), "sun"),
+    "nullable-string": ({"type": ["string", "null"]}, st.one_of(st.none(), st.text(max_size=8)), 5),
+    "object": ({"type": "object", "properties": {"x": {"type": "array", "items": {"type": "integer"}}}},
+               st.fixed_dictionaries({"x": st.lists(st.integers(-9, 99), max_size=3)}), {"x": ["a"]}),
+}
+
+
+@st.composite
+def tool_and_call(draw):
+    """A tool of 1-4 properties of the kinds above, some required, and a call of it whose arguments hold
+    every required property and some optional ones, each with a value its schema allows."""
+    kinds = draw(st.lists(st.sampled_from(sorted(PROPERTY_SCHEMAS)), min_size=1, max_size=4))
+    names = [f"p{i}_{kind.replace('-', '_')}" for i, kind in enumerate(kinds)]
+    required = [n for n in names if draw(st.booleans())]
+    arguments = {n: draw(PROPERTY_SCHEMAS[k][1]) for n, k in zip(names, kinds) if n in required or draw(st.booleans())}
+    schema = {"type": "object", "required": required,
+              "properties": {n: PROPERTY_SCHEMAS[k][0] for n, k in zip(names, kinds)}}
+    return schema, dict(zip(names, kinds)), arguments
+
+
+@pytest.fixture(scope="module")
+def dsml_setups(v4_text, v41_file):
     import llguidance
 
     from deepinfer.engine.structured import _guidance_tokenizer
     from deepinfer.recipe.tokenizer import TextTokenizer
 
-    text = v4_text if encoding == "v4" else v41_file.read_text(encoding="utf-8")
-    tokenizer = TextTokenizer(text, "test")
-    schema = {"type": "object", "required": ["city"], "properties": {
-        "city": {"type": "string"}, "days": {"type": "integer", "maximum": 7}, "where": {"type": "object"}}}
+    setups = {}
+    for encoding, text in (("v4", v4_text), ("v41", v41_file.read_text(encoding="utf-8"))):
+        tokenizer = TextTokenizer(text, "test")
+        setups[encoding] = (OfficialEncoder(encoding, text), tokenizer,
+                            _guidance_tokenizer(text, tokenizer.vocab_size, tokenizer.eos_id), llguidance)
+    return setups
+
+
+def _accepts(setup, encoding: str, schema: dict, arguments: dict) -> bool:
+    """Whether the DSML constraint made for a tool of `schema` accepts the call the official encoding
+    writes for `arguments` (its tokens as the tokenizer gives them, then the end token)."""
+    encoder, tokenizer, guidance, llguidance = setup
     tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
     grammar = calls_constraint(json.dumps(tools), encoding, tokenizer.special_id("｜DSML｜"))["grammar"]
-    encoder = OfficialEncoder(encoding, text)
+    call = {"id": "a", "type": "function", "function": {"name": "f", "arguments": json.dumps(arguments)}}
+    body = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "a", "content": "ok"}], "thinking": {"type": "disabled"}}
+    prompt = encoder.render(body, "chat")
+    opening = f"<｜DSML｜{TAGS[encoding][0]}>\n"
+    written = prompt[prompt.index(opening) + len(opening):prompt.index("<｜end▁of▁sentence｜>")]
+    matcher = llguidance.LLMatcher(guidance, llguidance.LLMatcher.grammar_from_lark(grammar))
+    ids = encoder.tokenizer.encode(written) + [tokenizer.eos_id]
+    return all(matcher.consume_token(token) for token in ids) and matcher.is_stopped() and not matcher.get_error()
 
-    def accepted(arguments: dict) -> bool:
-        call = {"id": "a", "type": "function", "function": {"name": "f", "arguments": json.dumps(arguments)}}
-        body = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]},
-                             {"role": "tool", "tool_call_id": "a", "content": "ok"}], "thinking": {"type": "disabled"}}
-        prompt = encoder.render(body, "chat")
-        opening = f"<｜DSML｜{TAGS[encoding][0]}>\n"
-        written = prompt[prompt.index(opening) + len(opening):prompt.index("<｜end▁of▁sentence｜>")]
-        matcher = llguidance.LLMatcher(_guidance_tokenizer(text, tokenizer.vocab_size, tokenizer.eos_id),
-                                       llguidance.LLMatcher.grammar_from_lark(grammar))
-        ids = encoder.tokenizer.encode(written) + [tokenizer.eos_id]
-        return all(matcher.consume_token(token) for token in ids) and matcher.is_stopped() and not matcher.get_error()
 
-    assert accepted({"city": "P<a></b> x", "days": 3, "where": {"x": [1]}})
-    assert accepted({"city": ""})
-    assert not accepted({"city": "Porto", "days": 8})
-    assert not accepted({"days": 3})
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=tool_and_call(), encoding=st.sampled_from(["v4", "v41"]), data=st.data())
+def test_the_constraint_accepts_what_the_encoding_writes_and_only_what_the_schema_allows(dsml_setups, case, encoding,
+                                                                                        data):
+    """A call the official encoding writes for valid arguments (text values with '<' and '</' included) is a
+    sentence of the constraint made for its tool; with a required property left out, or one value its
+    schema forbids, it is not."""
+    schema, kinds, arguments = case
+    setup = dsml_setups[encoding]
+    assert _accepts(setup, encoding, schema, arguments)
+    assert _accepts(setup, encoding, schema, {**arguments, **{n: "P<a></b> x" for n, k in kinds.items()
+                                                               if k == "plain-string" and n in arguments}})
+    if schema["required"]:
+        dropped = data.draw(st.sampled_from(schema["required"]))
+        assert not _accepts(setup, encoding, schema, {k: v for k, v in arguments.items() if k != dropped})
+    forbidding = [n for n, k in kinds.items() if PROPERTY_SCHEMAS[k][2] is not None]
+    if forbidding:
+        name = data.draw(st.sampled_from(forbidding))
+        assert not _accepts(setup, encoding, schema, {**arguments, name: PROPERTY_SCHEMAS[kinds[name]][2]})
+
+
+@pytest.mark.parametrize("encoding", ["v4", "v41"])
+def test_a_string_the_constraint_cannot_check_as_text_is_written_as_json(dsml_setups, encoding):
+    """A pattern is no regex the constraint writes text with, so such a string goes as JSON (string="false"),
+    which the recipe's parser reads back as the same string; the encoding's own text form is refused."""
+    encoder, tokenizer, guidance, llguidance = dsml_setups[encoding]
+    schema = {"type": "object", "required": ["code"], "properties": {"code": {"type": "string", "pattern": "^[a-z]+$"}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    grammar = calls_constraint(json.dumps(tools), encoding, tokenizer.special_id("｜DSML｜"))["grammar"]
+    _, invoke, parameter = TAGS[encoding]
+
+    def written(value: str, as_string: str) -> str:
+        return (f'<｜DSML｜{invoke} name="f">\n<｜DSML｜{parameter} name="code" string="{as_string}">{value}'
+                f'</｜DSML｜{parameter}>\n</｜DSML｜{invoke}>\n</｜DSML｜{TAGS[encoding][0]}>')
+
+    def accepted(text: str) -> bool:
+        matcher = llguidance.LLMatcher(guidance, llguidance.LLMatcher.grammar_from_lark(grammar))
+        ids = encoder.tokenizer.encode(text) + [tokenizer.eos_id]
+        return all(matcher.consume_token(t) for t in ids) and matcher.is_stopped()
+
+    assert accepted(written('"abc"', "false")) and not accepted(written('"ab1"', "false"))
+    assert not accepted(written("abc", "true"))
+    protocol = Protocol(encoding, tokenizer.text)
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": tools, "tool_choice": "required",
+            "thinking": {"type": "disabled"}}
+    ids = encoder.tokenizer.encode(written('"abc"', "false")) + [tokenizer.eos_id]
+    [call] = protocol.message(protocol.request(body, "chat"), "chatcmpl-1", ids, "stop")["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"code": "abc"}
 
 
 def test_tools_the_constraint_cannot_write_are_refused_in_one_line():

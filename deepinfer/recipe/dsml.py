@@ -16,11 +16,13 @@ tool) ends its prompt with the opening `<｜DSML｜ calls>` line, and the recipe
 (kind `tool_call_required`) lists the tools the call may name. `calls_constraint` turns that list into
 a Lark grammar for llguidance (`SamplingParams.structured`): 1 to MAX_CONSTRAINED_CALLS invokes, each of
 an allowed function, its parameters in the schema's property order, the required ones present, each
-value valid under its property's schema, then the closing tag. A property whose schema is exactly a
-string (`{"type": "string"}`, with at most a description or title) is written with `string="true"`; its
-value is any text, which ends at the first `</` followed by the marker. Every other property, a
-constrained string too, is written with `string="false"` as JSON checked by its schema, spaced as the
-encodings write it (`", "` and `": "`), which the official parser reads back as the same value. So the recipe's `StreamProcessor` parses every
+value valid under its property's schema, then the closing tag. A parameter is written as the encodings write it: a string value
+with `string="true"`, as it is (it ends at the first `</` followed by the marker), any other value with
+`string="false"` as JSON spaced as the encodings write it (`", "` and `": "`). The constraint checks a
+string written as text with a regex where one says what the schema allows (any text, a length range up
+to MAX_TEXT_LENGTH, an enum or const of strings); where none does (a pattern, a format, a longer
+bound) the string is written as JSON checked by its schema, which the official parser reads back as
+the same value, and so is every value that is not a string. So the recipe's `StreamProcessor` parses every
 constrained turn into tool calls whose arguments validate against the tools' schemas.
 """
 
@@ -35,8 +37,11 @@ TAGS = {  # by official encoding: the calls block's, an invoke's and a parameter
     "v4": ("tool_calls", "invoke", "parameter"),
     "v41": (" calls", " invoke", " parameter"),
 }
+EMPTY_INVOKE = {"v4": "", "v41": "\n"}  # what an invoke without parameters holds between its tags
 MAX_CONSTRAINED_CALLS = 8  # invokes a constrained turn may make
-PLAIN_STRING_KEYS = {"type", "description", "title"}
+TEXT_STRING_KEYS = {"type", "description", "title", "minLength", "maxLength", "default", "examples"}
+MAX_TEXT_LENGTH = 1024  # a longer maxLength is checked by the JSON branch (a counted repeat that large is slow)
+REGEX_SPECIAL = set("\\.+*?()|[]{}^$#&-~/")
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # as the encodings write JSON
 
 
@@ -53,26 +58,80 @@ def calls_constraint(tools_json: str, encoding: str, marker_id: int) -> dict:
     marker = f"<[{marker_id}]>"
     functions = _functions(tools_json)
     lines = [f'start: invoke~1..{MAX_CONSTRAINED_CALLS} "</" {marker} {json.dumps(calls_tag + ">")}',
-             "invoke: " + " | ".join(f"invoke_{k}" for k in range(len(functions))),
-             r"TEXT_VALUE: /(?s:.*)<\//"]
+             "invoke: " + " | ".join(f"invoke_{k}" for k in range(len(functions)))]
     for k, (name, parameters) in enumerate(functions):
         opening = json.dumps(f'{invoke_tag} name="{name}">\n')
-        items = []
-        for j, (key, schema, required) in enumerate(_properties(name, parameters)):
-            rule = f"param_{k}_{j}"
-            items.append(rule if required else f"{rule}?")
-            closing = json.dumps(parameter_tag + ">\n")
-            if _plain_string(schema):
-                head = json.dumps(f'{parameter_tag} name="{key}" string="true">')
-                lines.append(f'{rule}: "<" {marker} {head} TEXT_VALUE {marker} {closing}')
-            else:
-                head = json.dumps(f'{parameter_tag} name="{key}" string="false">')
-                written = {**schema, "x-guidance": JSON_STYLE} if isinstance(schema, dict) else schema
-                lines.append(f"{rule}_value: %json {json.dumps(written, sort_keys=True)}")
-                lines.append(f'{rule}: "<" {marker} {head} {rule}_value "</" {marker} {closing}')
-        body, invoke_end = " ".join(items), json.dumps(invoke_tag + ">\n")
-        lines.append(f'invoke_{k}: "<" {marker} {opening} {body} "</" {marker} {invoke_end}')
+        properties = _properties(name, parameters)
+        for j, (key, schema, _) in enumerate(properties):
+            lines += _parameter(f"param_{k}_{j}", key, schema, marker, parameter_tag)
+        lines.append(f"params_{k}: " + _parameter_lists(k, [required for _, _, required in properties],
+                                                        EMPTY_INVOKE[encoding]))
+        invoke_end = json.dumps(invoke_tag + ">\n")
+        lines.append(f'invoke_{k}: "<" {marker} {opening} params_{k} "</" {marker} {invoke_end}')
     return {"grammar": "\n".join(lines) + "\n", "syntax": "lark"}
+
+
+def _parameter_lists(k: int, required: list[bool], empty: str) -> str:
+    """The parameter lists function `k` may write, in the schema's order, every required one present:
+    as one sequence of optional items where it has a required parameter, else the empty list (which the
+    encoding writes as `empty`) or a list whose first present parameter is each one in turn."""
+    items = [f"param_{k}_{j}" + ("" if needed else "?") for j, needed in enumerate(required)]
+    if any(required):
+        return " ".join(items)
+    firsts = [" ".join([f"param_{k}_{j}", *items[j + 1:]]) for j in range(len(items))]
+    return " | ".join([*firsts, json.dumps(empty) if empty else '""'])
+
+
+def _parameter(rule: str, key: str, schema: object, marker: str, tag: str) -> list[str]:
+    """The Lark rules of one parameter: a text branch (`string="true"`, the value as it is) for the
+    strings the schema allows where a regex can say which, and a JSON branch (`string="false"`) for
+    every other value, or for every value where the strings are constrained otherwise."""
+    closing = json.dumps(tag + ">\n")
+    text = _text_value(schema)
+    lines, branches = [], []
+    if text is not None:
+        head = json.dumps(f'{tag} name="{key}" string="true">')
+        lines.append(f"{rule.upper()}_TEXT: /{text}<\\//")
+        branches.append(f'"<" {marker} {head} {rule.upper()}_TEXT {marker} {closing}')
+    if text is None or not _only_strings(schema):
+        head = json.dumps(f'{tag} name="{key}" string="false">')
+        written = {**schema, "x-guidance": JSON_STYLE} if isinstance(schema, dict) else schema
+        lines.append(f"{rule}_json: %json {json.dumps(written, sort_keys=True)}")
+        branches.append(f'"<" {marker} {head} {rule}_json "</" {marker} {closing}')
+    return [*lines, f"{rule}: " + " | ".join(branches)]
+
+
+def _text_value(schema: object) -> str | None:
+    """A regex of the strings `schema` allows, written as text, or None where it allows none or a regex
+    here would not say which (a pattern, a format, a long length bound: the JSON branch checks those)."""
+    if not isinstance(schema, dict):
+        return r"(?s:.*)" if schema is True else None
+    if "enum" in schema or "const" in schema:
+        values = schema["enum"] if "enum" in schema else [schema["const"]]
+        strings = [v for v in values if isinstance(v, str)] if isinstance(values, list) else []
+        return "(?:" + "|".join(_literal(v) for v in strings) + ")" if strings else None
+    types = schema.get("type", "string")
+    if "string" not in (types if isinstance(types, list) else [types]) or not set(schema) <= TEXT_STRING_KEYS:
+        return None
+    low, high = schema.get("minLength", 0), schema.get("maxLength")
+    if high is None:
+        return r"(?s:.*)" if low == 0 else f"(?s:.{{{low},}})"
+    return f"(?s:.{{{low},{high}}})" if isinstance(high, int) and high <= MAX_TEXT_LENGTH else None
+
+
+def _only_strings(schema: object) -> bool:
+    """Whether every value `schema` allows is a string (so the text branch alone writes them all)."""
+    if not isinstance(schema, dict):
+        return False
+    if "enum" in schema or "const" in schema:
+        values = schema["enum"] if "enum" in schema else [schema["const"]]
+        return isinstance(values, list) and all(isinstance(v, str) for v in values)
+    return schema.get("type", None) == "string"
+
+
+def _literal(text: str) -> str:
+    """`text` as a regex that matches it alone (Rust's regex syntax, inside a Lark /.../ literal)."""
+    return "".join("\\" + c if c in REGEX_SPECIAL else c for c in text)
 
 
 def _functions(tools_json: str) -> list[tuple[str, dict]]:
@@ -105,7 +164,3 @@ def _properties(name: str, parameters: dict) -> list[tuple[str, object, bool]]:
         if not isinstance(key, str) or '"' in key or MARKER in key:
             raise ToolCallConstraintError(f"tool {name!r}: parameter name {key!r} cannot be written in DSML")
     return [(key, schema, key in required) for key, schema in properties.items()]
-
-
-def _plain_string(schema: object) -> bool:
-    return isinstance(schema, dict) and schema.get("type") == "string" and set(schema) <= PLAIN_STRING_KEYS
