@@ -245,6 +245,16 @@ def probe_mkl() -> dict:
     return dict(_mkl)
 
 
+MKL_GENERIC_PATH = "Intel(R) Architecture processors"  # MKL's generic kernels: AMD CPUs, and CBWR=COMPATIBLE
+
+
+def mkl_isa_kernels() -> bool:
+    """Whether MKL runs instruction-set kernels in this process (an Intel CPU's AVX-512 or AVX2 code),
+    rather than its generic code or an unreadable path."""
+    path = probe_mkl()["path"]
+    return bool(path) and path != MKL_GENERIC_PATH
+
+
 def mkl_path() -> str:
     """MKL's code path in one phrase, e.g. "for Intel(R) Architecture processors, CNR:OFF"."""
     mkl = probe_mkl()

@@ -75,7 +75,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from deepinfer.kernels.cpu_isa import check_cpu_isa, cpu_threads  # noqa: F401  (importing it caps oneDNN below AMX)
+from deepinfer.kernels.cpu_isa import check_cpu_isa, cpu_threads, mkl_isa_kernels  # noqa: F401  (importing it caps oneDNN below AMX)
 from deepinfer.kernels.fast import (  # noqa: F401  (re-exported: already row-invariant)
     log_softmax,
     rms_norm,
@@ -103,7 +103,10 @@ CALL_COST_ROWS = 12
 CALL_COST_MACS = 2_000_000
 # fp32 weights of at most MKL_WEIGHT elements are multiplied by MKL where its calls are proven on them
 # (`library_for`): there a call's fixed cost is most of its time, and oneDNN's is MKL's several times
-# over (inside an engine's decode step on a 2-core AMD EPYC Zen 4: ~50 us a call against ~20 us)
+# over (inside an engine's decode step on a 2-core AMD EPYC Zen 4: ~50 us a call against ~20 us). Where
+# MKL runs an instruction set's kernels (Intel CPUs) it takes every fp32 weight it is proven on: on a
+# 2-core Xeon its 1- to 4-row calls cost 1.5-4.7x less than oneDNN's at every weight size measured (512 x
+# 512 to 8192 x 512: 16 against 46 us, 436 against 688 us), and 24-row ones about the same
 MKL_WEIGHT = 32768
 K_BLOCK = 512  # fp32 reduction width per matmul call (2048 let oneDNN split K over 8+ threads on a Xeon)
 KV_BLOCK = 64  # keys per attention / indexer score matrix
@@ -197,14 +200,17 @@ _libraries: dict[tuple[torch.dtype, int, int], str] = {}
 
 def library_for(weight: torch.Tensor) -> str:
     """The library whose calls define `weight`'s bits on this machine, by weight shape: "mkl" for an
-    fp32 weight of at most MKL_WEIGHT elements whose ROW_TILE calls MKL computes the same way at three
-    places in the tile, at one thread, at the current count and at every core (`_mkl_proven`; on an
-    AMD EPYC its generic code fails for a 6-column router weight), otherwise "onednn". Decided once
-    per shape, so the bits do not depend on the thread count a process runs at."""
+    fp32 weight MKL is preferred for (at most MKL_WEIGHT elements, or any size where MKL runs an
+    instruction set's kernels: `mkl_isa_kernels`) and whose ROW_TILE calls MKL computes the same way at
+    three places in the tile, at one thread, at the current count and at every core (`_mkl_proven`; on
+    an AMD EPYC its generic code fails for a 6-column router weight), otherwise "onednn". Decided once
+    per shape from the library path (a recorded factor) and the proof, so the bits do not depend on
+    the batch or the thread count a process runs at."""
     key = (weight.dtype, weight.shape[0], weight.shape[1])
     if key not in _libraries:
-        small = weight.dtype == torch.float32 and weight.shape[0] * weight.shape[1] <= MKL_WEIGHT
-        _libraries[key] = "mkl" if not _ONEDNN_LINEAR or (small and _mkl_proven(weight)) else "onednn"
+        preferred = weight.dtype == torch.float32 and (weight.shape[0] * weight.shape[1] <= MKL_WEIGHT
+                                                       or mkl_isa_kernels())
+        _libraries[key] = "mkl" if not _ONEDNN_LINEAR or (preferred and _mkl_proven(weight)) else "onednn"
     return _libraries[key]
 
 

@@ -142,7 +142,7 @@ def test_every_library_call_of_a_weight_has_one_shape_per_row_tile(monkeypatch):
             invariant.linear(torch.randn(rows, width).to(dtype), weight)
         assert len(shapes) == calls and {shape[0][0] for shape in shapes} == {invariant.ROW_TILE}, shapes
         library, tiles = ladder.plan(weight)  # proven on the weight at its first call
-        assert library == "onednn"  # too large for MKL (MKL_WEIGHT)
+        assert library == invariant.library_for(weight)
         for rows in (1, 5, 32, 33, 600):
             shapes.clear()
             invariant.linear(torch.randn(rows, width).to(dtype), weight, row_tiles=ladder)
@@ -212,21 +212,27 @@ def test_a_tile_that_changes_the_bits_of_one_weight_shape_only_is_not_used_for_i
         assert all(torch.equal(invariant.linear(x[i:i + 1], weight, row_tiles=row_tiles), canonical[i:i + 1]) for i in range(30))
 
 
-def test_small_weights_are_multiplied_by_mkl_only_where_its_calls_are_proven_on_them(monkeypatch):
-    """MKL's calls cost a small weight far less than oneDNN's, but its generic code on AMD gave rows of
-    a 6-column router weight other bits at other places in the tile: a small weight whose MKL calls do
-    that (here made so) is multiplied by oneDNN, one whose calls agree by MKL, and either way a row has
-    the bits of its library's ROW_TILE calls however the batch is cut; large weights stay on oneDNN."""
+@pytest.mark.parametrize("isa_kernels", [False, True], ids=["mkl-generic", "mkl-isa"])
+def test_weights_are_multiplied_by_mkl_only_where_its_calls_are_proven_on_them(monkeypatch, isa_kernels):
+    """MKL's calls cost a small weight far less than oneDNN's (and any weight, where MKL runs an
+    instruction set's kernels: Intel), but its generic code on AMD gave rows of a 6-column router weight
+    other bits at other places in the tile: a weight whose MKL calls do that (here made so) is multiplied
+    by oneDNN, one whose calls agree by MKL where MKL is preferred for it, and either way a row has the bits
+    of its library's ROW_TILE calls however the batch is cut. Both MKL code paths' rules run on any CPU."""
     mkl = invariant._mkl_linear
     monkeypatch.setattr(invariant, "_mkl_linear", lambda rows, w: mkl(rows, w) * (
-        1 + (w.shape[0] == 40) * torch.linspace(0, 2.0 ** -20, rows.shape[0])[:, None]))
-    row_tiles = selftest.proven_row_tiles((torch.float32,))
+        1 + (w.shape[0] in (40, 56)) * torch.linspace(0, 2.0 ** -20, rows.shape[0])[:, None]))
+    monkeypatch.setattr(invariant, "mkl_isa_kernels", lambda: isa_kernels)
+    monkeypatch.setattr(invariant, "_libraries", {})
+    monkeypatch.setattr(invariant.CANONICAL, "by_shape", {})  # plans made under the other rule's library
+    row_tiles = invariant.RowTiles(selftest.proven_row_tiles((torch.float32,)).candidates)  # no plans from before
     gen = torch.Generator().manual_seed(6)
-    odd, usual, large = (invariant.matmul_layout(torch.randn(n, k, generator=gen))
-                         for n, k in ((40, 72), (41, 72), (48, invariant.MKL_WEIGHT // 48 + 1)))
-    assert invariant.library_for(odd) == "onednn" and invariant.library_for(large) == "onednn"
+    odd, usual, large, odd_large = (invariant.matmul_layout(torch.randn(n, k, generator=gen)) for n, k in (
+        (40, 72), (41, 72), (48, invariant.MKL_WEIGHT // 48 + 1), (56, invariant.MKL_WEIGHT // 56 + 1)))
+    assert invariant.library_for(odd) == "onednn" and invariant.library_for(odd_large) == "onednn"
     assert invariant.library_for(usual) == ("mkl" if invariant._mkl_proven(usual) else "onednn")
-    for weight in (odd, usual, large):
+    assert invariant.library_for(large) == ("mkl" if isa_kernels and invariant._mkl_proven(large) else "onednn")
+    for weight in (odd, usual, large, odd_large):
         library, tiles = row_tiles.plan(weight)
         assert library == invariant.library_for(weight) and invariant.ROW_TILE in tiles
         x = torch.randn(70, weight.shape[1], generator=gen)
