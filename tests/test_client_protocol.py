@@ -104,6 +104,12 @@ def test_sampling_settings_come_from_the_body_and_the_engine_defaults_fill_the_r
     with pytest.raises(RecipeError) as caught:
         protocol.request({**body, "max_tokens": 5000}, "chat").max_tokens(1024)
     assert caught.value.kind == "prompt_too_long" and "\n" not in str(caught.value)
+    with pytest.raises(RecipeError, match=r"^request 1: [^\n]+$") as caught:
+        llm.respond([body, {**body, "max_tokens": 5000}], "chat")
+    assert caught.value.kind == "prompt_too_long" and not llm.has_unfinished()
+    lacking = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": ["x"]}}}]
+    with pytest.raises(RecipeError, match=r"^request 0: tool 'f': required parameter 'x' has no property schema$"):
+        llm.respond([{**body, "tools": lacking, "tool_choice": "required"}], "chat")
 
 
 def test_a_json_schema_response_format_is_enforced(llm):

@@ -197,8 +197,13 @@ class LLM:
         answers `{"error": {"kind", "message"}}`."""
         requests = self._client_requests(bodies, format, "request")
         protocol = self.host.protocol()
-        params = [SamplingParams(**{"max_tokens": r.max_tokens(self.max_model_len), **r.carried,
-                                    "structured": protocol.constraint(r)}) for r in requests]
+        params = []
+        for i, request in enumerate(requests):
+            try:
+                params.append(SamplingParams(**{**request.carried, "max_tokens": request.max_tokens(self.max_model_len),
+                                                "structured": protocol.constraint(request)}))
+            except DeepInferError as err:
+                raise RecipeError(f"request {i}: {err}", kind=err.kind) from None
         outputs = self.generate([r.prompt_ids for r in requests], params)
         responses = []
         for output, request in zip(outputs, requests):
