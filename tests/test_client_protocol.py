@@ -245,3 +245,27 @@ def test_tools_the_constraint_cannot_write_are_refused_in_one_line():
     for tool, message in bad:
         with pytest.raises(ToolCallConstraintError, match=f"^{re.escape(message)}$"):
             calls_constraint(json.dumps([tool]), "v41", 7)
+
+
+def test_in_thinking_mode_a_json_schema_applies_after_the_reasoning(dsml_setups, v4_text):
+    """Thinking on (DeepSeek's default), the answer's schema constrains what follows `</think>`: the
+    reasoning before it is free text."""
+    _, tokenizer, guidance, llguidance = dsml_setups["v4"]
+    protocol = Protocol("v4", v4_text)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}}, "required": ["n"]}
+    body = {"messages": [{"role": "user", "content": "Pick n."}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}}}
+    request = protocol.request(body, "chat")
+    assert request.thinking
+    grammar = protocol.constraint(request)["grammar"]
+
+    def accepted(text: str) -> bool:
+        matcher = llguidance.LLMatcher(guidance, llguidance.LLMatcher.grammar_from_lark(grammar))
+        ids = protocol.encoder.tokenizer.encode(text) + [tokenizer.eos_id]
+        return all(matcher.consume_token(t) for t in ids) and matcher.is_stopped()
+
+    assert accepted('I pick {"n": 12}, no: three.</think>{"n":3}')
+    assert not accepted('Three.</think>{"n":12}') and not accepted('{"n":3}')
+    [message] = [protocol.message(request, "chatcmpl-1", protocol.encoder.tokenizer.encode('Three.</think>{"n":3}'),
+                                  "stop")]
+    assert message["reasoning_content"] == "Three." and json.loads(message["content"]) == {"n": 3}
