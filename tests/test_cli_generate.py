@@ -161,8 +161,14 @@ def test_bad_prompts_file_lines(capsys, tmp_path, tiny_checkpoint, lines, messag
                             "sampling": {"structured": "tool_call"}}],
          "{path}:2: structured='tool_call' needs tools and a tool_choice that forces a call ('required' or a named "
          "function)"),
+        ([{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required",
+           "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+           "sampling": {"structured": "tool_call"}}],
+         "{path}:1: not a chat request the recipe accepts: Thinking mode does not support this tool_choice (thinking "
+         'is on unless the request says "thinking": {{"type": "disabled"}})'),
     ],
-    ids=["bad-role", "bad-token", "empty-ids", "bad-constraint", "tool-call-without-tools", "tool-call-unforced"],
+    ids=["bad-role", "bad-token", "empty-ids", "bad-constraint", "tool-call-without-tools", "tool-call-unforced",
+         "tool-call-while-thinking"],
 )
 def test_bad_requests_are_named_by_line(capsys, tmp_path, tiny_checkpoint, lines, message):
     path = write_lines(tmp_path / "requests.jsonl", *lines)

@@ -52,6 +52,9 @@ CARRIED = {
     "responses": {"temperature": ("temperature",), "top_p": ("top_p",), "logprobs": ("top_logprobs",),
                   "max_tokens": ("max_output_tokens",)},
 }
+THINKING_OFF = {"chat": ("thinking", '"thinking": {"type": "disabled"}'),  # the key and setting that turn it off
+                "messages": ("thinking", '"thinking": {"type": "disabled"}'),
+                "responses": ("reasoning", '"reasoning": {"effort": "none"}')}
 RESPONSE_PREFIX = {"chat": "chatcmpl", "messages": "msg", "responses": "resp"}  # response ids: PREFIX-<request id>
 RANDOM_CALL_ID = re.compile(r"call_(\d{2})_[A-Za-z0-9]{24}")  # the recipe's tool-call ids: random characters
 V41_SYSTEM_ASSUMPTION = f"{V41_SYSTEM_TOKEN} at the id of V4's {V41_SYSTEM_PLACEHOLDER} (no V4.1 tokenizer.json is published)"
@@ -143,7 +146,10 @@ class OfficialEncoder:
         try:
             return self.requests[format](body).convert(options)
         except Exception as err:  # ConversionError, or a ValueError for a body of the wrong shape
-            raise RecipeError(f"not a {format} request the recipe accepts: {first_line(err)}") from None
+            why = first_line(err)
+            if why.startswith("Thinking mode") and THINKING_OFF[format][0] not in body:  # thinking is on by default
+                why += f" (thinking is on unless the request says {THINKING_OFF[format][1]})"
+            raise RecipeError(f"not a {format} request the recipe accepts: {why}") from None
 
     def render(self, body: dict, format: str) -> str:
         """The prompt text the encoding renders for `body` (special tokens spelled out)."""
