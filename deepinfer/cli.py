@@ -328,7 +328,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         requests = [PromptRequest("--prompt", "prompt", "prompt", args.prompt)]
     else:
         requests = read_prompts_file(args.prompts_file)
-    [request.params(base) for request in requests]  # bad sampling lines are refused before the model loads
+    for request in requests:  # bad sampling lines are refused before the model loads
+        request.params(base)
     llm = LLM(args.model, config)
     params = [request.params(base, llm) for request in requests]
     prompts = [request.prompt_ids(llm) for request in requests]

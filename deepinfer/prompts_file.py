@@ -30,6 +30,7 @@ from deepinfer.sampling_params import MAX_JSON_NESTING, TOOL_CALL, SamplingParam
 if TYPE_CHECKING:
     from deepinfer.engine.llm import LLM
     from deepinfer.outputs import RequestOutput
+    from deepinfer.recipe.official import ClientRequest
 
 MAX_LINE_BYTES = 64 << 20  # a request line (a 1M-token prompt is ~4 MB of text)
 MAX_FILE_BYTES = 1 << 30
@@ -50,11 +51,20 @@ class PromptRequest:
     sampling: dict = field(default_factory=dict)
     tool_choice: str | dict | None = None
     thinking: dict | None = None
+    _converted: tuple | None = field(default=None, repr=False, compare=False)  # (protocol, its ClientRequest)
 
     def body(self) -> dict:
         """A messages line's Chat Completions body."""
         body = chat_body(self.value, self.tools, self.tool_choice)
         return body if self.thinking is None else {**body, "thinking": self.thinking}
+
+    def client_request(self, llm: LLM) -> ClientRequest:
+        """A messages line's body as `llm`'s protocol converts and encodes it (once per protocol: its
+        params, prompt and answer all read it)."""
+        protocol = llm.host.protocol()
+        if self._converted is None or self._converted[0] is not protocol:
+            self._converted = (protocol, protocol.request(self.body(), "chat"))
+        return self._converted[1]
 
     def params(self, base: dict | None = None, llm: LLM | None = None) -> SamplingParams:
         """`base` defaults overridden by this line's `sampling` object; `structured="tool_call"` is made
@@ -69,24 +79,22 @@ class PromptRequest:
                 if self.source != "messages":
                     raise DeepInferError("structured='tool_call' needs a 'messages' request with tools")
                 if llm is not None:
-                    protocol = llm.host.protocol()
-                    settings["structured"] = protocol.constraint(protocol.request(self.body(), "chat"),
-                                                                 tool_calls_only=True)
+                    settings["structured"] = llm.host.protocol().constraint(self.client_request(llm),
+                                                                            tool_calls_only=True)
             return SamplingParams(**settings)
         except DeepInferError as err:
             raise DeepInferError(f"{self.where}: {err}", kind=err.kind) from None
 
     def message(self, llm: LLM, output: RequestOutput) -> dict:
         """The assistant message a messages line's output answers with, parsed by the recipe."""
-        protocol = llm.host.protocol()
-        return protocol.message(protocol.request(self.body(), "chat"), f"chatcmpl-{output.request_id}",
-                                output.token_ids, output.finish_reason)
+        return llm.host.protocol().message(self.client_request(llm), f"chatcmpl-{output.request_id}",
+                                           output.token_ids, output.finish_reason)
 
     def prompt_ids(self, llm: LLM) -> list[int]:
         """The prompt as token ids, checked against the engine's limits."""
         try:
             if self.source == "messages":
-                return llm.encode(llm.host.protocol().request(self.body(), "chat").prompt_ids)
+                return llm.encode(self.client_request(llm).prompt_ids)
             return llm.encode(self.value)
         except DeepInferError as err:
             raise err.at(self.where) from None
