@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from deepinfer.audit.compare import compare_streams, summarize
 from deepinfer.audit.errors import AuditError
 from deepinfer.audit.files import atomic_write, json_bytes
+from deepinfer.audit.manifest import describe_protocol
 from deepinfer.audit.store import MANIFEST, ROOT, STREAMS, Run, check_run, file_digests, read_run
 from deepinfer.audit.streams import HEX_DIGEST, canonical_json
 
@@ -211,7 +212,10 @@ def build_certificate(
     """An unsealed certificate for finished runs under `out_dir` (where certificate.json will live).
 
     Each configuration is {"name", "role", "config", "run"} with `run` relative to out_dir; roots, file
-    digests and the comparison against the reference run are read and computed here.
+    digests and the comparison against the reference run are read and computed here. `checkpoint` (the
+    reference run's manifest section) states what prompts were rendered with: a configuration whose run
+    was rendered with another protocol (encoding, deepseek-recipe version) or tokenizer is refused,
+    since the certificate states one.
     """
     base = Path(out_dir)
     names = [c.get("name") for c in configurations]
@@ -224,6 +228,7 @@ def build_certificate(
         if given["role"] not in ROLES:
             raise AuditError(f"configuration {given['name']!r}: role {given['role']!r} is not one of {ROLES}")
         runs[given["name"]] = read_run(_run_dir(base, given["run"], f"configuration {given['name']!r}"))
+        _check_rendering(given["name"], checkpoint, runs[given["name"]].manifest)
     if [c["name"] for c in configurations if c["role"] == "reference"] != [reference]:
         raise AuditError(f"{reference!r} must be the one configuration with role 'reference'")
     reference_streams = runs[reference].streams
@@ -257,6 +262,35 @@ def build_certificate(
     }
     _check_structure(seal(cert), base / CERTIFICATE)  # what is built here must load again
     return cert
+
+
+def _rendering_claims(checkpoint: dict, manifest: dict) -> list[tuple[str, object, object]]:
+    """(what, the run's manifest, the certificate's checkpoint) for what prompts were rendered with:
+    the protocol (encoding and deepseek-recipe version) and the tokenizer's content hash. Manifests and
+    certificates made before either was recorded lack it on both sides, and agree."""
+    recorded = manifest.get("checkpoint") if isinstance(manifest.get("checkpoint"), dict) else {}
+    return [("prompt protocol", recorded.get("protocol"), checkpoint.get("protocol")),
+            ("tokenizer", _tokenizer_hash(recorded), _tokenizer_hash(checkpoint))]
+
+
+def _tokenizer_hash(checkpoint: dict) -> object:
+    tokenizer = checkpoint.get("tokenizer")
+    return tokenizer.get("content_hash") if isinstance(tokenizer, dict) else None
+
+
+def _check_rendering(name: str, checkpoint: dict, manifest: dict) -> None:
+    """AuditError when the run of configuration `name` rendered its prompts otherwise than `checkpoint` states."""
+    for what, found, stated in _rendering_claims(checkpoint, manifest):
+        if found != stated:
+            raise AuditError(f"configuration {name!r}: its run rendered prompts with {_in_words(what, found)}, the "
+                             f"certified checkpoint states {_in_words(what, stated)}; a certificate states one: "
+                             "record every configuration with it")
+
+
+def _in_words(what: str, value: object) -> str:
+    if what == "prompt protocol":
+        return describe_protocol(value)
+    return f"tokenizer {value}" if value is not None else "no tokenizer"
 
 
 def _content_hash(cert: dict) -> str:
@@ -592,11 +626,13 @@ def verify_certificate(cert_path: str | os.PathLike, public_key_pem: bytes | Non
 
 
 def _manifest_problems(cert: dict, configuration: dict, manifest: dict, name: str) -> list[str]:
-    """A run must be of the certified suite and checkpoint, under the configuration it is listed as, and
-    (where the certificate states it) on the CPU instruction sets it states."""
+    """A run must be of the certified suite and checkpoint, its prompts rendered with the protocol and
+    tokenizer the certified checkpoint states, under the configuration it is listed as, and (where the
+    certificate states it) on the CPU instruction sets it states."""
     claims = [
         ("suite", (manifest.get("suite") or {}).get("content_hash"), cert["suite"].get("content_hash")),
         ("checkpoint", (manifest.get("checkpoint") or {}).get("content_hash"), cert["checkpoint"].get("content_hash")),
+        *_rendering_claims(cert["checkpoint"], manifest),
         ("configuration", manifest.get("variant"), configuration["config"]),
     ]
     if "cpu_isa" in configuration:

@@ -26,3 +26,13 @@ def build_manifest(*, engine: dict, checkpoint: dict, suite: dict, seeds: dict, 
         "seeds": seeds,
         "variant": variant,
     }
+
+
+def describe_protocol(protocol: object) -> str:
+    """A manifest's `checkpoint.protocol` (what prompts are rendered with) in words, for messages:
+    "the v4 encoding (deepseek-recipe 0.2.0)"; "no recorded protocol" for manifests written before it."""
+    if not isinstance(protocol, dict):
+        return "no recorded protocol"
+    encoding = f"the {protocol.get('encoding')} encoding" if protocol.get("encoding") else "no official encoding"
+    recipe = f"deepseek-recipe {protocol['recipe']}" if protocol.get("recipe") else "deepseek-recipe not installed"
+    return f"{encoding} ({recipe})"

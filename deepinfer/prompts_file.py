@@ -51,10 +51,11 @@ class PromptRequest:
     sampling: dict = field(default_factory=dict)
     tool_choice: str | dict | None = None
     thinking: dict | None = None
+    format: str = "chat"  # the body's request format (recipe.official.FORMATS)
     _converted: tuple | None = field(default=None, repr=False, compare=False)  # (protocol, its ClientRequest)
 
     def body(self) -> dict:
-        """A messages line's Chat Completions body."""
+        """A messages line's request body (a request file's: Chat Completions)."""
         body = chat_body(self.value, self.tools, self.tool_choice)
         return body if self.thinking is None else {**body, "thinking": self.thinking}
 
@@ -63,7 +64,7 @@ class PromptRequest:
         params, prompt and answer all read it)."""
         protocol = llm.host.protocol()
         if self._converted is None or self._converted[0] is not protocol:
-            self._converted = (protocol, protocol.request(self.body(), "chat"))
+            self._converted = (protocol, protocol.request(self.body(), self.format))
         return self._converted[1]
 
     def params(self, base: dict | None = None, llm: LLM | None = None) -> SamplingParams:
@@ -89,6 +90,11 @@ class PromptRequest:
         """The assistant message a messages line's output answers with, parsed by the recipe."""
         return llm.host.protocol().message(self.client_request(llm), f"chatcmpl-{output.request_id}",
                                            output.token_ids, output.finish_reason)
+
+    def respond(self, llm: LLM, response_id: str, output: RequestOutput) -> dict:
+        """The response object, in the body's format, that `output` answers with, parsed by the recipe."""
+        return llm.host.protocol().respond(self.client_request(llm), response_id, output.token_ids,
+                                           output.finish_reason)
 
     def prompt_ids(self, llm: LLM) -> list[int]:
         """The prompt as token ids, checked against the engine's limits."""

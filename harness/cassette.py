@@ -2,16 +2,18 @@
 
 A cassette is JSONL, editable by hand. Line 1 is the header:
 
-    {"format": "deepinfer-cassette/2", "mode": "teacher-forced" | "free-running", "run_seed": 0,
+    {"format": "deepinfer-cassette/3", "mode": "teacher-forced" | "free-running", "run_seed": 0,
      "traces": {"path": ..., "content_hash": ...}, "errors": [{"line": N, "message": ...}],
      "prefill": {"prompt_tokens": ..., "unique_tokens": ...}, "manifest": {...},
      "seal": {"algorithm": "sha256", "header": {field: digest}, "entries": [digest, ...]}}
 
 `manifest` is the audit run manifest of the recording engine (checkpoint content hash, engine
 configuration, hardware and software, git state); `errors` are the trace file's malformed lines. Each
-other line is one episode of the trace file in its canonical Chat Completions form, plus `recorded`:
-per turn the token ids, fp32 logprobs, top-2 logprobs, finish reason, text, parsed message and stream
-hashes, and the episode's outcome. Verifying replays every episode from its inputs in the recorded mode
+other line is one episode of the trace file in its client's own format (`Episode.to_json`: a continued
+Responses conversation whole), plus `recorded`: per turn the token ids, fp32 logprobs, top-2 logprobs,
+finish reason, text, the conversation entries the recipe parsed from them and stream hashes, and the
+episode's outcome. Format 3 prompts every turn through DeepSeek's official encoding; earlier formats are
+refused in one line that says to record again. Verifying replays every episode from its inputs in the recorded mode
 and compares it with `recorded`.
 
 `seal` holds the SHA-256 of each other header field (its canonical JSON) and of each episode line as
@@ -30,6 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from deepinfer.audit.files import atomic_write
+from deepinfer.audit.manifest import describe_protocol
 from deepinfer.audit.streams import HEX_DIGEST, canonical_json
 from deepinfer import LLM
 from deepinfer.errors import DeepInferError
@@ -50,8 +53,11 @@ from deepinfer.harness.suite_registry import file_hash
 from deepinfer.harness.sweep import Variant, variant_from_dict
 from deepinfer.harness.traces import Episode, Recording, TraceError, load_traces, parse_trace_lines
 
-CASSETTE_FORMAT = "deepinfer-cassette/2"
-_UNSEALED_FORMAT = "deepinfer-cassette/1"
+CASSETTE_FORMAT = "deepinfer-cassette/3"
+_OLDER_FORMATS = {  # what an earlier format lacks, and why it cannot be verified
+    "deepinfer-cassette/1": "is not sealed against changes",
+    "deepinfer-cassette/2": "was prompted with the V3-era chat template, not DeepSeek's official encoding",
+}
 _HEADER_KEYS = {"format", "mode", "run_seed", "traces", "errors", "prefill", "manifest", "seal"}
 
 
@@ -186,17 +192,9 @@ def _check_seal(seal: dict, lines: list[tuple[int, str]], path: Path
 
 def verify_cassette(llm: LLM, cassette: Cassette) -> ReplayReport:
     """Replay the cassette's episodes on `llm` and compare each with its recording. The trace file's
-    malformed lines are listed as `malformed` (there is nothing of theirs to reproduce)."""
-    checkpoint = cassette.header["manifest"]["checkpoint"]
-    recorded_with = checkpoint["content_hash"]
-    if llm.model_id != recorded_with:
-        raise DeepInferError(f"{cassette.path}: recorded with checkpoint {recorded_with}, "
-                             f"but the engine has {llm.model_id}")
-    recorded_tokenizer = (checkpoint.get("tokenizer") or {}).get("content_hash")  # older cassettes lack it
-    serving_tokenizer = llm.tokenizer.content_hash if llm.tokenizer is not None else None
-    if "tokenizer" in checkpoint and recorded_tokenizer != serving_tokenizer:
-        raise DeepInferError(f"{cassette.path}: recorded with tokenizer {recorded_tokenizer}, "
-                             f"but the engine has {serving_tokenizer}")
+    malformed lines are listed as `malformed` (there is nothing of theirs to reproduce). A cassette
+    `llm` cannot reproduce is refused first (`_check_recorded_with`)."""
+    _check_recorded_with(llm, cassette)
     runs, hits = _replay_counting_hits(llm, cassette.episodes, cassette.mode, cassette.header["run_seed"])
     found = [(e.line, _verify_episode(run, llm)) for e, run in zip(cassette.episodes, runs)]
     found += [(e.line, EpisodeResult(f"line-{e.line}", "error", detail=e.message)) for e in cassette.errors]
@@ -207,6 +205,39 @@ def verify_cassette(llm: LLM, cassette: Cassette) -> ReplayReport:
                  for e in cassette.header["errors"]]
     return ReplayReport(cassette.mode, malformed + [r for _, r in sorted(found, key=lambda item: item[0])],
                         prefill_cost(runs), hits)
+
+
+def _check_recorded_with(llm: LLM, cassette: Cassette) -> None:
+    """Refuse, in one line, a cassette recorded under another prompt encoding (every prompt would be
+    rendered otherwise), with another checkpoint, or with another tokenizer (prompt ids would differ).
+    A different deepseek-recipe version under the same encoding proceeds: verification compares every
+    turn's prompt hash, so a prompt the other version renders otherwise is reported as diverged there.
+    A cassette recorded before its manifest held the protocol (or the tokenizer) proceeds too: the
+    checkpoint is still checked and every prompt compared turn by turn, and refusing it would leave
+    re-recording, which proves nothing about the old recording, as the only way to check it."""
+    checkpoint = cassette.header["manifest"]["checkpoint"]
+    if "protocol" in checkpoint:
+        _check_encoding(llm, cassette.path, checkpoint["protocol"])
+    recorded_with = checkpoint["content_hash"]
+    if llm.model_id != recorded_with:
+        raise DeepInferError(f"{cassette.path}: recorded with checkpoint {recorded_with}, "
+                             f"but the engine has {llm.model_id}")
+    recorded_tokenizer = (checkpoint.get("tokenizer") or {}).get("content_hash")
+    serving_tokenizer = llm.tokenizer.content_hash if llm.tokenizer is not None else None
+    if "tokenizer" in checkpoint and recorded_tokenizer != serving_tokenizer:
+        raise DeepInferError(f"{cassette.path}: recorded with tokenizer {recorded_tokenizer}, "
+                             f"but the engine has {serving_tokenizer}")
+
+
+def _check_encoding(llm: LLM, path: Path, recorded: object) -> None:
+    """The header's `checkpoint.protocol` must name the encoding `llm` renders prompts with."""
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("encoding"), str):
+        raise DeepInferError(f"{path}: the header's manifest.checkpoint.protocol names no encoding")
+    serving = llm.host.family.encoding
+    if recorded["encoding"] != serving:
+        raise DeepInferError(f"{path}: recorded under {describe_protocol(recorded)}, this engine renders prompts "
+                             f"with {serving}: replay it with a {recorded['encoding']} checkpoint or record a new "
+                             "cassette")
 
 
 def cassette_engine(cassette: Cassette, model: str | None = None, **overrides: str | None) -> LLM:
@@ -243,8 +274,8 @@ def _header(line: str, path: Path) -> dict:
         header = json.loads(line)
     except json.JSONDecodeError:
         header = None
-    if isinstance(header, dict) and header.get("format") == _UNSEALED_FORMAT:
-        raise DeepInferError(f"{path}:1: a {_UNSEALED_FORMAT} cassette is not sealed against changes: "
+    if isinstance(header, dict) and header.get("format") in _OLDER_FORMATS:
+        raise DeepInferError(f"{path}:1: a {header['format']} cassette {_OLDER_FORMATS[header['format']]}: "
                              "record it again with `deepinfer audit replay record`")
     if not isinstance(header, dict) or header.get("format") != CASSETTE_FORMAT:
         raise DeepInferError(f"{path}:1: not a cassette (the first line must be a {CASSETTE_FORMAT} header)")

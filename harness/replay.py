@@ -3,18 +3,20 @@
 Two modes:
 - teacher-forced: every assistant turn is regenerated from the recorded history; the turns of all
   episodes are independent, so they are served as one batch.
-- free-running: the model's own turns (its exact tokens) feed forward. After a turn with tool calls a
-  `ToolStub` answers each call from the trace (matched by tool name and canonical JSON arguments);
-  after a turn without calls the trace's next user message follows, and when there is none the
-  episode is complete. A call the trace did not record ends the episode at that turn. Episodes run
-  in lockstep, one batch per round.
+- free-running: the model's own turns feed forward, as a client would send them back: the recipe parses
+  each generated turn into the client's response shape, its entries extend the conversation, and the
+  next turn is the recipe's encoding of that request body. After a turn with tool calls a `ToolStub`
+  answers each call from the trace (matched by tool name and canonical JSON arguments); after a turn
+  without calls the trace's next user entries follow, and when there are none the episode is complete.
+  A call the trace did not record ends the episode at that turn. Episodes run in lockstep, one batch
+  per round.
 
 Each replay is judged against a reference, giving one `EpisodeResult` per episode: against the trace
 itself (`against_trace`: teacher-forced turns are compared token by token with the trace's own
 assistant turns; free-running episodes report how they ended) or against a recording of an earlier
 replay (`against_recording`: the first turn, token and top-2 margins where the two differ).
 
-Every turn's prompt extends the previous turn's prompt; `prefill_cost` measures how much of the
+A turn's prompt usually extends the previous turn's prompt; `prefill_cost` measures how much of the
 prefill repeats, and the engine's prefix cache (on by default) computes each shared prefix once:
 the turns are submitted together, and a turn waits while another computes the blocks it shares.
 
@@ -35,8 +37,8 @@ from deepinfer.audit.streams import STREAM_SCHEMA, stream_hashes
 from deepinfer import LLM, RequestOutput, SamplingParams
 from deepinfer.errors import DeepInferError
 from deepinfer.progress import Progress
-from deepinfer.recipe.chat import ChatPrompt, content_text, encode_chat, parse_completion, render_chat
-from deepinfer.harness.suite_base import generated_fields
+from deepinfer.harness.suite_base import SuiteRequest, generated_fields
+from deepinfer.harness.trace_bodies import CONVERSATION, recorded_message, response_calls, response_entries, tool_outputs
 from deepinfer.harness.traces import Episode, RecordedTurn, Recording, ToolResult, canonical_arguments, turn_request_id
 
 MODES = ("teacher-forced", "free-running")
@@ -146,61 +148,80 @@ def teacher_forced(llm: LLM, episodes: list[Episode], run_seed: int = 0, progres
     """Regenerate every assistant turn from its recorded history. A turn whose prompt the engine
     refuses ends its episode there (later turns only have longer prompts). Progress counts turns."""
     runs = [EpisodeRun(e, "teacher-forced", []) for e in episodes]
-    jobs: list[tuple[EpisodeRun, int, list[int], SamplingParams, list[int]]] = []
+    jobs: list[tuple[EpisodeRun, int, SuiteRequest, list[int], SamplingParams, list[int] | None]] = []
     for run in runs:
         episode = run.episode
         for turn in range(1, episode.turns + 1):
             request = episode.request(turn)
             try:
-                prompt, params = request.prompt_ids(llm), request.params(run_seed)
+                prompt, params = request.prompt_ids(llm), request.params(run_seed, llm)
                 llm.check_params(params)  # a constraint that does not compile refuses the turn here
             except DeepInferError as err:
                 run.ending = _refused(episode, turn, err)
                 break
-            position = episode.turn_positions[turn - 1]
-            full = encode_chat(llm.tokenizer, episode.messages[: position + 1], episode.tools,
-                               add_generation_prompt=False)
-            jobs.append((run, turn, prompt, params, full[len(prompt):]))
+            jobs.append((run, turn, request, prompt, params, _traced_turn(llm, episode, turn, prompt)))
     with Progress("replay teacher-forced", len(jobs), enabled=progress, unit="turns") as bar:
-        outputs = _generate(llm, [(job[2], job[3]) for job in jobs], bar, count_outputs=True)
-    for (run, turn, prompt, params, target), output in zip(jobs, outputs):
-        run.turns.append(TurnRun(prompt, _record(turn, prompt, params, output), target))
+        outputs = _generate(llm, [(job[3], job[4]) for job in jobs], bar, count_outputs=True)
+    for (run, turn, request, prompt, params, target), output in zip(jobs, outputs):
+        run.turns.append(TurnRun(prompt, _record(llm, run.episode, turn, request, prompt, params, output)[0], target))
     return runs
+
+
+def _traced_turn(llm: LLM, episode: Episode, turn: int, prompt: list[int]) -> list[int] | None:
+    """The trace's own turn `turn` as token ids: what its encoding holds after the turn's prompt, up to
+    and with the end-of-sentence token that closes an assistant turn. None where the encoding of the
+    conversation through the turn does not extend the prompt (the encoding changed the history)."""
+    protocol = llm.host.protocol()
+    conversation = episode.conversation
+    try:
+        full = protocol.request(conversation.through(turn), conversation.recipe_format).prompt_ids
+    except DeepInferError:
+        return None
+    start = len(prompt)
+    if full[:start] != prompt:
+        # a turn without reasoning is rendered `</think>answer` where the thinking prompt ends in `<think>`:
+        # the model writes it as an empty reasoning, `</think>answer`
+        if not (prompt[-1:] == protocol.encoder.tokenizer.encode("<think>") and full[: start - 1] == prompt[:-1]):
+            return None
+        start -= 1
+    rest = full[start:]
+    return rest[: rest.index(protocol.eos_id[0]) + 1] if protocol.eos_id[0] in rest else rest
 
 
 @dataclass
 class _Running:
-    """A free-running episode between rounds."""
+    """A free-running episode between rounds: the conversation so far, as its client's body."""
 
     run: EpisodeRun
     stub: ToolStub
-    users: deque[list[dict]]
-    prompt: list[int] | None = None
+    users: deque[list[tuple[int, dict]]]
+    body: dict
     answered: int = 0  # tool calls the stub answered
 
 
 def free_running(llm: LLM, episodes: list[Episode], run_seed: int = 0, progress: bool = True) -> list[EpisodeRun]:
     """Progress counts episodes as they end (their number of turns is not known ahead)."""
-    states = [_Running(EpisodeRun(e, "free-running", []), ToolStub(e.tool_results), deque(_user_blocks(e)))
-              for e in episodes]
-    for state in states:
-        try:
-            state.prompt = state.run.episode.request(1).prompt_ids(llm)
-            llm.check_params(state.run.episode.params(1, run_seed))  # every turn has the episode's constraint
-        except DeepInferError as err:
-            state.run.ending = _refused(state.run.episode, 1, err)
+    states = [_Running(EpisodeRun(e, "free-running", []), ToolStub(e.tool_results),
+                       deque(e.conversation.user_blocks()), e.conversation.before(1)) for e in episodes]
     with Progress("replay free-running", len(states), enabled=progress, unit="episodes") as bar:
         while active := [s for s in states if s.run.ending is None]:
             bar.update(len(states) - len(active) - bar.done)  # the episodes that ended since the last round
             jobs = []
             for state in active:
                 turn = len(state.run.turns) + 1
-                jobs.append((state, turn, state.prompt, state.run.episode.params(turn, run_seed)))
-            outputs = _generate(llm, [(job[2], job[3]) for job in jobs], bar, count_outputs=False)
-            for (state, turn, prompt, params), output in zip(jobs, outputs):
-                record = _record(turn, prompt, params, output)
+                request = state.run.episode.request(turn, state.body)
+                try:
+                    prompt, params = request.prompt_ids(llm), request.params(run_seed, llm)
+                    llm.check_params(params)
+                except DeepInferError as err:
+                    state.run.ending = _refused(state.run.episode, turn, err)
+                    continue
+                jobs.append((state, turn, request, prompt, params))
+            outputs = _generate(llm, [(job[3], job[4]) for job in jobs], bar, count_outputs=False)
+            for (state, turn, request, prompt, params), output in zip(jobs, outputs):
+                record, response = _record(llm, state.run.episode, turn, request, prompt, params, output)
                 state.run.turns.append(TurnRun(prompt, record))
-                _feed_forward(llm, state, turn, output.token_ids, record.message)
+                _feed_forward(state, turn, response)
         bar.update(len(states) - bar.done)
     return [s.run for s in states]
 
@@ -223,38 +244,32 @@ def _generate(llm: LLM, jobs: list[tuple[list[int], SamplingParams]], bar: Progr
     return [done[i] for i in ids]
 
 
-def _feed_forward(llm: LLM, state: _Running, turn: int, token_ids: list[int], message: dict) -> None:
-    """The next prompt after the model's turn: its own tokens (closed with EOS if it was cut off), then
-    the stub's answers to its calls or the next user message, then the generation prompt. Sets
-    `ending` instead when the episode is over."""
+def _feed_forward(state: _Running, turn: int, response: dict) -> None:
+    """The next request after the model's turn: the conversation, the model's response as the recipe
+    parsed it (in the client's shape), then the stub's answers to its calls or the next user entries.
+    Sets `ending` instead when the episode is over."""
     episode = state.run.episode
-    calls = message.get("tool_calls", [])
+    conversation = episode.conversation
+    calls = response_calls(episode.format, response)
     if calls:
-        replies = []
+        answers = []
         for call in calls:
-            content, why = state.stub.answer(call["function"]["name"], call["function"]["arguments"])
+            content, why = state.stub.answer(call.name, call.arguments)
             if content is None:
                 state.run.ending = EpisodeResult(episode.episode_id, "unrecorded_call", turn, detail=why)
                 return
-            replies.append((f"recorded result of tool call {call['id']}",
-                            {"role": "tool", "tool_call_id": call["id"], "content": content}))
+            answers.append(content)
         state.answered += len(calls)
+        replies = tool_outputs(episode.format, calls, answers, conversation.custom_tools)
     elif state.users:
-        replies = [(f"trace message {position}", message) for position, message in state.users.popleft()]
+        replies = [entry for _, entry in state.users.popleft()]
     else:
         state.run.ending = EpisodeResult(
             episode.episode_id, "completed",
             detail=f"{turn} turn(s) and {state.answered} tool call(s) answered; the trace has {episode.turns} turn(s)")
         return
-    eos = llm.tokenizer.eos_id
-    closed = list(token_ids) if token_ids and token_ids[-1] == eos else [*token_ids, eos]
-    try:
-        for where, reply in replies:  # unreadable content (an image) is refused naming where it is
-            content_text(reply["content"], f"{where}: content")
-        continuation = _continuation(calls, [reply for _, reply in replies])
-        state.prompt = llm.encode(state.prompt + closed + continuation.token_ids(llm.tokenizer))
-    except DeepInferError as err:
-        state.run.ending = _refused(episode, turn + 1, err)
+    history = state.body[CONVERSATION[episode.format]]
+    state.body = conversation.with_entries([*history, *response_entries(episode.format, response), *replies])
 
 
 def _refused(episode: Episode, turn: int, error: DeepInferError) -> EpisodeResult:
@@ -263,38 +278,21 @@ def _refused(episode: Episode, turn: int, error: DeepInferError) -> EpisodeResul
     return EpisodeResult(episode.episode_id, "error", turn, detail=f"{error.kind}: {error.detail}")
 
 
-def _continuation(calls: list[dict], replies: list[dict]) -> ChatPrompt:
-    """The prompt that follows an assistant turn: `replies` (tool results or user messages) and the
-    generation prompt, as the chat template writes them after an exchange that ends with `calls`."""
-    head = [{"role": "user", "content": ""}, {"role": "assistant", "content": "", "tool_calls": calls}]
-    return render_chat(head + replies).after(render_chat(head, add_generation_prompt=False))
-
-
-def _user_blocks(episode: Episode) -> list[list[tuple[int, dict]]]:
-    """The runs of consecutive user messages after the first assistant turn (what the user says next),
-    each message with its position in the trace."""
-    blocks: list[list[tuple[int, dict]]] = []
-    previous = None
-    for position in range(episode.turn_positions[0], len(episode.messages)):
-        message = episode.messages[position]
-        if message["role"] == "user":
-            if previous != "user":
-                blocks.append([])
-            blocks[-1].append((position, message))
-        previous = message["role"]
-    return blocks
-
-
-def _record(turn: int, prompt: list[int], params: SamplingParams, output: RequestOutput) -> RecordedTurn:
-    """The turn's outputs, hashed exactly as `harness.record` hashes a run's rows (params without defaults)."""
+def _record(llm: LLM, episode: Episode, turn: int, request: SuiteRequest, prompt: list[int], params: SamplingParams,
+            output: RequestOutput) -> tuple[RecordedTurn, dict]:
+    """The turn's outputs, hashed exactly as `harness.record` hashes a run's rows (params without
+    defaults), and the response object the recipe parses them into (what the recorded turn keeps of it:
+    the entries it adds to the conversation)."""
     fields = generated_fields(params.to_dict(skip_defaults=True), output)
     hashes = stream_hashes(prompt, fields["params"], output.token_ids, output.logprobs, output.finish_reason)
-    return RecordedTurn(
+    response = request.request.respond(llm, request.request_id, output)
+    record = RecordedTurn(
         turn=turn, prompt_hash=hashes.prompt_hash, token_ids=list(output.token_ids), logprobs=list(output.logprobs),
         top_token_ids=fields["top_token_ids"], top_logprobs=fields["top_logprobs"],
-        finish_reason=output.finish_reason, text=output.text, message=parse_completion(output.text or ""),
+        finish_reason=output.finish_reason, text=output.text, message=recorded_message(episode.format, response),
         token_hash=hashes.token_hash, logit_hash=hashes.logit_hash,
     )
+    return record, response
 
 
 # judging ------------------------------------------------------------------------------------------
@@ -309,7 +307,10 @@ def against_trace(run: EpisodeRun, llm: LLM) -> EpisodeResult:
         assert run.ending is not None, "a free-running replay always ends"
         return run.ending
     for turn in run.turns:
-        target = turn.target_ids or []
+        if turn.target_ids is None:
+            return EpisodeResult(episode_id, "error", turn.record.turn, detail="the trace's own turn cannot be cut from "
+                                 "its encoding (the conversation through it does not extend the turn's prompt)")
+        target = turn.target_ids
         ids = turn.record.token_ids
         position = next((j for j, (a, b) in enumerate(zip(ids, target)) if a != b), None)
         if position is None and len(ids) != len(target):

@@ -10,11 +10,14 @@ and `DeepInferLM` (the requests lm-eval sends, harness/lm_eval_model.py) both go
                           prefix cache was asked for and supplied; timing is never hashed)
 
 A resumed run (`open_run(..., resume=True)`) must have the same manifest, except the fields that may
-differ between sessions (the checkpoint's path); a damaged stats.json stops it before any work.
+differ between sessions (the checkpoint's path); a damaged stats.json stops it before any work. Its rows
+must also have been rendered with the same prompt protocol (encoding and deepseek-recipe version): a run
+recorded before manifests held the protocol cannot be resumed, since what rendered its prompts is unknown.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import time
 from dataclasses import asdict
@@ -22,11 +25,12 @@ from pathlib import Path
 
 from deepinfer.audit.errors import AuditError
 from deepinfer.audit.files import atomic_write, json_bytes
-from deepinfer.audit.manifest import build_manifest
+from deepinfer.audit.manifest import build_manifest, describe_protocol
 from deepinfer.audit.store import MANIFEST, ROOT, STATS, RunStore, make_row, read_run
 from deepinfer import LLM
 from deepinfer.errors import DeepInferError
 from deepinfer.parallel import placement_digest
+from deepinfer.recipe.official import recipe_version
 from deepinfer.harness.environment import engine_version, environment_fingerprint, git_state
 
 __all__ = ["FLUSH_ROWS", "FLUSH_SECONDS", "STATS_FILE", "RunWriter", "completed_root", "open_run", "read_stats",
@@ -50,18 +54,31 @@ def run_manifest(llm: LLM, model: str | Path | None, *, suite: dict, run_seed: i
     `engine` is the engine's `EngineConfig` as resolved (max_model_len filled in; its seed is the run
     seed, recorded under `seeds`), plus what it derived from it: the blocks each cache pool got, the
     step budget, and the parallel layout (world size, degrees, the hash of the experts' placement).
-    `checkpoint` names the model family, how the checkpoint stores its weights and the tokenizer served
-    with it (where it came from, the sha256 of its tokenizer.json, its size; None without one)."""
+    `checkpoint` names the model family, how the checkpoint stores its weights, the tokenizer served
+    with it (where it came from, the sha256 of its tokenizer.json, its size; None without one) and
+    what prompts are rendered with (`protocol`: the family's encoding and the deepseek-recipe version)."""
     return build_manifest(
         engine={**{k: v for k, v in asdict(llm.engine_config).items() if k != "seed"},  # seeds has it
                 "cache_blocks": llm.cache.num_blocks, "step_budget": llm.max_num_batched_tokens,
                 "parallel": {**llm.layout.describe(), "expert_placement": _placement(llm)}},
         checkpoint={"path": str(model) if model is not None else None, "content_hash": llm.model_id,
                     "family": llm.config.model_type, "formats": llm.stored_formats,
-                    "tokenizer": llm.tokenizer.describe() if llm.tokenizer is not None else None},
+                    "tokenizer": llm.tokenizer.describe() if llm.tokenizer is not None else None,
+                    "protocol": _protocol(llm)},
         suite=suite, seeds={"run_seed": run_seed}, variant=variant,
         environment=environment_fingerprint(), git=git_state(), engine_version=engine_version(),
     )
+
+
+def _protocol(llm: LLM) -> dict:
+    """What `llm` renders chat prompts with: its family's official encoding (as `ModelHost.protocol`
+    takes it) and the deepseek-recipe version (None where it is not installed: it ships Linux x86-64
+    wheels only, and a manifest must never be the reason a run fails)."""
+    try:
+        recipe = recipe_version()
+    except importlib.metadata.PackageNotFoundError:
+        recipe = None
+    return {"encoding": llm.host.family.encoding, "recipe": recipe}
 
 
 def _placement(llm: LLM) -> str | None:
@@ -178,9 +195,20 @@ def read_stats(run_dir: Path) -> dict:
 
 
 def _check_same_run(run_dir: Path, stored: dict, wanted: dict) -> None:
+    _check_same_protocol(run_dir, (stored.get("checkpoint") or {}).get("protocol"), wanted["checkpoint"]["protocol"])
     for key in _RESUMED_SECTIONS:
         if _comparable(stored.get(key)) != _comparable(wanted[key]):
             raise AuditError(f"{run_dir}: cannot resume: its {key} differs from this invocation's")
+
+
+def _check_same_protocol(run_dir: Path, recorded: object, wanted: dict) -> None:
+    """Rows rendered with another encoding or deepseek-recipe version are not the same run's."""
+    if recorded is None:
+        raise AuditError(f"{run_dir}: cannot resume: its manifest predates the record of the prompt protocol "
+                         "(checkpoint.protocol); record the run again in a new folder")
+    if recorded != wanted:
+        raise AuditError(f"{run_dir}: cannot resume: recorded under {describe_protocol(recorded)}, this "
+                         f"invocation renders prompts with {describe_protocol(wanted)}")
 
 
 def _comparable(section: object) -> object:

@@ -1,35 +1,39 @@
 """Agent traces: the JSONL episode format that replay reads, its validation, and the `traces` suite.
 
-One episode per line, in the OpenAI Chat Completions shape:
+One episode per line, in the shape its client wrote (`format`: "chat", the default, "anthropic" or
+"responses"), with the request fields of that client's API and what a trace adds:
 
-    {"id": "weather-1", "messages": [...], "tools": [...], "sampling": {...}, "metadata": {...},
-     "recorded": {"turns": [...], "outcome": {...}}}
+    {"id": "weather-1", "messages": [...], "tools": [...], "tool_choice": ..., "thinking": {...},
+     "sampling": {...}, "metadata": {...}, "recorded": {"turns": [...], "outcome": {...}}}
 
-- `messages`: system / developer / user / assistant (with `tool_calls`) / tool (with `tool_call_id`)
-  messages, as deepinfer.recipe.chat accepts them (its docstring lists what it renders and what it
-  keeps unrendered). Each assistant message is one *turn*; turns count from 1. Legacy shapes are
-  converted on reading: an assistant `function_call` becomes one tool call with id `call_<message
-  index>` (a message with both `function_call` and `tool_calls` is an error); a `function` message
-  becomes a tool message (keeping its `name`) answering the unanswered call of that name in the
-  assistant message before it; a tool message's null content becomes "".
-- `tools` (optional): Chat Completions tools, or the legacy `functions` list (not both). `sampling`
-  (optional): SamplingParams fields; a turn without a `seed` gets one derived from the run seed and
-  its request id `<id>/turn-<k>`. `tool_choice` (optional; each format's own shape, kept in the Chat
-  Completions one): with `"structured": "tool_call"` in `sampling`, every replayed turn is constrained
-  to tool calls of `tools` as it allows ("required" or a named function).
-- `id` (optional, default `line-N`) must be unique in the file; `metadata` is any object, carried along.
-- `recorded` (optional; what a cassette adds): the engine's outputs per turn with their stream hashes,
-  and the episode's outcome as replay reported it.
-- `"format": "anthropic"` or `"format": "responses"` lines hold an Anthropic Messages conversation
-  (`system`, `messages`, `tools`) or an OpenAI Responses one (`instructions`, `input` and optional
-  `output` items, `tools`); harness.trace_import converts them, without losing anything, to the
-  shape above, which is how a cassette stores them (harness.trace_export writes them back).
-- `response_id` (optional, unique in the file): the id of the response the line holds (a responses
-  line's `output`), which a later responses line's `previous_response_id` continues: its episode is
-  that line's messages, then its own (the canonical line holds them all, and keeps `response_id`).
+- chat: `messages` (system / developer / user / assistant with `tool_calls` / tool), `tools`,
+  `tool_choice`, DeepSeek's `thinking`. Legacy shapes are read as their modern equivalents: an
+  assistant `function_call` becomes one tool call with id `call_<message index>` (a message with both
+  `function_call` and `tool_calls` is an error); a `function` message becomes a tool message (keeping
+  its `name`) answering the unanswered call of that name in the assistant message before it; the
+  legacy `functions` list becomes `tools`; a tool message's null content becomes "".
+- anthropic: Anthropic Messages `system`, `messages`, `tools`, `tool_choice`, `thinking`.
+- responses: OpenAI Responses `instructions`, `input`, optional `output` items (the turns the line
+  records), `tools`, `tool_choice`, `reasoning`; `response_id` (unique in the file) names the response
+  the line holds, which a later line's `previous_response_id` continues: its episode is that line's
+  conversation, then its own.
 
-Images, audio and files are kept in the messages: such an episode loads, and its turns before the
-part are served; a turn whose prompt holds one fails with kind `unsupported_content`.
+Each assistant turn (`harness.trace_bodies`) is served as the request body its client sent for it, the
+conversation cut before it, through DeepSeek's official recipe with the model family's encoding
+(`TraceTurn`, a `PromptRequest`): the prompt DeepSeek's API would serve, thinking on unless the line
+turns it off. What the recipe refuses (a provider's server tools, a strict tool beside a custom one)
+fails that turn with the recipe's reason; images are rendered as the recipe marks them.
+`sampling` (optional): SamplingParams fields (the body's own sampling keys are not read); a turn
+without a `seed` gets one derived from the run seed and its request id `<id>/turn-<k>`. With
+`"structured": "tool_call"`, every turn is constrained to the DSML tool calls its `tool_choice` forces
+(which needs thinking off, as DeepSeek's API forces no call while thinking).
+`id` (optional, default `line-N`) must be unique in the file; `metadata` is any object, carried along;
+`recorded` (what a cassette adds): the engine's outputs per turn with their stream hashes, and the
+episode's outcome as replay reported it.
+
+Each line is also read into canonical Chat Completions shaped messages (`harness.trace_import`), which
+validate the conversation and pair each recorded tool result with its call for free-running replay's
+stub.
 
 Every error is one line that names the field; its location `file:line` is kept apart (`where`), so
 that what audit rows store (kind and detail) does not depend on the file's path. A malformed line
@@ -40,7 +44,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from itertools import takewhile
 from pathlib import Path
 from typing import Any
@@ -48,18 +52,17 @@ from typing import Any
 from deepinfer import LLM
 from deepinfer.errors import DeepInferError
 from deepinfer.prompts_file import PromptRequest, json_object, read_jsonl_lines
-from deepinfer.recipe.chat import (ChatFormatError, UnsupportedContentError, check_messages, content_text,
-                                  render_chat, tool_call_constraint)
+from deepinfer.recipe.chat import ChatFormatError, UnsupportedContentError, check_messages, content_text
 from deepinfer.sampling_params import TOOL_CALL, SamplingParams
 from deepinfer.harness.suite_base import Suite, SuiteRequest, file_hash
+from deepinfer.harness.trace_bodies import FORMATS, REQUEST_FIELDS, ClientConversation
 from deepinfer.harness.trace_import import TraceFormatError, canonical_arguments, chat_tool_choice, from_anthropic, from_responses
 
-FORMATS = ("chat", "anthropic", "responses")
-_COMMON_FIELDS = {"id", "format", "tools", "tool_choice", "sampling", "metadata", "response_id"}
+_COMMON_FIELDS = {"id", "format", "sampling", "metadata", "response_id", "recorded"}
 _FORMAT_FIELDS = {
-    "chat": {"messages", "functions", "recorded"},
-    "anthropic": {"system", "messages"},
-    "responses": {"instructions", "input", "output", "previous_response_id"},
+    "chat": {"messages", "functions", *REQUEST_FIELDS["chat"]},
+    "anthropic": {"messages", *REQUEST_FIELDS["anthropic"]},
+    "responses": {"input", "output", "previous_response_id", *REQUEST_FIELDS["responses"]},
 }
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -99,56 +102,55 @@ class Recording:
 
 @dataclass(frozen=True)
 class Episode:
+    """One trace line: its conversation as its client's request bodies (`conversation`, which turns are
+    served from), the same conversation read into canonical messages (`messages`, which the recorded
+    tool results come from), and what the line sets besides."""
+
     episode_id: str
     path: str
     line: int
+    conversation: ClientConversation
     messages: list[dict]
-    tools: list[dict] | None = None
+    tools: list[dict] | None = None  # as the canonical messages' tools (function tools in the Chat shape)
     sampling: dict = field(default_factory=dict)
     metadata: dict | None = None
     recording: Recording | None = None
     tool_results: tuple[ToolResult, ...] = ()
     response_id: str | None = None  # what later responses lines' previous_response_id continues
-    tool_choice: str | dict | None = None  # Chat Completions shape (`trace_import.chat_tool_choice`)
+    tool_choice: str | dict | None = None  # in the Chat Completions shape (`trace_import.chat_tool_choice`)
 
     @property
     def where(self) -> str:
         return f"{self.path}:{self.line}"
 
     @property
-    def turn_positions(self) -> list[int]:
-        """Message index of each assistant turn."""
-        return [i for i, m in enumerate(self.messages) if m["role"] == "assistant"]
+    def format(self) -> str:
+        return self.conversation.format
 
     @property
     def turns(self) -> int:
-        return len(self.turn_positions)
+        return self.conversation.turns
 
-    def history(self, turn: int) -> list[dict]:
-        """The messages before assistant turn `turn` (from 1): its teacher-forced prompt."""
-        return self.messages[: self.turn_positions[turn - 1]]
-
-    def request(self, turn: int) -> SuiteRequest:
-        """Teacher-forced turn `turn` as a suite request (the recorded history, then a generation prompt)."""
-        return _turn_request(self, turn, self.history(turn))
-
-    def params(self, turn: int, run_seed: int) -> SamplingParams:
-        """The sampling params of turn `turn`, as the `traces` suite sets them (also past the trace's turns)."""
-        return _turn_request(self, turn, []).params(run_seed)
+    def request(self, turn: int, body: dict | None = None) -> SuiteRequest:
+        """Turn `turn` as a suite request: the body its client sent (teacher-forced), or `body`."""
+        request_id = turn_request_id(self.episode_id, turn)
+        body = self.conversation.before(turn) if body is None else body
+        return SuiteRequest(request_id, TraceTurn(self.where, request_id, "messages", [], sampling=self.sampling,
+                                                  format=self.conversation.recipe_format, client_body=body))
 
     def to_json(self) -> dict:
-        """The canonical (Chat Completions shaped) line of this episode."""
-        line: dict[str, Any] = {"id": self.episode_id, "messages": self.messages}
-        if self.tools is not None:
-            line["tools"] = self.tools
+        """The line as a cassette stores it: its format, its conversation as one request body (a
+        continued Responses conversation whole, its output items after its input), and the rest."""
+        line: dict[str, Any] = {"id": self.episode_id}
+        if self.format != "chat":
+            line["format"] = self.format
+        line.update(self.conversation.body)
         if self.sampling:
             line["sampling"] = self.sampling
         if self.metadata is not None:
             line["metadata"] = self.metadata
         if self.response_id is not None:
             line["response_id"] = self.response_id
-        if self.tool_choice is not None:
-            line["tool_choice"] = self.tool_choice
         if self.recording is not None:
             line["recorded"] = {"turns": [asdict(t) for t in self.recording.turns], "outcome": self.recording.outcome}
         return line
@@ -168,34 +170,15 @@ def turn_request_id(episode_id: str, turn: int) -> str:
     return f"{episode_id}/turn-{turn}"
 
 
-class TemplateTurn(PromptRequest):
-    """A trace turn's request, prompted with the project's V3-era chat template (`recipe.chat`) and its
-    tool-call markup, where request files use DeepSeek's official encoding: traces move to the recipe
-    next (ARCHITECTURE §5)."""
+@dataclass
+class TraceTurn(PromptRequest):
+    """A trace turn's request: the body its client sent (`harness.trace_bodies`), in the client's format,
+    prompted and constrained through the engine's protocol like any client request."""
 
-    def params(self, base: dict | None = None, llm: LLM | None = None) -> SamplingParams:
-        settings = {**(base or {}), **self.sampling}
-        if settings.get("structured") != TOOL_CALL:
-            return super().params(base)
-        try:
-            constraint = tool_call_constraint(self.tools, self.tool_choice)
-        except DeepInferError as err:
-            raise DeepInferError(f"{self.where}: {err}") from None
-        return replace(super().params(base), structured=constraint)
+    client_body: dict = field(default_factory=dict)
 
-    def prompt_ids(self, llm: LLM) -> list[int]:
-        try:
-            if llm.tokenizer is None:
-                raise DeepInferError("chat messages need a checkpoint with tokenizer.json")
-            return llm.encode(llm.tokenize(render_chat(self.value, self.tools)))
-        except DeepInferError as err:
-            raise err.at(self.where) from None
-
-
-def _turn_request(episode: Episode, turn: int, messages: list[dict]) -> SuiteRequest:
-    request_id = turn_request_id(episode.episode_id, turn)
-    return SuiteRequest(request_id, TemplateTurn(episode.where, request_id, "messages", messages, episode.tools,
-                                                 episode.sampling, episode.tool_choice))
+    def body(self) -> dict:
+        return self.client_body
 
 
 # reading files --------------------------------------------------------------------------------------
@@ -268,40 +251,62 @@ def _episode(obj: dict, path: str, line: int, responses: dict[str, Episode]) -> 
     episode_id = obj.get("id", f"line-{line}")
     if not isinstance(episode_id, str) or not episode_id:
         raise TraceFormatError("id: must be a non-empty string")
+    obj = _continued(obj, responses)
     messages, tools = _IMPORTERS[kind](obj)
-    messages = _continued(obj, messages, responses)
-    check_messages(messages, tools)  # the chat template's own checks name the message and field
-    if not any(m["role"] == "assistant" for m in messages):
+    check_messages(messages, tools)  # the transcript's own checks name the message and field
+    conversation = _conversation(kind, obj, messages, tools)
+    if not conversation.turns:
         raise TraceFormatError("messages: no assistant turn to replay")
     metadata = obj.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise TraceFormatError("metadata: must be an object")
     sampling = _sampling(obj.get("sampling", {}))
     tool_choice = chat_tool_choice(obj.get("tool_choice"), kind)
-    if sampling.get("structured") == TOOL_CALL:
-        tool_call_constraint(tools, tool_choice)  # the turns' constraint can be made: one-line errors now
+    if sampling.get("structured") == TOOL_CALL and not (tools and (tool_choice == "required" or isinstance(tool_choice, dict))):
+        raise TraceFormatError("sampling: structured='tool_call' needs tools and a tool_choice that forces a call "
+                               "('required' or a named function)")
     recording = _recording(obj["recorded"]) if "recorded" in obj else None
-    return Episode(episode_id, path, line, messages, tools, sampling, metadata, recording, _tool_results(messages),
-                   _response_id(obj, "response_id"), tool_choice)
+    return Episode(episode_id, path, line, conversation, messages, tools, sampling, metadata, recording,
+                   _tool_results(messages), _response_id(obj, "response_id"), tool_choice)
 
 
-def _continued(obj: dict, messages: list[dict], responses: dict[str, Episode]) -> list[dict]:
-    """The line's messages, after those of the earlier line its `previous_response_id` names.
-    Its `instructions`, when given, must be the earlier conversation's (a system message cannot
-    change mid-conversation)."""
+def _conversation(kind: str, obj: dict, messages: list[dict], tools: list[dict] | None) -> ClientConversation:
+    """The line's conversation as its client's request bodies hold it: a chat line's messages and tools
+    with the legacy shapes converted (as `messages` and `tools` have them), a responses line's input
+    items then its output items, an anthropic line's messages as they are."""
+    if kind == "chat":
+        return ClientConversation.of(kind, {**obj, "tools": tools} if tools is not None else obj, messages)
+    if kind == "responses":
+        return ClientConversation.of(kind, obj, _input_items(obj) + obj.get("output", []))
+    return ClientConversation.of(kind, obj, obj["messages"])
+
+
+def _input_items(obj: dict) -> list:
+    items = obj.get("input", [])
+    return [{"role": "user", "content": items}] if isinstance(items, str) else items
+
+
+def _continued(obj: dict, responses: dict[str, Episode]) -> dict:
+    """The line with the conversation of the earlier line its `previous_response_id` names before its
+    own (and that line's instructions). Its `instructions`, when given, must be the earlier
+    conversation's (a system message cannot change mid-conversation)."""
     previous = _response_id(obj, "previous_response_id")
     if previous is None:
-        return messages
+        return obj
     if previous not in responses:
         raise TraceFormatError(f"previous_response_id: {previous!r} is not the response_id of an earlier valid "
                                "line in this file")
-    earlier = responses[previous].messages
-    if "instructions" in obj:
-        if earlier[0] != messages[0]:
-            raise TraceFormatError("instructions: differ from those of the conversation previous_response_id "
-                                   "continues (a system message cannot change mid-conversation)")
-        messages = messages[1:]
-    return earlier + messages
+    earlier = responses[previous].conversation
+    if "instructions" in obj and obj["instructions"] != earlier.body.get("instructions"):
+        raise TraceFormatError("instructions: differ from those of the conversation previous_response_id "
+                               "continues (a system message cannot change mid-conversation)")
+    if not isinstance(obj.get("input", []), (str, list)):
+        raise TraceFormatError("input: must be a list of items")
+    continued = {key: value for key, value in obj.items() if key != "previous_response_id"}
+    continued["input"] = earlier.entries + _input_items(obj)
+    if "instructions" in earlier.body:
+        continued["instructions"] = earlier.body["instructions"]
+    return continued
 
 
 def _response_id(obj: dict, key: str) -> str | None:

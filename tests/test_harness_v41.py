@@ -159,13 +159,13 @@ def test_manifests_record_the_model_family_and_formats(certified, v41_checkpoint
 # --- replay ----------------------------------------------------------------------------------------------
 
 # (name, trace file, first line only, mode): the long Chat Completions transcript (12 messages, 5 turns)
-# teacher-forced; Anthropic teacher-forced (its last user turn holds an image, refused at turn 5) and
-# free-running (the image is refused when the user says it, naming where it is); Responses free-running.
+# teacher-forced; Anthropic teacher-forced and free-running (it offers a server tool, which DeepSeek's API
+# refuses: every turn is a counted error); Responses free-running.
 SHAPES = [
     ("openai-chat", "tau_customer_service_chat.jsonl", True, "teacher-forced"),
     ("anthropic", "claude_tool_use_anthropic.jsonl", False, "teacher-forced"),
     ("anthropic-free", "claude_tool_use_anthropic.jsonl", False, "free-running"),
-    ("responses", "responses_custom_tools.jsonl", False, "free-running"),
+    ("responses", "toolbench_legacy_responses.jsonl", False, "free-running"),
 ]
 
 
@@ -206,19 +206,20 @@ def test_a_replayed_transcript_verifies(capsys, tapes, name):
     assert out[len(lines)].endswith(f"{len(lines)} identical")
     if name == "openai-chat":
         assert out[0] == f"{lines[0]['id']}: identical (5 turn(s) reproduced bit for bit)"
-    if name == "anthropic":  # the image in the last user turn is refused again, as recorded
-        assert out[0].startswith(f"{lines[0]['id']}: identical (4 turn(s) reproduced bit for bit, then refused "
-                                 "again at turn 5: unsupported_content: ")
+    if name == "anthropic":  # the server tool is refused again, as recorded
+        assert out[0] == (f"{lines[0]['id']}: identical (0 turn(s) reproduced bit for bit, then refused again at "
+                          "turn 1: invalid_request: not a messages request the recipe accepts: tools[3]: server tools "
+                          "are not supported)")
 
 
-def test_free_running_refuses_an_unreadable_user_message_naming_it(tapes):
-    """The user's image, reached free-running, ends the episode as an error turn (the command still
-    writes its cassette) whose detail names the trace message, not a position in a rendered prompt."""
+def test_free_running_refuses_a_transcript_with_a_server_tool_naming_it(tapes):
+    """A transcript offering a provider's server tool ends free-running at its first turn as an error (the
+    command still writes its cassette), with the recipe's reason and no path."""
     _, [line] = cassette_lines(tapes["anthropic-free"])
     outcome = line["recorded"]["outcome"]
-    assert outcome["status"] == "error"
-    assert outcome["detail"] == ("unsupported_content: trace message 11: content[1]: an image ('image') cannot be "
-                                 "read by a text-only model")
+    assert (outcome["status"], outcome["turn"]) == ("error", 1)
+    assert outcome["detail"] == ("invalid_request: not a messages request the recipe accepts: tools[3]: server tools "
+                                 "are not supported")
 
 
 @pytest.mark.parametrize("name", ["openai-chat", "responses"])  # one teacher-forced, one free-running tape

@@ -36,7 +36,7 @@ def order_episode(episode_id: str, complaint: str) -> dict:
 
 def trace_lines() -> list[str]:
     """4 servable episodes (2 turns each), 2 malformed lines, 1 episode whose prompts are too long."""
-    long_complaint = "My parcel never arrived and I have been waiting for weeks. " * 40
+    long_complaint = "My parcel never arrived and I have been waiting for weeks. " * 200
     episodes = [order_episode(f"order-{i}", f"Where is my order W-1042? It is the {i}th time I ask.")
                 for i in range(4)]
     lines = [json.dumps(e) for e in episodes[:2]]
@@ -48,7 +48,7 @@ def trace_lines() -> list[str]:
     return lines
 
 
-SWEEP = {"reference": {"name": "ref", "max_num_seqs": 8, "max_model_len": 512},
+SWEEP = {"reference": {"name": "ref", "max_num_seqs": 8, "max_model_len": 2048},
          "variants": [{"name": "batch-1", "max_num_seqs": 1}]}
 
 
@@ -121,7 +121,7 @@ def test_error_rows_keep_kind_and_path_free_detail(certified, traces):
     assert set(rows) == {"line-3", "line-4", "too-long/turn-1", "too-long/turn-2"}
     assert rows["line-3"][0] == rows["line-4"][0] == "malformed"
     assert rows["too-long/turn-1"][0] == "prompt_too_long"
-    assert rows["too-long/turn-1"][1].startswith("prompt has ") and "max_model_len is 512" in rows["too-long/turn-1"][1]
+    assert rows["too-long/turn-1"][1].startswith("prompt has ") and "max_model_len is 2048" in rows["too-long/turn-1"][1]
     for _, detail in rows.values():
         assert str(traces.parent) not in detail and "episodes.jsonl" not in detail
 
@@ -132,7 +132,7 @@ def test_the_same_suite_from_another_folder_has_the_same_roots(certified, traces
     moved.parent.mkdir()
     shutil.copy(traces, moved)
     code = main(["audit", "run", "--model", str(tiny_checkpoint), "--suite", f"traces:{moved}", "--out",
-                 str(tmp_path / "run"), "--name", "ref", "--max-num-seqs", "8", "--max-model-len", "512",
+                 str(tmp_path / "run"), "--name", "ref", "--max-num-seqs", "8", "--max-model-len", "2048",
                  "--no-progress"])
     assert code == 0
     assert capsys.readouterr().out.startswith(
@@ -143,7 +143,7 @@ def test_the_same_suite_from_another_folder_has_the_same_roots(certified, traces
 def test_replay_verify_of_a_moved_cassette_exits_zero(traces, tiny_checkpoint, tmp_path, capsys):
     tape = tmp_path / "tape.jsonl"
     code = main(["audit", "replay", "record", "--traces", str(traces), "--out", str(tape), "--model",
-                 str(tiny_checkpoint), "--max-model-len", "512"])
+                 str(tiny_checkpoint), "--max-model-len", "2048"])
     assert code == 1  # malformed lines are reported (and recorded); everything else replays
     recorded = capsys.readouterr().out
     assert "too-long: error at turn 1: prompt_too_long: prompt has " in recorded
@@ -159,17 +159,19 @@ def test_replay_verify_of_a_moved_cassette_exits_zero(traces, tiny_checkpoint, t
 
 
 def test_a_refused_later_turn_is_part_of_the_outcome_and_verifies_from_anywhere(tiny_checkpoint, tmp_path, capsys):
-    """A Claude transcript whose last user turn holds an image: turns 1-4 replay, turn 5 is refused."""
-    traces = Path(__file__).parent / "fixtures" / "traces" / "claude_tool_use_anthropic.jsonl"
-    tape = tmp_path / "tape.jsonl"
+    """An episode whose tool returns a huge result: turn 1 replays, turn 2's prompt is too long."""
+    episode = order_episode("huge-result", "Where is my order W-1042?")
+    episode["messages"][3]["content"] = json.dumps({"status": "shipped", "events": ["scanned at hub"] * 400})
+    traces, tape = tmp_path / "episodes.jsonl", tmp_path / "tape.jsonl"
+    traces.write_text(json.dumps(episode) + "\n", encoding="utf-8")
     assert main(["audit", "replay", "record", "--traces", str(traces), "--out", str(tape), "--model",
-                 str(tiny_checkpoint)]) == 0
-    refusal = "turn 5 refused: unsupported_content: message 11: content[1]: an image ('image') cannot be read"
+                 str(tiny_checkpoint), "--max-model-len", "2048"]) == 0
+    refusal = "turn 2 refused: prompt_too_long: prompt has "
     assert refusal in capsys.readouterr().out
     moved = tmp_path / "elsewhere.jsonl"
     tape.rename(moved)
     assert main(["audit", "replay", "verify", str(moved)]) == 0
-    assert ("identical (4 turn(s) reproduced bit for bit, then refused again at turn 5: unsupported_content: "
+    assert ("identical (1 turn(s) reproduced bit for bit, then refused again at turn 2: prompt_too_long: "
             in capsys.readouterr().out)
 
 

@@ -20,15 +20,9 @@ from deepinfer import LLM, RequestOutput
 from deepinfer import cli as engine_cli
 from deepinfer.engine.core import EngineCore
 from deepinfer.parallel import ParallelLayout
-from deepinfer.recipe.tokenizer import (
-    ASSISTANT,
-    TOOL_CALL_BEGIN,
-    TOOL_CALL_END,
-    TOOL_CALLS_BEGIN,
-    TOOL_CALLS_END,
-    TOOL_SEP,
-    TextTokenizer,
-)
+from deepinfer.recipe.dsml import MARKER, TAGS
+from deepinfer.recipe.official import Protocol
+from deepinfer.recipe.tokenizer import ASSISTANT, TextTokenizer
 from deepinfer.harness.cassette import AlteredCassette, read_cassette, record_cassette, sealed_lines, verify_cassette
 from deepinfer.harness.replay import EpisodeRun, ToolStub, TurnRun, free_running, prefill_cost, teacher_forced
 from deepinfer.harness.replay_cli import add_replay_commands
@@ -36,7 +30,7 @@ from deepinfer.harness.sweep import Variant
 from deepinfer.harness.traces import RecordedTurn, ToolResult, load_traces
 
 SAMPLE = Path(__file__).resolve().parent.parent / "harness" / "suites" / "traces" / "sample.jsonl"
-VARIANT = Variant.of("replay", max_model_len=1024, max_num_seqs=32)
+VARIANT = Variant.of("replay", max_model_len=2048, max_num_seqs=32)
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 GREEDY = {"temperature": 0, "max_tokens": 3}
 
@@ -118,6 +112,19 @@ def test_shipped_sample_replays_in_both_modes_and_verifies(llm, tmp_path) -> Non
     assert [r.describe() for r in verified.results] == [
         f"{e.episode_id}: identical ({e.turns} turn(s) reproduced bit for bit)" for e in episodes[:3]
     ]
+
+
+def test_a_cassette_of_an_earlier_format_is_refused_in_one_line(llm, tmp_path) -> None:
+    cassette = tmp_path / "c.jsonl"
+    record_cassette(llm, write_lines(tmp_path / "t.jsonl", [episode("one")]), cassette, mode="free-running",
+                    variant=VARIANT)
+    lines = cassette.read_text(encoding="utf-8").splitlines()
+    write_lines(cassette, [lines[0].replace('"deepinfer-cassette/3"', '"deepinfer-cassette/2"', 1), *lines[1:]])
+    with pytest.raises(DeepInferError) as err:
+        read_cassette(cassette)
+    assert str(err.value) == (f"{cassette}:1: a deepinfer-cassette/2 cassette was prompted with the V3-era chat "
+                              "template, not DeepSeek's official encoding: record it again with `deepinfer audit "
+                              "replay record`")
 
 
 def test_verify_refuses_a_cassette_recorded_with_another_tokenizer(llm, tmp_path) -> None:
@@ -262,8 +269,24 @@ def test_a_cut_off_or_extended_cassette_names_the_lines(llm, sealed, tmp_path) -
 # free-running tool calls, on a scripted engine --------------------------------------------------
 
 
-def tool_call(arguments: str, name: str = "get_weather") -> str:
-    return TOOL_CALLS_BEGIN + TOOL_CALL_BEGIN + name + TOOL_SEP + arguments + TOOL_CALL_END + TOOL_CALLS_END
+def tool_call(arguments: dict, name: str = "get_weather") -> str:
+    """A thinking turn with no reasoning that calls `name`, in V4's DSML markup (string parameters)."""
+    calls, invoke, parameter = TAGS["v4"]
+    params = "".join(f'<{MARKER}{parameter} name="{key}" string="true">{value}</{MARKER}{parameter}>\n'
+                     for key, value in arguments.items())
+    return (f"</think>\n\n<{MARKER}{calls}>\n<{MARKER}{invoke} name=\"{name}\">\n{params}</{MARKER}{invoke}>\n"
+            f"</{MARKER}{calls}>")
+
+
+def answer(text: str) -> str:
+    """A thinking turn with no reasoning that answers `text`."""
+    return f"</think>{text}"
+
+
+def called(turn: TurnRun) -> dict | None:
+    """The function of the first tool call the recipe parsed from a recorded Chat Completions turn."""
+    (message,) = turn.record.message["entries"]
+    return message["tool_calls"][0]["function"] if message.get("tool_calls") else None
 
 
 class ScriptedEngine:
@@ -283,7 +306,10 @@ class ScriptedEngine:
 
     def __init__(self, tokenizer: TextTokenizer, script: dict[str, list[str]]) -> None:
         self.tokenizer = tokenizer
-        self.host = SimpleNamespace(tokenizer=tokenizer)  # what EngineCore.tokenize reads
+        protocol = Protocol("v4", tokenizer.text)
+        # what EngineCore.tokenize reads, and the family's encoding a manifest's protocol records
+        self.host = SimpleNamespace(tokenizer=tokenizer, family=SimpleNamespace(encoding="v4"),
+                                    protocol=lambda: protocol)
         self.core = self  # LLM.submit queues through the engine core: this object plays both parts
         self.script = script
         self._queued: list[tuple[int, list[int], object]] = []
@@ -327,31 +353,34 @@ def tokenizer(tiny_checkpoint) -> TextTokenizer:
 
 def test_free_running_answers_recorded_calls_and_feeds_its_own_tokens_forward(tokenizer, tmp_path) -> None:
     traces = write_lines(tmp_path / "t.jsonl", [episode("w", follow_up=True)])
-    engine = ScriptedEngine(tokenizer, {"[w]": [tool_call('{ "city" : "Oslo" }'), tool_call('{"city":"Rome"}'),
-                                                "Rome.", "Rome again."]})
+    engine = ScriptedEngine(tokenizer, {"[w]": [tool_call({"city": "Oslo"}), tool_call({"city": "Rome"}),
+                                                answer("Rome."), answer("Rome again.")]})
     (run,) = free_running(engine, load_traces(traces)[0])
     assert run.ending.describe() == "w: completed (4 turn(s) and 2 tool call(s) answered; the trace has 4 turn(s))"
-    assert [t.record.message.get("tool_calls", [{}])[0].get("function") for t in run.turns] == [
-        {"name": "get_weather", "arguments": '{ "city" : "Oslo" }'},
-        {"name": "get_weather", "arguments": '{"city":"Rome"}'}, None, None]
-    for before, after in zip(run.turns, run.turns[1:]):  # each prompt extends the last one with its own tokens
-        assert after.prompt_ids[: len(before.prompt_ids) + len(before.record.token_ids)] == \
-            before.prompt_ids + before.record.token_ids
-    second = tokenizer.decode(run.turns[1].prompt_ids)
-    assert second.endswith("<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>4 C, rain<｜tool▁output▁end｜>"
-                           "<｜tool▁outputs▁end｜><｜Assistant｜></think>")
-    assert tokenizer.decode(run.turns[3].prompt_ids).endswith("<｜User｜>And tomorrow?<｜Assistant｜></think>")
+    assert [called(t) for t in run.turns] == [{"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                                              {"name": "get_weather", "arguments": '{"city": "Rome"}'}, None, None]
+    protocol = engine.host.protocol()
+    first = protocol.respond(protocol.request({"messages": episode("w")["messages"][:1], "tools": [WEATHER]}, "chat"),
+                             "w/turn-1", run.turns[0].record.token_ids, "stop")["choices"][0]["message"]
+    history = [episode("w")["messages"][0], {k: v for k, v in first.items()},
+               {"role": "tool", "tool_call_id": first["tool_calls"][0]["id"], "content": "4 C, rain"}]
+    for call in history[1]["tool_calls"]:
+        call.pop("index")
+    # the next prompt is the recipe's encoding of the conversation with the model's parsed turn and the answer
+    assert run.turns[1].prompt_ids == protocol.request({"messages": history, "tools": [WEATHER]}, "chat").prompt_ids
+    assert tokenizer.decode(run.turns[1].prompt_ids).endswith("<tool_result>4 C, rain</tool_result><｜Assistant｜><think>")
+    assert tokenizer.decode(run.turns[3].prompt_ids).endswith("<｜User｜>And tomorrow?<｜Assistant｜><think>")
 
 
 @pytest.mark.parametrize(("second_turn", "expected"), [
-    (tool_call('{"city": "Paris"}'), 'w: diverged at turn 2 (unrecorded call get_weather {"city":"Paris"})'),
-    (tool_call('{"city": "Oslo"}'),
+    (tool_call({"city": "Paris"}), 'w: diverged at turn 2 (unrecorded call get_weather {"city":"Paris"})'),
+    (tool_call({"city": "Oslo"}),
      'w: diverged at turn 2 (unrecorded call get_weather {"city":"Oslo"}: its 1 recorded answer(s) were already used)'),
-    (tool_call("{}", name="get_time"), "w: diverged at turn 2 (unrecorded call get_time {})"),
+    (tool_call({}, name="get_time"), "w: diverged at turn 2 (unrecorded call get_time {})"),
 ])
 def test_an_unrecorded_call_ends_the_episode(tokenizer, tmp_path, second_turn, expected) -> None:
     traces = write_lines(tmp_path / "t.jsonl", [episode("w")])
-    engine = ScriptedEngine(tokenizer, {"[w]": [tool_call('{"city": "Oslo"}'), second_turn, "never reached"]})
+    engine = ScriptedEngine(tokenizer, {"[w]": [tool_call({"city": "Oslo"}), second_turn, answer("never reached")]})
     (run,) = free_running(engine, load_traces(traces)[0])
     assert run.ending.describe() == expected and len(run.turns) == 2
 
@@ -369,7 +398,7 @@ def test_tool_stub_matches_name_and_canonical_arguments_once_each_in_order() -> 
 
 def test_scripted_record_verify_and_edits_in_free_running_mode(tokenizer, tmp_path) -> None:
     traces = write_lines(tmp_path / "t.jsonl", [episode("a"), episode("b"), episode("c")])
-    script = [tool_call('{"city": "Oslo"}'), tool_call('{"city": "Rome"}'), "Rome is warmer."]
+    script = [tool_call({"city": "Oslo"}), tool_call({"city": "Rome"}), answer("Rome is warmer.")]
     engine = ScriptedEngine(tokenizer, {f"[{k}]": script for k in "abc"})
     cassette = tmp_path / "c.jsonl"
     report = record_cassette(engine, traces, cassette, mode="free-running", variant=VARIANT)
@@ -390,14 +419,14 @@ def test_scripted_record_verify_and_edits_in_free_running_mode(tokenizer, tmp_pa
 def test_teacher_forced_turns_that_match_the_trace_are_identical(tokenizer, tmp_path) -> None:
     traces = write_lines(tmp_path / "t.jsonl", [episode("same"), episode("other")])
     engine = ScriptedEngine(tokenizer, {
-        "[same]": [tool_call('{"city":"Oslo"}'), tool_call('{"city":"Rome"}'), "Rome is warmer."],
-        "[other]": [tool_call('{"city":"Oslo"}'), tool_call('{"city":"Rome"}'), "Rome is cooler."],
+        "[same]": [tool_call({"city": "Oslo"}), tool_call({"city": "Rome"}), answer("Rome is warmer.")],
+        "[other]": [tool_call({"city": "Oslo"}), tool_call({"city": "Rome"}), answer("Rome is cooler.")],
     })
     runs = teacher_forced(engine, load_traces(traces)[0])
     report = record_cassette(engine, traces, tmp_path / "c.jsonl", mode="teacher-forced", variant=VARIANT)
     assert [len(r.turns) for r in runs] == [3, 3]
     cooler, warmer = tokenizer.encode(" cooler")[0], tokenizer.encode(" warmer")[0]
-    position = len(tokenizer.encode("Rome is"))
+    position = len(tokenizer.encode(answer("Rome is")))
     assert [r.describe() for r in report.results] == [
         "same: identical (3 turn(s) regenerated exactly as traced)",
         f"other: diverged at turn 3 token {position} (margin 1): generated token {cooler} "
@@ -476,5 +505,5 @@ def test_replay_commands_record_and_verify(tiny_checkpoint, tmp_path, capsys) ->
                             "--model", str(tiny_checkpoint)], capsys)
     assert (code, err) == (2, f"error: {cassette}: exists (a cassette is never overwritten)\n")
     code, _, err = run_cli(["audit", "replay", "verify", str(traces)], capsys)
-    assert (code, err) == (2, f"error: {traces}:1: not a cassette (the first line must be a deepinfer-cassette/2 "
+    assert (code, err) == (2, f"error: {traces}:1: not a cassette (the first line must be a deepinfer-cassette/3 "
                               "header)\n")

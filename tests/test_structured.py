@@ -222,21 +222,22 @@ def test_a_tool_call_constraint_needs_tools_and_a_choice_that_forces_a_call(llm,
         llm.generate(["hi"], SamplingParams(structured="tool_call"))
 
 
-def test_a_replayed_anthropic_trace_with_tool_choice_any_calls_tools_every_turn(tiny_checkpoint, tmp_path, capsys):
-    """An agent trace as Anthropic's client writes it, with `tool_choice` and `"structured": "tool_call"`:
-    replay constrains every turn to tool calls of the trace's tools, with valid arguments."""
+def test_a_replayed_anthropic_trace_with_a_forced_tool_calls_it_every_turn(tiny_checkpoint, tmp_path, capsys):
+    """An agent trace as Anthropic's client writes it, with a `tool_choice` that names a tool, thinking off
+    and `"structured": "tool_call"`: replay constrains every turn to DSML calls of that tool, and the
+    recipe parses each into a `tool_use` block whose input is valid under its schema."""
     line = {
         "id": "harbour-agent", "format": "anthropic", "system": "You are a harbour assistant.",
         "tools": [{"name": tool["function"]["name"], "input_schema": tool["function"]["parameters"]} for tool in TOOLS],
-        "tool_choice": {"type": "any"},
-        "sampling": {"temperature": 0.7, "max_tokens": 160, "structured": "tool_call"},
+        "tool_choice": {"type": "tool", "name": "get_weather"}, "thinking": {"type": "disabled"},
+        "sampling": {"temperature": 0.7, "max_tokens": 512, "structured": "tool_call"},  # up to 8 DSML invokes
         "messages": [
-            {"role": "user", "content": "Weather in Porto for three days, then my notes on fog."},
+            {"role": "user", "content": "Weather in Porto for three days, then in Faro."},
             {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
                                                "input": {"city": "Porto", "days": 3}}]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "Fog, 14 C."}]},
-            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_2", "name": "search_notes",
-                                               "input": {"query": "fog"}}]},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_2", "name": "get_weather",
+                                               "input": {"city": "Faro"}}]},
         ],
     }
     traces, cassette = tmp_path / "agent.jsonl", tmp_path / "agent.cassette.jsonl"
@@ -244,15 +245,16 @@ def test_a_replayed_anthropic_trace_with_tool_choice_any_calls_tools_every_turn(
     assert main(["audit", "replay", "record", "--traces", str(traces), "--out", str(cassette),
                  "--model", str(tiny_checkpoint)]) == 0
     episode = json.loads(cassette.read_text().splitlines()[1])
-    assert episode["tool_choice"] == "required" and episode["sampling"]["structured"] == "tool_call"
-    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+    assert episode["tool_choice"] == line["tool_choice"] and episode["sampling"]["structured"] == "tool_call"
+    schema = TOOLS[0]["function"]["parameters"]
     turns = episode["recorded"]["turns"]
     assert len(turns) == 2
     for turn in turns:
-        calls = turn["message"]["tool_calls"]
+        (message,) = turn["message"]["entries"]
+        calls = [block for block in message["content"] if block["type"] == "tool_use"]
         assert turn["finish_reason"] == "stop" and calls
         for call in calls:
-            assert violation({"json_schema": schemas[call["function"]["name"]]}, call["function"]["arguments"]) is None
+            assert call["name"] == "get_weather" and violation({"json_schema": schema}, json.dumps(call["input"])) is None
     assert main(["audit", "replay", "verify", str(cassette)]) == 0
     capsys.readouterr()
 

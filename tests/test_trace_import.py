@@ -6,6 +6,7 @@ the exporter, whose lines in every format import back to the same messages."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -14,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepinfer import LLM
-from deepinfer.recipe.chat import UnsupportedContentError, arguments_object, canonical_arguments, encode_messages
-from deepinfer.recipe.tokenizer import TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_SEP
+from deepinfer.recipe.chat import arguments_object, canonical_arguments
+from deepinfer.recipe.official import OfficialEncoder, RecipeError, v4_tokenizer_path
 from deepinfer.harness.replay import ToolStub
 from deepinfer.harness.trace_export import EXPORT_FORMATS, export_line
 from deepinfer.harness.traces import Episode, TraceFormatError, load_traces, parse_trace_line, parse_trace_lines
@@ -29,12 +30,19 @@ def episodes(name: str) -> dict[str, Episode]:
     return {e.episode_id: e for e in loaded}
 
 
+@functools.cache
+def encoder() -> OfficialEncoder:
+    return OfficialEncoder("v4", v4_tokenizer_path().read_text(encoding="utf-8"))
+
+
 def prompt(episode: Episode, turn: int) -> str:
-    return encode_messages(episode.history(turn), episode.tools)
+    """Turn `turn`'s prompt as DeepSeek-V4's official encoding renders the body its client sent."""
+    return encoder().render(episode.conversation.before(turn), episode.conversation.recipe_format)
 
 
 def whole(episode: Episode) -> str:
-    return encode_messages(episode.messages, episode.tools, add_generation_prompt=False)
+    """The conversation through its last turn, rendered."""
+    return encoder().render(episode.conversation.through(episode.turns), episode.conversation.recipe_format)
 
 
 def _strings(value, skip_types: bool):
@@ -90,7 +98,8 @@ def test_tau_airline_episode_renders_every_turn() -> None:
     third = prompt(e, 3)
     assert "Let me look up both of your reservations." in third
     assert '"reservation_id": "QX81TB", "origin": "BOS"' in third and '"reservation_id": "LMV2R9"' in third
-    assert f'cancel_reservation{TOOL_SEP}{{"reason":"change of plan","reservation_id":"QX81TB"}}' in prompt(e, 5)
+    assert ('<｜DSML｜invoke name="cancel_reservation">\n<｜DSML｜parameter name="reservation_id" string="true">QX81TB'
+            '</｜DSML｜parameter>\n<｜DSML｜parameter name="reason" string="true">change of plan</｜DSML｜parameter>\n') in prompt(e, 5)
     assert [(r.turn, r.name) for r in e.tool_results] == [(1, "get_user_details"), (2, "get_reservation_details"),
                                                           (2, "get_reservation_details"), (4, "cancel_reservation")]
 
@@ -98,13 +107,16 @@ def test_tau_airline_episode_renders_every_turn() -> None:
 def test_retail_episode_keeps_developer_text_parts_cut_off_arguments_and_refusal() -> None:
     e = episodes("tau_customer_service_chat.jsonl")["retail-exchange-cut-off-arguments"]
     assert e.messages[0]["role"] == "developer" and e.messages[7]["content"] == ""  # a null tool output
-    first = prompt(e, 1)
-    assert first.startswith("<｜begin▁of▁sentence｜>You are a retail support agent.")
-    assert "size 44.\nEmail: jonas.weber@example.org<｜Assistant｜>" in first
-    assert f"{TOOL_CALL_BEGIN}find_user_id_by_email{TOOL_SEP}{TOOL_CALL_END}" in prompt(e, 2)
-    assert f'get_order_details{TOOL_SEP}{{"order_id": "#W58812{TOOL_CALL_END}' in prompt(e, 4)
-    assert whole(e).endswith("Thanks, order #W5881234 noted.\nI'm sorry, but I can't share internal notes."
-                             "<｜end▁of▁sentence｜>")
+    first = prompt(e, 1)  # the developer message is the system prompt; input_text parts are text parts
+    assert first.startswith("<｜begin▁of▁sentence｜>Reasoning Effort:") and "\n\nYou are a retail support agent." in first
+    assert first.endswith("size 44.\n\nEmail: jonas.weber@example.org<｜Assistant｜><think>")
+    # arguments that are no JSON object go to the recipe as the client sent them, which writes them as one string
+    assert ('<｜DSML｜invoke name="find_user_id_by_email">\n<｜DSML｜parameter name="arguments" string="true">'
+            '</｜DSML｜parameter>') in prompt(e, 2)
+    assert ('<｜DSML｜invoke name="get_order_details">\n<｜DSML｜parameter name="arguments" string="true">'
+            '{"order_id": "#W58812</｜DSML｜parameter>') in prompt(e, 4)
+    # the recipe renders no refusal: the last turn is its content alone
+    assert "Thanks, order #W5881234 noted.<｜end▁of▁sentence｜>" in whole(e) and "I'm sorry" not in whole(e)
     stub = ToolStub(e.tool_results)  # a free-running model repeating the cut-off call gets the recorded answer
     assert stub.answer("get_order_details", '{"order_id": "#W58812') == ("", "")
     assert stub.answer("find_user_id_by_email", "") == ("Error: missing required argument 'email'", "")
@@ -127,7 +139,8 @@ def test_legacy_function_calls_become_tool_calls() -> None:
     assert [(r.name, r.arguments) for r in e.tool_results] == [
         ("search_hotels_for_staycompare", '{"checkin":"2024-09-12","checkout":"2024-09-15","city":"Lisbon"}'),
         ("hotel_reviews_for_staycompare", '{"hotel_id":"LIS-2291"}')]
-    assert "'rating': 8.9" in prompt(e, 3) and '"final_answer":"Casa do Rio (LIS-2291)' in whole(e)
+    assert "'rating': 8.9" in prompt(e, 3)
+    assert '<｜DSML｜parameter name="final_answer" string="true">Casa do Rio (LIS-2291)' in whole(e)
 
 
 def test_an_openai_sdk_dump_with_null_fields_reads_as_the_fields_absent() -> None:
@@ -179,30 +192,24 @@ def test_claude_transcript_maps_blocks_and_keeps_opaque_data_unrendered() -> Non
     assert e.tools[1]["cache_control"] == {"type": "ephemeral"} and e.tools[3]["type"] == "web_search_20250305"
 
 
-def test_claude_transcript_renders_until_the_image() -> None:
+def test_claude_transcript_with_server_tools_is_refused_as_deepseek_refuses_it(tiny_checkpoint) -> None:
+    """DeepSeek's API runs no provider's server tools (web search): every turn of a transcript that offers one
+    is refused with the recipe's reason, the trace's path kept apart."""
     e = episodes("claude_tool_use_anthropic.jsonl")["claude-refund-with-search"]
-    first = prompt(e, 1)
-    assert "Nordlicht customer handbook\nRefunds: orders can be refunded within 30 days" in first
-    assert '\n{"max_uses":3,"name":"web_search","type":"web_search_20250305"}\n' in first
-    assert "carrier API timeout after 30s (upstream 504)" in prompt(e, 2)
-    assert f'web_search{TOOL_SEP}{{"query":"DHL parcel delays Germany March 2024"}}' in prompt(e, 3)
-    assert "https://carrier-status.example.org/dhl" in prompt(e, 3)
-    fourth = prompt(e, 4)
-    assert "I need the order" not in fourth and "EqQB" not in fourth  # thinking and signatures are not rendered
-    assert "Thanks! Should I send the tent back?" in fourth
-    with pytest.raises(UnsupportedContentError) as info:
-        prompt(e, 5)
-    assert str(info.value) == "message 11: content[1]: an image ('image') cannot be read by a text-only model"
+    llm = LLM(tiny_checkpoint, max_model_len=4096)
+    for turn in range(1, e.turns + 1):
+        with pytest.raises(RecipeError) as info:
+            e.request(turn).prompt_ids(llm)
+        assert info.value.where == e.where
+        assert info.value.detail == "not a messages request the recipe accepts: tools[3]: server tools are not supported"
 
 
-def test_only_the_turns_after_an_image_fail_and_their_error_names_no_path(tiny_checkpoint) -> None:
-    e = episodes("claude_tool_use_anthropic.jsonl")["claude-refund-with-search"]
-    llm = LLM(tiny_checkpoint, max_model_len=2048)
-    assert all(e.request(k).prompt_ids(llm) for k in range(1, 5))
-    with pytest.raises(UnsupportedContentError) as info:
-        e.request(5).prompt_ids(llm)
-    assert info.value.kind == "unsupported_content" and info.value.where == e.where
-    assert info.value.detail == "message 11: content[1]: an image ('image') cannot be read by a text-only model"
+def test_images_are_rendered_as_the_recipe_marks_them() -> None:
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    e = parse({"format": "anthropic", "messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": [{"type": "text", "text": "See"}, image]}, {"role": "assistant", "content": "A cat."}]})
+    assert prompt(e, 2).endswith("<｜User｜>See\n\n[Unsupported Image]<｜Assistant｜><think>")
 
 
 # OpenAI Responses: custom tools, web search, refusal, previous_response_id --------------------------
@@ -218,15 +225,15 @@ def test_responses_transcript_continues_across_lines() -> None:
     assert [u["type"] for u in one.messages[2]["unrendered"]] == ["reasoning", "web_search_call", "function_call"]
     assert two.messages[3]["content"] == ("FAILED tests/test_dates.py::test_parse_day_with_padding - ValueError: "
                                           "unconverted data remains:  \n1 failed, 11 passed in 0.42s")
-    patch = two.messages[4]["tool_calls"][0]["custom"]["input"]
-    assert f"{TOOL_CALL_BEGIN}apply_patch{TOOL_SEP}{patch}{TOOL_CALL_END}" in whole(two)
+    assert two.messages[4]["tool_calls"][0]["custom"]["input"].startswith("*** Begin Patch")
     assert (three.messages[-1]["content"], three.messages[-1]["refusal"][:26]) == (None, "I can't remove the signed-")
-    assert whole(three).endswith("I can open a pull request with the fix instead.<｜end▁of▁sentence｜>")
+    assert three.conversation.before(3)["input"][: len(two.conversation.entries)] == two.conversation.entries
     assert [(r.name, r.arguments[:15]) for r in three.tool_results] == [
         ("run_tests", '{"path":"tests/'), ("apply_patch", "*** Begin Patch")]
-    tools = prompt(one, 1)
-    assert '\n{"search_context_size":"low","type":"web_search_preview"}\n' in tools
-    assert '"name":"apply_patch","type":"custom"}' in tools and '"strict":true}' in tools
+    with pytest.raises(RecipeError) as info:  # a strict function tool beside a custom one, as DeepSeek refuses it
+        prompt(one, 1)
+    assert str(info.value) == ("not a responses request the recipe accepts: Cannot use strict tool with non-strict "
+                               "tool in the same request")
 
 
 def test_server_tool_results_render_as_text_and_stay_whole_in_unrendered() -> None:
@@ -258,20 +265,20 @@ def test_server_tool_results_render_as_text_and_stay_whole_in_unrendered() -> No
 def test_responses_images_nested_tools_and_tool_output_parts() -> None:
     image = {"type": "input_image", "image_url": "https://example.com/screenshot.png", "detail": "auto"}
     nested = {"type": "function", "function": {"name": "click", "parameters": {"type": "object"}}}
-    e = parse({"format": "responses", "tools": [nested], "input": [
-        {"role": "user", "content": [{"type": "input_text", "text": "Open settings."}]},
-        {"type": "function_call", "call_id": "c1", "name": "click", "arguments": '{"x": 10, "y": 20'},
-        {"type": "function_call_output", "call_id": "c1", "output": [
-            {"type": "input_text", "text": "clicked"}, image]},
-        {"role": "assistant", "content": [{"type": "output_text", "text": "Settings are open."}]}]})
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Open settings."}]},
+             {"type": "function_call", "call_id": "c1", "name": "click", "arguments": '{"x": 10, "y": 20'},
+             {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "clicked"}, image]},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "Settings are open."}]}]
+    e = parse({"format": "responses", "tools": [nested], "input": items})
     assert e.tools == [nested] and e.messages[1]["tool_calls"][0]["function"]["arguments"] == '{"x": 10, "y": 20'
     assert e.messages[2]["content"] == [{"type": "input_text", "text": "clicked"}, image]
     assert e.tool_results == ()  # the stub could not feed a screenshot to a text-only model
-    assert "Open settings." in prompt(e, 1)
-    assert f'click{TOOL_SEP}{{"x": 10, "y": 20{TOOL_CALL_END}' in encode_messages(e.messages[:2], e.tools)
-    with pytest.raises(UnsupportedContentError) as info:
-        prompt(e, 2)
-    assert str(info.value) == "message 2: content[1]: an image ('input_image') cannot be read by a text-only model"
+    with pytest.raises(RecipeError) as info:  # the Responses API's function tools are flat: the recipe says so
+        prompt(e, 1)
+    assert str(info.value) == "not a responses request the recipe accepts: invalid request body: missing field `name`"
+    flat = parse({"format": "responses", "tools": [{"type": "function", **nested["function"]}], "input": items})
+    assert prompt(flat, 1).endswith("<｜User｜>Open settings.<｜Assistant｜><think>")
+    assert "clicked\n\n[Unsupported Image]</tool_result>" in prompt(flat, 2)
 
 
 # one-line errors for what is truly unsupported ------------------------------------------------------

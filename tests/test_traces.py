@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import deepseek_recipe
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepinfer.audit.store import read_run
 from deepinfer import LLM
-from deepinfer.recipe.chat import encode_chat
-from deepinfer.recipe.tokenizer import TextTokenizer
+from deepinfer.recipe.official import RecipeError
 from deepinfer.harness.record import record_run
 from deepinfer.harness.replay import teacher_forced
 from deepinfer.harness.sweep import Variant
@@ -69,15 +69,80 @@ def test_shipped_sample_meets_the_brief() -> None:
     assert any(s is None for s in seeds) and any(s is not None for s in seeds)
 
 
-def test_teacher_forced_turns_are_prefixes_of_the_conversation(tiny_checkpoint) -> None:
-    """Each turn's prompt is a token prefix of the conversation that includes the turn, so the trace's
-    turn as tokens is what follows the prompt."""
-    tokenizer = TextTokenizer.from_folder(tiny_checkpoint)
-    for e in load_traces(SAMPLE)[0]:
-        whole = encode_chat(tokenizer, e.messages, e.tools, add_generation_prompt=False)
-        for k in range(1, e.turns + 1):
-            prompt = encode_chat(tokenizer, e.history(k), e.tools)
-            assert whole[: len(prompt)] == prompt, (e.episode_id, k)
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "traces"
+RECIPE_FORMATS = {"chat": "chat", "anthropic": "messages", "responses": "responses"}
+# what a transcript holds and a request cannot, which the recipe refuses in a raw line: bodies convert it
+TRANSCRIPT_SHAPES = ("unknown variant `function`", "unknown variant `input_text`", "unknown variant `redacted_thinking`")
+
+
+def raw_turn_bodies(line: dict, earlier: dict[str, dict]) -> list[dict]:
+    """The request body of each assistant turn of a raw trace line, cut from the line as its client wrote
+    it: its request fields, then its conversation up to the turn (a Responses line's input items, those of
+    the line it continues before them, then its output items)."""
+    kind = line.get("format", "chat")
+    request = {"chat": ("tools", "tool_choice", "thinking"), "anthropic": ("system", "tools", "tool_choice", "thinking"),
+               "responses": ("instructions", "tools", "tool_choice", "reasoning")}[kind]
+    body = {key: line[key] for key in request if key in line}
+    if kind == "responses":
+        own = line["input"] if isinstance(line["input"], list) else [{"role": "user", "content": line["input"]}]
+        continued = earlier.get(line.get("previous_response_id", ""), {"input": []})
+        body = {**{k: v for k, v in continued.items() if k == "instructions"}, **body}
+        entries = continued["input"] + own + line.get("output", [])
+        if "response_id" in line:
+            earlier[line["response_id"]] = {**body, "input": entries}
+        assistant = [item.get("type", "message") in ("reasoning", "function_call", "custom_tool_call", "web_search_call")
+                     or item.get("role") == "assistant" for item in entries]
+        starts = [i for i, mine in enumerate(assistant) if mine and (i == 0 or not assistant[i - 1])]
+        return [{**body, "input": entries[:i]} for i in starts]
+    if kind == "chat" and "functions" in line:
+        body["tools"] = [{"type": "function", "function": f} for f in line["functions"]]
+    return [{**body, "messages": line["messages"][:i]} for i, m in enumerate(line["messages"]) if m["role"] == "assistant"]
+
+
+@pytest.mark.parametrize("preset", ["v4", "v41"])
+def test_every_trace_turn_is_prompted_as_deepseek_recipe_encodes_its_request_body(preset, tiny_checkpoint,
+                                                                                  v41_checkpoint) -> None:
+    """Acceptance (issue 33): for every turn of every shipped trace file, the engine's prompt ids equal
+    deepseek_recipe's own encoding of the request body the client sent for it (or both refuse it)."""
+    llm = LLM(tiny_checkpoint if preset == "v4" else v41_checkpoint, max_model_len=4096)
+    encoding = (deepseek_recipe.DeepseekV4Encoding if preset == "v4" else deepseek_recipe.DeepseekV41Encoding)()
+    encoding = encoding.with_tokenizer(deepseek_recipe.Tokenizer.from_str(llm.tokenizer.text))
+    model = {"v4": "DeepSeek-V4-Pro", "v41": "DeepSeek-V4.1-Flash"}[preset]
+    requests = {"chat": deepseek_recipe.ChatCompletionRequest, "messages": deepseek_recipe.MessagesRequest,
+                "responses": deepseek_recipe.ResponsesRequest}
+
+    def official(body: dict, kind: str) -> list[int] | str:
+        if kind == "chat":  # OpenAI's developer role is the system role (OfficialEncoder.convert reads it so)
+            body = {**body, "messages": [{**m, "role": "system"} if m.get("role") == "developer" else m
+                                         for m in body["messages"]]}
+        try:
+            conversion = requests[RECIPE_FORMATS[kind]]({"model": model, **body}).convert(deepseek_recipe.ConversionOptions())
+            return encoding.encode(conversion.conversation)
+        except Exception as err:
+            return str(err).splitlines()[0]
+
+    served = refused = converted = 0
+    for path in sorted([*FIXTURES.glob("*.jsonl"), SAMPLE]):
+        episodes = {e.episode_id: e for e in load_traces(path)[0]}
+        earlier: dict[str, dict] = {}
+        for line in map(json.loads, path.read_text(encoding="utf-8").splitlines()):
+            episode, kind = episodes[line["id"]], line.get("format", "chat")
+            bodies = raw_turn_bodies(line, earlier)
+            assert len(bodies) == episode.turns, episode.episode_id
+            for turn, body in enumerate(bodies, 1):
+                expected = official(body, kind)
+                if isinstance(expected, str) and any(shape in expected for shape in TRANSCRIPT_SHAPES):
+                    converted += 1
+                    expected = official(episode.conversation.before(turn), kind)
+                try:
+                    ids = episode.request(turn).prompt_ids(llm)
+                except RecipeError as err:
+                    refused += 1
+                    assert isinstance(expected, str) and err.detail.endswith(expected), (episode.episode_id, turn)
+                    continue
+                served += 1
+                assert ids == expected, (path.name, episode.episode_id, turn)
+    assert (served, refused, converted) == (101, 10, 9)  # refused: server tools, a strict tool beside a custom one
 
 
 def test_malformed_lines_are_reported_and_the_rest_loads(tmp_path) -> None:

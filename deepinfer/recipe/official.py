@@ -56,7 +56,9 @@ THINKING_OFF = {"chat": ("thinking", '"thinking": {"type": "disabled"}'),  # the
                 "messages": ("thinking", '"thinking": {"type": "disabled"}'),
                 "responses": ("reasoning", '"reasoning": {"effort": "none"}')}
 RESPONSE_PREFIX = {"chat": "chatcmpl", "messages": "msg", "responses": "resp"}  # response ids: PREFIX-<request id>
-RANDOM_CALL_ID = re.compile(r"call_(\d{2})_[A-Za-z0-9]{24}")  # the recipe's tool-call ids: random characters
+# the recipe's tool-call ids, as JSON strings: the call's place, then random characters (after a short tag
+# such as "ET_" in some requests)
+RANDOM_CALL_ID = re.compile(r'"call_(\d{2})_[A-Za-z0-9_-]{8,}"')
 V41_SYSTEM_ASSUMPTION = f"{V41_SYSTEM_TOKEN} at the id of V4's {V41_SYSTEM_PLACEHOLDER} (no V4.1 tokenizer.json is published)"
 
 
@@ -277,7 +279,7 @@ class Protocol:
         response = response_kind(response_id, request.model, int(time.time()), len(request.prompt_ids), 0)
         for event in events:
             response.accumulate(event)
-        text = RANDOM_CALL_ID.sub(lambda m: f"call_{m[1]}_{_call_digest(response_id, m[1])}", response.to_json())
+        text = RANDOM_CALL_ID.sub(lambda m: f'"call_{m[1]}_{_call_digest(response_id, m[1])}"', response.to_json())
         return json.loads(text)
 
     def message(self, request: ClientRequest, response_id: str, token_ids: list[int], finish_reason: str) -> dict:
