@@ -181,7 +181,7 @@ def _traced_turn(llm: LLM, episode: Episode, turn: int, prompt: list[int]) -> li
     if full[:start] != prompt:
         # a turn without reasoning is rendered `</think>answer` where the thinking prompt ends in `<think>`:
         # the model writes it as an empty reasoning, `</think>answer`
-        if not (prompt[-1:] == protocol.encoder.tokenizer.encode("<think>") and full[: start - 1] == prompt[:-1]):
+        if not (prompt[-1:] == protocol.think_start_id and full[: start - 1] == prompt[:-1]):
             return None
         start -= 1
     rest = full[start:]

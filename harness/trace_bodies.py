@@ -30,6 +30,7 @@ Free-running replay extends a conversation with the model's own response in the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 FORMATS = ("chat", "anthropic", "responses")
@@ -78,7 +79,7 @@ class ClientConversation:
     def entries(self) -> list[Any]:
         return self.body[CONVERSATION[self.format]]
 
-    @property
+    @cached_property
     def turn_starts(self) -> list[int]:
         """The index in `entries` at which each assistant turn starts."""
         assistant = [_is_assistant(self.format, entry) for entry in self.entries]

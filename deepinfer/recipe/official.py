@@ -41,7 +41,7 @@ ENCODINGS = ("v4", "v41")  # the family's `encoding`: DeepseekV4Encoding, Deepse
 MODEL_NAMES = {"v4": "DeepSeek-V4-Pro", "v41": "DeepSeek-V4.1-Flash"}  # the names the recipe knows, by encoding
 V41_SYSTEM_TOKEN = "<｜System｜>"
 V41_SYSTEM_PLACEHOLDER = "<｜place▁holder▁no▁0｜>"
-THINK_END = "</think>"
+THINK_START, THINK_END = "<think>", "</think>"
 EOS = "<｜end▁of▁sentence｜>"
 REASONING_BYTES = 4096  # the reasoning a constrained thinking turn may write before its constrained answer
 # the body's keys that set each sampling field, by format: only what a body sets overrides the engine's defaults
@@ -214,6 +214,7 @@ class Protocol:
     def __init__(self, encoding: str, tokenizer_text: str) -> None:
         self.encoder = OfficialEncoder(encoding, tokenizer_text)
         self.marker_id = self.encoder.tokenizer.encode(MARKER)
+        self.think_start_id = self.encoder.tokenizer.encode(THINK_START)
         self.think_end_id = self.encoder.tokenizer.encode(THINK_END)
         self.eos_id = self.encoder.tokenizer.encode(EOS)
 
