@@ -62,7 +62,7 @@ OUTLINES_SCHEMA_KEYWORDS = frozenset({
 LITERAL_KEYWORDS = frozenset({"enum", "const", "default", "examples", "required"})
 MAX_ROLLBACK = 64  # tokens a matcher can take back: a step's pending token and its drafts
 COMPILE_SECONDS = 4.0  # an outlines-core index that takes longer is left to llguidance
-COMPILE_BYTES = 1 << 30  # nor may it take more memory than this
+COMPILE_BYTES = 1 << 29  # nor may it take more memory than this (the largest index measured on V4's vocabulary: 100 MB)
 
 
 class StructuredError(DeepInferError, ValueError):
