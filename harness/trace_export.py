@@ -7,9 +7,10 @@ A chat line holds anything canonical (the canonical form is its shape). The othe
   (Responses only: Anthropic has no developer role) and user messages with text content;
 - assistant messages with text content or None, `reasoning_content` (a thinking block, a reasoning
   item's summary), `refusal` (Responses only: Anthropic has no refusal field) and function tool calls
-  (Responses also custom ones). Arguments that are a JSON object come back as canonical JSON (how the
-  template renders them), so the space holds them in that form; other arguments come back verbatim
-  (Anthropic writes them as `{"INVALID_JSON": text}`, the wrapper its docs suggest for invalid input);
+  (Responses also custom ones). Arguments that are a JSON object come back as canonical JSON
+  (`transcript.canonical_arguments`), so the space holds them in that form; other arguments come back
+  verbatim (Anthropic writes them as `{"INVALID_JSON": text}`, the wrapper its docs suggest for invalid
+  input);
 - tool messages with text content and a `tool_call_id`, and `is_error` (Anthropic only: Responses
   outputs have no error flag);
 - no two assistant messages in a row in Responses (its consecutive assistant items form one message),
@@ -24,8 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from deepinfer.recipe.chat import arguments_object, canonical_arguments
 from deepinfer.harness.trace_import import INVALID_JSON, TraceFormatError
+from deepinfer.harness.transcript import arguments_object, canonical_arguments
 
 EXPORT_FORMATS = ("chat", "anthropic", "responses")
 

@@ -1,19 +1,19 @@
 """Agent conversations in other shapes -> the canonical messages and tools of a trace line.
 
-The canonical form is the Chat Completions shape that deepinfer.recipe.chat renders, with what that
-shape needs so that nothing a client wrote is lost:
-- roles `developer` (kept; rendered as a system message) besides system / user / assistant / tool;
+The canonical form is the Chat Completions shape of a transcript (`harness.transcript`, which checks
+it), with what that shape needs so that nothing a client wrote is lost:
+- roles `developer` (kept; OpenAI's newer name for system) besides system / user / assistant / tool;
 - an assistant `refusal`; a tool message's `is_error` (and `name`, from legacy function messages);
 - custom tool calls `{"id", "type": "custom", "custom": {"name", "input"}}` (free-text input, kept
   verbatim) and calls marked `"server": true` (run by the provider, e.g. web search);
 - tools that are not functions (custom tools, providers' server tools), kept as given;
-- content parts that are not text (images, audio, files, documents), kept as given: the template
-  renders text documents and refuses the others only when a prompt holds them;
+- content parts that are not text (images, audio, files, documents), kept as given: a text document
+  reads as its text; the others are well-formed, though a text-only model cannot read them;
 - `unrendered` on any message: a list of source objects with no Chat Completions equivalent, kept
-  verbatim and whole, in source order, never rendered. A block, part or item goes there when it
-  carries a field the canonical message has no place for (a thinking block's signature, citations or
-  cache_control on a text block, a Responses item's id, status or encrypted content), and so do
-  redacted thinking blocks and server tool result blocks (whose text the tool message holds).
+  verbatim and whole, in source order. A block, part or item goes there when it carries a field the
+  canonical message has no place for (a thinking block's signature, citations or cache_control on a
+  text block, a Responses item's id, status or encrypted content), and so do redacted thinking blocks
+  and server tool result blocks (whose text the tool message holds).
 
 Anthropic Messages: a `system` string or text blocks; `messages` whose content is a string or blocks.
 User turns: text, image and document blocks (one user message; a string when all are text) and
@@ -36,8 +36,8 @@ function tools; custom and built-in tools kept as given. (`previous_response_id`
 harness.traces, which sees the whole file.)
 
 Arguments are canonical JSON when they are a JSON object and otherwise kept verbatim (see
-`canonical_arguments`); other text parts are joined by newlines, as the chat template joins them. Every
-error names the field (e.g. `messages[2].content[1].type`) and is a TraceFormatError, which
+`canonical_arguments`); other text parts are joined by newlines, as `transcript.content_text` joins
+them. Every error names the field (e.g. `messages[2].content[1].type`) and is a TraceFormatError, which
 harness.traces locates at the file and line.
 """
 
@@ -49,9 +49,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer.errors import DeepInferError
-from deepinfer.recipe.chat import TEXT_PARTS, canonical_arguments
+from deepinfer.harness.transcript import TEXT_PARTS, canonical_arguments
 
-__all__ = ["TraceFormatError", "canonical_arguments", "from_anthropic", "from_responses"]
+__all__ = ["TraceFormatError", "from_anthropic", "from_responses"]
 
 INVALID_JSON = "INVALID_JSON"
 _ANTHROPIC_KEPT = ("image", "document")

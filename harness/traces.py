@@ -31,9 +31,9 @@ without a `seed` gets one derived from the run seed and its request id `<id>/tur
 `recorded` (what a cassette adds): the engine's outputs per turn with their stream hashes, and the
 episode's outcome as replay reported it.
 
-Each line is also read into canonical Chat Completions shaped messages (`harness.trace_import`), which
-validate the conversation and pair each recorded tool result with its call for free-running replay's
-stub.
+Each line is also read into a transcript: canonical Chat Completions shaped messages
+(`harness.trace_import`), checked whole by `harness.transcript`, in which each recorded tool result is
+paired with its call for free-running replay's stub.
 
 Every error is one line that names the field; its location `file:line` is kept apart (`where`), so
 that what audit rows store (kind and detail) does not depend on the file's path. A malformed line
@@ -52,11 +52,11 @@ from typing import Any
 from deepinfer import LLM
 from deepinfer.errors import DeepInferError
 from deepinfer.prompts_file import PromptRequest, json_object, read_jsonl_lines
-from deepinfer.recipe.chat import ChatFormatError, UnsupportedContentError, check_messages, content_text
 from deepinfer.sampling_params import TOOL_CALL, SamplingParams
 from deepinfer.harness.suite_base import Suite, SuiteRequest, file_hash
 from deepinfer.harness.trace_bodies import FORMATS, REQUEST_FIELDS, ClientConversation
-from deepinfer.harness.trace_import import TraceFormatError, canonical_arguments, chat_tool_choice, from_anthropic, from_responses
+from deepinfer.harness.trace_import import TraceFormatError, chat_tool_choice, from_anthropic, from_responses
+from deepinfer.harness.transcript import TranscriptError, UnsupportedContentError, canonical_arguments, check_messages, content_text
 
 _COMMON_FIELDS = {"id", "format", "sampling", "metadata", "response_id", "recorded"}
 _FORMAT_FIELDS = {
@@ -237,7 +237,7 @@ def parse_trace_line(text: str, path: str, line: int, responses: dict[str, Episo
         raise TraceFormatError(detail, where=where) from None
     try:
         return _episode(obj, path, line, responses or {})
-    except (TraceFormatError, ChatFormatError) as err:
+    except (TraceFormatError, TranscriptError) as err:
         raise TraceFormatError(err.detail, where=where) from None
 
 

@@ -15,11 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepinfer import LLM
-from deepinfer.recipe.chat import arguments_object, canonical_arguments
 from deepinfer.recipe.official import OfficialEncoder, RecipeError, v4_tokenizer_path
 from deepinfer.harness.replay import ToolStub
 from deepinfer.harness.trace_export import EXPORT_FORMATS, export_line
 from deepinfer.harness.traces import Episode, TraceFormatError, load_traces, parse_trace_line, parse_trace_lines
+from deepinfer.harness.transcript import arguments_object, canonical_arguments
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
 

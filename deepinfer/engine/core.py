@@ -22,7 +22,6 @@ from deepinfer.engine.structured import StructuredCompiler
 from deepinfer.errors import DeepInferError
 from deepinfer.outputs import RequestOutput
 from deepinfer.parallel import agree
-from deepinfer.recipe.chat import ChatPrompt
 from deepinfer.sampling_params import CONTENT_SEEDS, TOOL_CALL, SamplingParams, derive_seed, request_content_hash
 
 
@@ -90,20 +89,17 @@ class EngineCore:
 
     # requests in -------------------------------------------------------------------------------
 
-    def tokenize(self, text: str | ChatPrompt, add_bos: bool = False) -> list[int]:
-        """Token ids of `text` (a rendered chat prompt's client text is encoded as text, and it brings
-        its own BOS). A text too long for max_model_len even if every token were the tokenizer's
-        longest is refused before tokenizing (a huge prompt would take minutes first)."""
+    def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
+        """Token ids of `text`. A text too long for max_model_len even if every token were the
+        tokenizer's longest is refused before tokenizing (a huge prompt would take minutes first)."""
         tokenizer = self.host.tokenizer
         if tokenizer is None:
             raise RequestError("this checkpoint has no tokenizer.json: pass prompts as token-id lists")
-        size = len((text.text if isinstance(text, ChatPrompt) else text).encode("utf-8"))
+        size = len(text.encode("utf-8"))
         fewest = size // tokenizer.max_token_bytes
         if fewest >= self.max_model_len:
             raise PromptTooLongError(f"prompt of {size} bytes has at least {fewest} tokens but max_model_len is "
                                      f"{self.max_model_len}")
-        if isinstance(text, ChatPrompt):
-            return text.token_ids(tokenizer)
         return tokenizer.encode(text, add_bos=add_bos)
 
     def encode(self, prompt: str | list[int]) -> list[int]:

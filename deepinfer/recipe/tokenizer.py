@@ -22,41 +22,32 @@ from deepinfer.recipe.official import V41_SYSTEM_ASSUMPTION, V41_SYSTEM_TOKEN, v
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
-USER = "<｜User｜>"
 ASSISTANT = "<｜Assistant｜>"
-THINK_BEGIN = "<think>"
 THINK_END = "</think>"
-TOOL_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
-TOOL_CALLS_END = "<｜tool▁calls▁end｜>"
-TOOL_CALL_BEGIN = "<｜tool▁call▁begin｜>"
-TOOL_CALL_END = "<｜tool▁call▁end｜>"
-TOOL_SEP = "<｜tool▁sep｜>"
-TOOL_OUTPUTS_BEGIN = "<｜tool▁outputs▁begin｜>"
-TOOL_OUTPUTS_END = "<｜tool▁outputs▁end｜>"
-TOOL_OUTPUT_BEGIN = "<｜tool▁output▁begin｜>"
-TOOL_OUTPUT_END = "<｜tool▁output▁end｜>"
 PAD = "<｜▁pad▁｜>"
 DSML = "｜DSML｜"
 LATEST_REMINDER = "<｜latest_reminder｜>"
 IMAGE = "<｜image｜>"
 
 # The position in this list is the token id: model configs rely on bos_token_id=0, eos_token_id=1.
+# V4's vocabulary has them all; the tool tokens, V3's tool-call markup (V4's encodings write DSML), stay
+# so that no id moves.
 SPECIAL_TOKENS: list[str] = [
     BOS,
     EOS,
-    USER,
+    "<｜User｜>",
     ASSISTANT,
-    THINK_BEGIN,
+    "<think>",
     THINK_END,
-    TOOL_CALLS_BEGIN,
-    TOOL_CALLS_END,
-    TOOL_CALL_BEGIN,
-    TOOL_CALL_END,
-    TOOL_SEP,
-    TOOL_OUTPUTS_BEGIN,
-    TOOL_OUTPUTS_END,
-    TOOL_OUTPUT_BEGIN,
-    TOOL_OUTPUT_END,
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁calls▁end｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁outputs▁begin｜>",
+    "<｜tool▁outputs▁end｜>",
+    "<｜tool▁output▁begin｜>",
+    "<｜tool▁output▁end｜>",
     PAD,
 ]
 
@@ -203,17 +194,6 @@ class TextTokenizer:
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if add_bos else ids
-
-    def encode_literal(self, text: str) -> list[int]:
-        """Token ids of `text` read as characters only: a special token's spelling in it is encoded as
-        text, never as that token (client text, see `recipe.chat.ChatPrompt`)."""
-        return self._literal.encode(text, add_special_tokens=False).ids
-
-    @functools.cached_property
-    def _literal(self) -> Tokenizer:
-        literal = Tokenizer.from_str(self.text)
-        literal.encode_special_tokens = True
-        return literal
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Ids the tokenizer does not have are skipped: a model's vocab may be larger than ours."""
