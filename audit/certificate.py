@@ -293,14 +293,14 @@ def _in_words(what: str, value: object) -> str:
     return f"tokenizer {value}" if value is not None else "no tokenizer"
 
 
-def _content_hash(cert: dict) -> str:
+def content_hash(cert: dict) -> str:
     return hashlib.sha256(canonical_json({k: v for k, v in cert.items() if k not in _SEAL_KEYS})).hexdigest()
 
 
 def seal(cert: dict) -> dict:
     """The certificate with its content_hash; any previous seal and signature are dropped."""
     body = {k: v for k, v in cert.items() if k not in _SEAL_KEYS}
-    return {**body, "content_hash": _content_hash(body)}
+    return {**body, "content_hash": content_hash(body)}
 
 
 def _b64(data: bytes) -> str:
@@ -319,7 +319,7 @@ def sign(cert: dict, private_key_pem: bytes) -> dict:
         raise AuditError("private key: not an unencrypted PEM-encoded Ed25519 private key") from None
     if not isinstance(key, Ed25519PrivateKey):
         raise AuditError(f"private key: expected an Ed25519 key, got {type(key).__name__}")
-    if cert.get("content_hash") != _content_hash(cert):
+    if cert.get("content_hash") != content_hash(cert):
         raise AuditError("the certificate must be sealed, and unchanged since, before it is signed")
     value = key.sign(bytes.fromhex(cert["content_hash"]))
     signature = {"algorithm": "ed25519", "public_key": _b64(_public_raw(key.public_key())), "value": _b64(value)}
@@ -341,7 +341,7 @@ def generate_keypair() -> tuple[bytes, bytes]:
 def write_certificate(path: str | os.PathLike, cert: dict) -> None:
     """Write a sealed certificate atomically (tmp file, fsync, rename, fsync of the folder)."""
     path = Path(path)
-    if cert.get("content_hash") != _content_hash(cert):
+    if cert.get("content_hash") != content_hash(cert):
         raise AuditError(f"{path}: refusing to write a certificate that is not sealed (or changed since)")
     atomic_write(path, json_bytes(cert))
 
@@ -361,17 +361,23 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def _read(path: Path) -> tuple[bytes, dict]:
-    if path.is_symlink():  # what it vouches for would be read from wherever the link points
+def read_sealed(path: Path) -> tuple[bytes, object]:
+    """A sealed file's bytes and its JSON (finite numbers only); AuditError when it is a symbolic link
+    (what it vouches for would be read from wherever the link points), unreadable or not JSON."""
+    if path.is_symlink():
         raise AuditError(f"{path}: is a symbolic link; a certificate must be a real file in its certification folder")
     try:
         raw = path.read_bytes()
     except OSError as exc:
         raise AuditError(f"{path}: cannot read ({exc.strerror or exc})") from None
     try:
-        cert = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
+        return raw, json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
     except (ValueError, RecursionError) as exc:
         raise AuditError(f"{path}: not valid JSON ({exc})") from None
+
+
+def _read(path: Path) -> tuple[bytes, dict]:
+    raw, cert = read_sealed(path)
     _check_structure(cert, path)
     return raw, cert
 
@@ -460,7 +466,7 @@ def _check_structure(cert: object, path: Path) -> None:
         fail(f"reference {cert['reference']!r} is not the one configuration with role 'reference'")
 
 
-def _signature_problems(cert: dict, public_key_pem: bytes | None, name: str) -> list[str]:
+def signature_problems(cert: dict, public_key_pem: bytes | None, name: str) -> list[str]:
     signature = cert.get("signature")
     pinned = None
     if public_key_pem is not None:
@@ -487,7 +493,7 @@ def _signature_problems(cert: dict, public_key_pem: bytes | None, name: str) -> 
     if pinned is not None and _public_raw(pinned) != raw_key:
         problems.append(f"{name}: signed by a different key than the given public key")
     try:
-        key.verify(value, bytes.fromhex(_content_hash(cert)))
+        key.verify(value, bytes.fromhex(content_hash(cert)))
     except InvalidSignature:
         problems.append(f"{name}: signature is not valid for its contents")
     return problems
@@ -584,9 +590,9 @@ def check_certificate(cert_path: str | os.PathLike,
     problems = []
     if raw != json_bytes(cert):
         problems.append(f"{name}: not in the exact form it is written in (bytes changed after writing?)")
-    if cert["content_hash"] != _content_hash(cert):
+    if cert["content_hash"] != content_hash(cert):
         problems.append(f"{name}: content hash does not match its contents (edited after sealing?)")
-    problems.extend(_signature_problems(cert, public_key_pem, name))
+    problems.extend(signature_problems(cert, public_key_pem, name))
     problems.extend(_derived_problems(cert, name))
     return cert, problems
 

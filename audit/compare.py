@@ -26,6 +26,7 @@ COMPARISON_SCHEMA: dict[str, pl.DataType] = {
     "margin_other": pl.Float64(),
     "near_tie": pl.Boolean(),
     "max_logprob_drift": pl.Float64(),
+    "max_logprob_ulps": pl.Int64(),
 }
 
 _INPUT_COLUMNS = (
@@ -76,21 +77,25 @@ def compare_streams(ref: pl.DataFrame, other: pl.DataFrame, near_tie_threshold: 
     status = np.full(n, _EQUAL, dtype=np.int8)
     first = np.full(n, -1, dtype=np.int64)
     drift = np.full(n, np.nan)
+    ulps = np.full(n, -1, dtype=np.int64)
     status[~present] = _MISSING
     errored = present & (err_r | err_o)
     status[errored & ~same_error] = _ERROR
     drift[errored & same_error] = 0.0
+    ulps[errored & same_error] = 0
 
     served = np.flatnonzero(present & ~err_r & ~err_o)
-    sub_status, sub_first, sub_drift = _compare_served(_take(joined, served))
-    status[served], first[served], drift[served] = sub_status, sub_first, sub_drift
+    sub_status, sub_first, sub_drift, sub_ulps = _compare_served(_take(joined, served))
+    status[served], first[served], drift[served], ulps[served] = sub_status, sub_first, sub_drift, sub_ulps
 
     labels = np.array(STATUSES, dtype=object)[status]
     position = pl.Series("first_divergence", first, dtype=pl.Int64)
+    ulp_distance = pl.Series("max_logprob_ulps", ulps, dtype=pl.Int64)
     base = joined.select("index", "request_id").with_columns(
         pl.Series("status", labels, dtype=pl.String),
         position.set(position < 0, None),
         pl.Series("max_logprob_drift", drift, dtype=pl.Float64, nan_to_null=True),
+        ulp_distance.set(ulp_distance < 0, None),
     )
     at = pl.col("first_divergence")
     result = pl.concat([base, joined.drop("index", "request_id")], how="horizontal").with_columns(
@@ -160,8 +165,16 @@ def _segment_reduce(ufunc: np.ufunc, values: np.ndarray, counts: np.ndarray, emp
     return out
 
 
-def _compare_served(rows: pl.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Status code, first divergence (-1 for none) and max prefix drift of requests both runs served."""
+def _ordered(values: np.ndarray) -> np.ndarray:
+    """float32 values as integers in the order of the floats, one apart for adjacent floats: the
+    difference of two is their distance in units in the last place (ulps)."""
+    bits = values.astype(np.float32).view(np.int32).astype(np.int64)
+    return np.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
+
+
+def _compare_served(rows: pl.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Status code, first divergence (-1 for none), and the max drift of the chosen tokens' logprobs
+    before it, in value and in ulps, of requests both runs served."""
     k = rows.height
     len_r, len_o = _lengths(rows["token_ids"]), _lengths(rows["token_ids_o"])
     for lengths, lps in ((len_r, "logprobs"), (len_o, "logprobs_o")):
@@ -190,13 +203,16 @@ def _compare_served(rows: pl.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndar
     delta = np.abs(lp_r[at_r].astype(np.float64) - lp_o[at_o].astype(np.float64))
     delta[pos >= prefix[row_of]] = 0.0
     drift = _segment_reduce(np.maximum, delta, common, 0.0)
+    ulp_delta = np.abs(_ordered(lp_r[at_r]) - _ordered(lp_o[at_o]))
+    ulp_delta[pos >= prefix[row_of]] = 0
+    ulps = _segment_reduce(np.maximum, ulp_delta, common, 0)
 
     bits_differ = lp_r[at_r].view(np.uint32) != lp_o[at_o].view(np.uint32)
     chosen_drift = np.bincount(row_of[bits_differ], minlength=k) > 0
     status = np.full(k, _EQUAL, dtype=np.int8)
     status[same_ids & (chosen_drift | _top_differs(rows, same_ids))] = _DRIFT
     status[first >= 0] = _DIVERGED
-    return status, first, drift
+    return status, first, drift, ulps
 
 
 def _top_differs(rows: pl.DataFrame, candidates: np.ndarray) -> np.ndarray:
@@ -237,12 +253,14 @@ def summarize(comparison: pl.DataFrame) -> dict:
         counts[status] = count
     near_tie = int(comparison["near_tie"].sum())
     max_drift = comparison["max_logprob_drift"].max()
+    max_ulps = comparison["max_logprob_ulps"].max()
     return {
         "requests": comparison.height,
         **counts,
         "near_tie": near_tie,
         "hard_divergences": counts["diverged"] - near_tie,
         "max_logprob_drift": float(max_drift) if max_drift is not None else 0.0,
+        "max_logprob_ulps": int(max_ulps) if max_ulps is not None else 0,
         "first_divergences": comparison.filter(pl.col("status") == "diverged")["first_divergence"].to_list(),
     }
 

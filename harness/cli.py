@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,7 +20,9 @@ from deepinfer.checkpoint import MODEL_HELP
 from deepinfer.engine.config import add_engine_flags, config_from_flags
 from deepinfer.errors import DeepInferError
 from deepinfer.parallel import process_rank
+from deepinfer.harness.bisect_cli import add_bisect_commands
 from deepinfer.harness.eval_cli import add_eval_command
+from deepinfer.harness.import_cli import add_import_command
 from deepinfer.harness.lm_eval_cli import add_lm_eval_command
 from deepinfer.harness.replay_cli import add_replay_commands
 
@@ -69,7 +72,7 @@ def add_audit(commands: argparse._SubParsersAction) -> None:
     certify.set_defaults(run=_cmd_certify)
 
     verify = sub.add_parser("verify", help="check a certificate's hash, signature and stored runs; name its signer")
-    verify.add_argument("certificate", help="certificate.json")
+    verify.add_argument("certificate", help="certificate.json or crosscheck.json (or the folder holding it)")
     verify.add_argument("--public-key", help="require a signature by this Ed25519 public key (PEM)")
     verify.add_argument("--rerun", action="store_true", help="also re-execute the reference configuration and "
                                                               "compare roots")
@@ -97,12 +100,43 @@ def add_audit(commands: argparse._SubParsersAction) -> None:
     _near_tie_flag(diff)
     diff.set_defaults(run=_cmd_diff)
 
+    metrics = sub.add_parser("metric-diff", help="lm-eval metrics of two runs sample by sample: unchanged, numbers "
+                                                 "changed, or quality changed (exit 1)",
+                             description="Pair two lm-eval runs' per-sample metrics by task and document and, per "
+                                         "metric, bootstrap the mean paired difference: 'numbers changed' when its "
+                                         "confidence interval holds 0, 'quality changed' (exit 1) when it does not.")
+    for side, what in (("baseline", "the older run"), ("candidate", "the newer run")):
+        metrics.add_argument(side, help=f"{what}: `audit eval`'s --out folder (or one OUT/lm_eval/batch-N.json), or "
+                                        "`deepinfer lm-eval --log_samples`'s output folder or results_<date>.json")
+    metrics.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples (default: 10000)")
+    metrics.add_argument("--confidence", type=float, default=0.95, help="interval's confidence (default: 0.95)")
+    metrics.add_argument("--seed", type=int, default=0, help="the bootstrap's seed (default: 0)")
+    metrics.set_defaults(run=_cmd_metric_diff)
+
+    crosscheck = sub.add_parser("crosscheck", help="classify runs of one suite from other devices, CPU code paths "
+                                                   "or releases request by request against the first, and seal it",
+                                description="Copy the runs into --out, classify each request of each run against the "
+                                            "first (bitwise, logprob drift, diverged at a near-tie, diverged, "
+                                            "missing, error) and write crosscheck.json, report.md and report.html.")
+    crosscheck.add_argument("runs", nargs="+", metavar="[NAME=]RUN",
+                            help="run folders (or certificates: their reference run), the first the reference; "
+                                 "NAME defaults to the folder's name")
+    crosscheck.add_argument("--out", required=True, help="output folder (must be new or empty)")
+    crosscheck.add_argument("--sign-key", help="Ed25519 private key (PEM) to sign the crosscheck with")
+    crosscheck.add_argument("--expect", choices=("bitwise", "tokens"),
+                            help="exit 1 unless every request is bitwise equal (bitwise) or has the same tokens "
+                                 "(tokens) in every pair")
+    _near_tie_flag(crosscheck)
+    crosscheck.set_defaults(run=_cmd_crosscheck)
+
     add_eval_command(sub)
     add_replay_commands(sub)
+    add_bisect_commands(sub)
+    add_import_command(sub)
 
-    report = sub.add_parser("report", help="write report.md and report.html for a certification folder "
-                                          "(refused unless its certificate verifies)")
-    report.add_argument("folder", help="the --out folder of `deepinfer audit certify`")
+    report = sub.add_parser("report", help="write report.md and report.html for a certification or crosscheck "
+                                          "folder (refused unless it verifies)")
+    report.add_argument("folder", help="the --out folder of `deepinfer audit certify` or `audit crosscheck`")
     report.set_defaults(run=_cmd_report)
 
 
@@ -241,25 +275,38 @@ def _control_counts(control: dict) -> str:
 def _cmd_verify(args: argparse.Namespace) -> int:
     """Exit 1 on any problem; when intact, also say who signed it, since a valid signature by an unknown
     key (anyone can re-sign) proves nothing until the key is pinned with --public-key."""
-    from deepinfer.audit.certificate import CERTIFICATE, load_certificate, signer_statement, verify_certificate
+    from deepinfer.audit.certificate import CERTIFICATE, load_certificate, verify_certificate
+    from deepinfer.audit.crosscheck import is_crosscheck, load_crosscheck, verify_crosscheck
     from deepinfer.harness.certify import rerun_reference
 
     overrides = [flag for flag in ("model", "suite") if getattr(args, flag) is not None]
     if overrides and not args.rerun:
         raise DeepInferError(f"--{overrides[0]} only applies with --rerun")
     public_key = _read(args.public_key) if args.public_key else None
+    if is_crosscheck(args.certificate):
+        if args.rerun:
+            raise DeepInferError("--rerun re-executes a certificate's reference configuration: a crosscheck's runs "
+                                 "were made elsewhere")
+        return _verdict_of(args.certificate, verify_crosscheck(args.certificate, public_key), public_key,
+                           load_crosscheck, rerun=False)
     file = Path(args.certificate) / CERTIFICATE if Path(args.certificate).is_dir() else Path(args.certificate)
     if not file.exists() and not file.is_symlink():  # nothing to verify: a wrong path, not a failed check
         raise DeepInferError(f"{file}: cannot read (No such file or directory)")
     problems = verify_certificate(Path(args.certificate), public_key)
     if not problems and args.rerun:
         problems = rerun_reference(Path(args.certificate), args.model, args.suite, progress=args.progress)
+    return _verdict_of(args.certificate, problems, public_key, load_certificate, rerun=args.rerun)
+
+
+def _verdict_of(path: str, problems: list[str], public_key: bytes | None, load, *, rerun: bool) -> int:
+    from deepinfer.audit.certificate import signer_statement
+
     for problem in problems:
         print(f"FAIL: {problem}", file=sys.stderr)
     if problems:
         return EXIT_DIFFERENT
-    print(f"OK: {args.certificate} is intact" + (" and its reference run reproduces bit for bit" if args.rerun else ""))
-    print(signer_statement(load_certificate(args.certificate), pinned=public_key is not None))
+    print(f"OK: {path} is intact" + (" and its reference run reproduces bit for bit" if rerun else ""))
+    print(signer_statement(load(path), pinned=public_key is not None))
     return 0
 
 
@@ -308,6 +355,56 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     print(format_comparison(comparison, args.baseline, args.candidate))
     identical = comparison["status"].eq("equal").all() and candidate.streams.height == baseline.streams.height
     return 0 if identical else EXIT_DIFFERENT
+
+
+def _cmd_crosscheck(args: argparse.Namespace) -> int:
+    """Exit 0 once written, unless --expect names a class some request falls short of (exit 1). The runs
+    are gathered in a hidden folder beside --out and renamed into place whole: a failure leaves nothing."""
+    from deepinfer.audit.certificate import reference_run, sign
+    from deepinfer.audit.crosscheck import build_crosscheck, collect_runs, format_pair, write_crosscheck
+    from deepinfer.reports import render_report
+
+    given = []
+    for spec in args.runs:
+        name, _, path = spec.rpartition("=")
+        run = reference_run(Path(path))
+        given.append((name or run.path.name, run.path))
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DeepInferError(f"{out}: exists and is not an empty folder; a crosscheck is written into a new one")
+    building = out.parent / f".{out.name}.partial-{os.getpid()}"
+    try:
+        crosscheck = build_crosscheck(building, collect_runs(building, given), args.near_tie)
+        if args.sign_key:
+            crosscheck = sign(crosscheck, _read(args.sign_key))
+        file = write_crosscheck(building, crosscheck)
+        building.replace(out)
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+    report_md, report_html = render_report(out)
+    for pair in crosscheck["pairs"]:
+        print(format_pair(pair))
+    print(f"crosscheck: {out / file.name}")
+    print(f"report: {report_md} and {report_html}")
+    allowed = {"bitwise": ("bitwise",), "tokens": ("bitwise", "logprob_drift")}.get(args.expect)
+    short = allowed is not None and any(sum(pair["classes"][c] for c in allowed) != pair["requests"]
+                                        for pair in crosscheck["pairs"])
+    return EXIT_DIFFERENT if short else 0
+
+
+def _cmd_metric_diff(args: argparse.Namespace) -> int:
+    """Exit 1 when some metric's quality changed; metrics lm-eval aggregates over the corpus are named,
+    not compared."""
+    from deepinfer.audit.metric_deltas import (QUALITY_CHANGED, format_metric_deltas, metric_deltas, metric_samples,
+                                               per_sample)
+
+    baseline, skipped = per_sample(metric_samples(args.baseline))
+    candidate, _ = per_sample(metric_samples(args.candidate))
+    rows = metric_deltas(baseline, candidate, resamples=args.resamples, confidence=args.confidence, seed=args.seed)
+    print(format_metric_deltas(rows))
+    if skipped:
+        print(f"not compared (not one number per sample): {', '.join(skipped)}")
+    return EXIT_DIFFERENT if any(row.verdict == QUALITY_CHANGED for row in rows) else 0
 
 
 def _cmd_report(args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ CATEGORIES = [
 MAX_LABELLED_REQUESTS = 40
 
 
-def _png(fig: Figure) -> bytes:
+def png_of(fig: Figure) -> bytes:
     FigureCanvasAgg(fig)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100, bbox_inches="tight", metadata={"Software": None})
@@ -75,7 +75,7 @@ def invariance_heatmap(data: AuditData) -> bytes:
         handles=[Patch(facecolor=colour, label=label) for label, colour in CATEGORIES],
         loc="outside lower center", ncol=len(CATEGORIES), frameon=False, fontsize=8,
     )
-    return _png(fig)
+    return png_of(fig)
 
 
 def divergence_histogram(data: AuditData) -> bytes | None:
@@ -102,7 +102,7 @@ def divergence_histogram(data: AuditData) -> bytes | None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     _legend_outside(ax, len(shown))
-    return _png(fig)
+    return png_of(fig)
 
 
 def drift_plot(data: AuditData) -> bytes | None:
@@ -125,4 +125,4 @@ def drift_plot(data: AuditData) -> bytes | None:
     ax.set_ylabel("max |Δ logprob| on common prefix")
     ax.set_title("Logprob drift against the reference (requests with zero drift not drawn)")
     _legend_outside(ax, len(ax.get_legend_handles_labels()[0]))
-    return _png(fig)
+    return png_of(fig)

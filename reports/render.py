@@ -1,6 +1,7 @@
-"""`render_report`: a certify output folder in, report.md (+ report_files/*.png) and report.html out.
+"""`render_report`: a certify or crosscheck output folder in, report.md (+ report_files/*.png) and
+report.html out.
 
-A certificate that does not verify gets no report at all (load_audit refuses it with one AuditError):
+A certificate (or crosscheck) that does not verify gets no report at all (load_audit refuses it with one AuditError):
 a refusal cannot be mistaken for a verdict, where a report marked "unverified" could still be skimmed
 for its colour. Every file written, and every stale figure removed, is a real path inside the folder."""
 
@@ -8,8 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from deepinfer.audit.crosscheck import is_crosscheck
 from deepinfer.audit.errors import AuditError
 from deepinfer.audit.files import atomic_write
+from deepinfer.reports.crosscheck import build_crosscheck_document
 from deepinfer.reports.document import Figure, build_document
 from deepinfer.reports.html import render_html
 from deepinfer.reports.load import load_audit
@@ -31,11 +34,11 @@ def _check_targets(out_dir: Path) -> None:
 
 
 def render_report(out_dir: Path) -> tuple[Path, Path]:
-    """Write OUT/report.md and OUT/report.html for the certificate in `out_dir`; returns both paths.
-    Figures this report does not draw (nothing to show) are removed from report_files/."""
+    """Write OUT/report.md and OUT/report.html for the certificate or crosscheck in `out_dir`; returns
+    both paths. Figures this report does not draw (nothing to show) are removed from report_files/."""
     out_dir = Path(out_dir)
     _check_targets(out_dir)
-    doc = build_document(load_audit(out_dir))
+    doc = build_crosscheck_document(out_dir) if is_crosscheck(out_dir) else build_document(load_audit(out_dir))
     figure_dir = out_dir / FIGURE_DIR
     figure_dir.mkdir(exist_ok=True)
     drawn = {b.filename: b.png for s in doc.sections for b in s.blocks if isinstance(b, Figure)}

@@ -7,7 +7,7 @@ import struct
 import numpy as np
 import polars as pl
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from deepinfer.audit.compare import COMPARISON_SCHEMA, compare_streams, format_comparison, summarize
@@ -77,13 +77,26 @@ def test_one_bit_of_one_logprob_is_drift():
     cmp = compare_streams(ref, other)
     assert cmp["status"].to_list() == ["logprob_drift", "equal"]
     assert one(cmp)["max_logprob_drift"] == abs(next_fp32(-0.5) + 0.5) > 0
+    assert (one(cmp)["max_logprob_ulps"], one(cmp, 1)["max_logprob_ulps"]) == (1, 0)
     assert one(cmp)["first_divergence"] is None
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.floats(-60.0, 0.0, width=32), st.integers(-3000, 3000))
+@example(-2e-45, 5)  # through zero: the walk visits -0.0 (0.0's value), then positive denormals
+def test_drift_in_ulps_counts_the_floats_between_the_logprobs(logprob, steps):
+    """k steps of np.nextafter are k ulps apart, across zero too."""
+    moved = np.float32(logprob)
+    for _ in range(abs(steps)):
+        moved = np.nextafter(moved, np.float32(np.inf if steps > 0 else -np.inf), dtype=np.float32)
+    cmp = compare_streams(frame([stream([1], [float(logprob)])]), frame([stream([1], [float(moved)])]))
+    assert one(cmp)["max_logprob_ulps"] == abs(steps)
 
 
 def test_negative_zero_is_drift_of_size_zero():
     cmp = compare_streams(frame([stream([1], [0.0])]), frame([stream([1], [-0.0])]))
     assert one(cmp)["status"] == "logprob_drift"
-    assert one(cmp)["max_logprob_drift"] == 0.0
+    assert one(cmp)["max_logprob_drift"] == 0.0 and one(cmp)["max_logprob_ulps"] == 0
 
 
 def test_a_changed_top2_logprob_alone_is_drift():

@@ -425,11 +425,11 @@ def default_sweep_report(tmp_path_factory, monkeypatch_module):
     out = _certify_folder(tmp_path_factory.mktemp("sweep"), configurations,
                           request_ids=[f"episode-{k}-with-a-long-agent-trace-name/turn-{k + 1}" for k in range(4)])
     figures = {}
-    monkeypatch_module.setattr(deepinfer.reports.figures, "_png", lambda fig: figures.setdefault(fig.axes[0].get_title(), fig)
+    monkeypatch_module.setattr(deepinfer.reports.figures, "png_of", lambda fig: figures.setdefault(fig.axes[0].get_title(), fig)
                                and b"\x89PNG")
     render_report(out)
     for figure in figures.values():
-        FigureCanvasAgg(figure).draw()  # the canvas `_png` would have given it, laid out
+        FigureCanvasAgg(figure).draw()  # the canvas `png_of` would have given it, laid out
     return out, figures
 
 

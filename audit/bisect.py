@@ -1,0 +1,172 @@
+"""`deepinfer audit bisect`: the first op whose outputs differ between two activation captures
+(`deepinfer.harness.capture`), and how the difference grows over the later layers of that step."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from deepinfer.audit.errors import AuditError
+
+FORMAT = "deepinfer-activation-capture"  # what harness/capture.py writes
+VERSION = 1
+BLOCK_OUTPUT = "output"  # the op name under which a block's output is recorded
+_HEADER = ("model", "requests", "dtype", "numerics", "device", "value_cap", "entries")
+_KEY = ("request", "step", "layer", "op")  # an entry's place in execution order
+_ORDERED_INT = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+                torch.float64: torch.int64}
+
+
+@dataclass
+class Capture:
+    path: Path
+    header: dict
+    values: dict[str, torch.Tensor]
+
+    @property
+    def entries(self) -> list[dict]:
+        return self.header["entries"]
+
+    def values_of(self, entry: dict) -> torch.Tensor | None:
+        return None if entry["values"] is None else self.values[entry["values"]]
+
+
+def read_capture(path: Path) -> Capture:
+    """The capture at `path`; a one-line AuditError for a missing, corrupt or foreign file."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            if metadata.get("format") != FORMAT:
+                raise AuditError(f"{path}: not an activation capture (no {FORMAT} header)")
+            header = json.loads(metadata["header"])
+            values = {key: f.get_tensor(key) for key in f.keys()}
+    except AuditError:
+        raise
+    except Exception as err:  # safetensors, JSON and OS errors alike: the file cannot be read as a capture
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise AuditError(f"{path}: not a readable activation capture ({reason})") from None
+    if not isinstance(header, dict) or header.get("version") != VERSION:
+        version = header.get("version") if isinstance(header, dict) else None
+        raise AuditError(f"{path}: unsupported capture version {version!r} (expected {VERSION})")
+    missing = [name for name in _HEADER if name not in header]
+    if missing:
+        raise AuditError(f"{path}: corrupt capture: its header has no {missing[0]!r}")
+    _check_values(path, header, values)
+    return Capture(path, header, values)
+
+
+def digest(tensor: torch.Tensor) -> str:
+    """SHA-256 of the tensor's bytes, contiguous, in its own dtype."""
+    flat = tensor.detach().contiguous().reshape(-1).cpu()
+    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"").hexdigest()
+
+
+def _check_values(path: Path, header: dict, values: dict[str, torch.Tensor]) -> None:
+    for entry in header["entries"]:
+        key = entry["values"]
+        if key is not None and (key not in values or digest(values[key]) != entry["sha256"]):
+            raise AuditError(f"{path}: corrupt capture: the stored values of {_where(entry)} do not match their digest")
+
+
+@dataclass
+class Difference:
+    """Between two outputs: the max abs difference and the max ulp difference (None when not computable:
+    values not stored, shapes or dtypes differ)."""
+
+    max_abs: float | None
+    max_ulp: int | None
+
+    def describe(self) -> str:
+        return f"max abs diff {_num(self.max_abs)}, max ulp diff {'n/a' if self.max_ulp is None else self.max_ulp}"
+
+
+@dataclass
+class Bisection:
+    first: tuple[dict, dict] | None  # the first differing entry of each capture; None: no difference
+    difference: Difference | None
+    growth: list[tuple[str, Difference]]  # (later layer, difference of its output) in that step
+
+
+def _where(entry: dict) -> str:
+    return (f"request {entry['request']} step {entry['step']} (output token {entry['token']}) "
+            f"{entry['layer']} {entry['op']}")
+
+
+def _num(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.6g}"
+
+
+def difference(a: torch.Tensor | None, b: torch.Tensor | None) -> Difference:
+    if a is None or b is None or a.shape != b.shape:
+        return Difference(None, None)
+    max_abs = float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+    if a.dtype != b.dtype:
+        return Difference(max_abs, None)
+    ordered_a, ordered_b = _ordered(a), _ordered(b)
+    max_ulp = int((ordered_a - ordered_b).abs().max()) if a.numel() else 0
+    return Difference(max_abs, max_ulp)
+
+
+def _ordered(t: torch.Tensor) -> torch.Tensor:
+    """Integers in the order of the values, one apart for adjacent representable floats."""
+    if t.dtype not in _ORDERED_INT:
+        return t.long()
+    bits = t.contiguous().view(_ORDERED_INT[t.dtype]).long()
+    magnitude = bits & ((1 << (8 * t.element_size() - 1)) - 1)
+    return torch.where(bits < 0, -magnitude, magnitude)
+
+
+def _requests(capture: Capture) -> list[tuple]:
+    return [(request["id"], request["prompt_token_ids"]) for request in capture.header["requests"]]
+
+
+def _check_same_run(a: Capture, b: Capture) -> None:
+    if a.header["model"] != b.header["model"]:
+        raise AuditError(f"{a.path} and {b.path} are not captures of the same model "
+                         f"({a.header['model']} and {b.header['model']})")
+    if _requests(a) != _requests(b):
+        raise AuditError(f"{a.path} and {b.path} are not captures of the same requests (ids or prompts differ)")
+
+
+def bisect(a: Capture, b: Capture) -> Bisection:
+    """The first op output (in execution order) whose digests differ, and the block outputs after it in
+    the same step; a one-line AuditError when the captures are not of the same model and requests, or
+    their op sequences part before any output differs."""
+    _check_same_run(a, b)
+    for index, (x, y) in enumerate(zip(a.entries, b.entries)):
+        if any(x[k] != y[k] for k in _KEY):
+            raise AuditError(f"{a.path} and {b.path} record different op sequences: {_where(x)} against {_where(y)}")
+        if x["sha256"] != y["sha256"] or x["dtype"] != y["dtype"] or x["shape"] != y["shape"]:
+            step = (x["request"], x["step"])
+            growth = [(x2["layer"], difference(a.values_of(x2), b.values_of(y2)))
+                      for x2, y2 in zip(a.entries[index + 1:], b.entries[index + 1:])
+                      if x2["op"] == BLOCK_OUTPUT and all(x2[k] == y2[k] for k in _KEY)
+                      and (x2["request"], x2["step"]) == step]
+            return Bisection((x, y), difference(a.values_of(x), b.values_of(y)), growth)
+    if len(a.entries) != len(b.entries):
+        raise AuditError(f"{a.path} and {b.path} record different op sequences: {len(a.entries)} and "
+                         f"{len(b.entries)} op outputs, the common ones identical")
+    return Bisection(None, None, [])
+
+
+def format_bisection(result: Bisection, a: Capture, b: Capture) -> str:
+    if result.first is None:
+        return f"no difference: {len(a.entries)} op outputs identical"
+    x, y = result.first
+    lines = [f"first difference: {_where(x)}: {result.difference.describe()}"]
+    if x["shape"] != y["shape"] or x["dtype"] != y["dtype"]:
+        lines.append(f"  {a.path}: {x['dtype']}{x['shape']}, {b.path}: {y['dtype']}{y['shape']}")
+    elif result.difference.max_abs is None:
+        lines.append(f"  values not stored (over {a.header['value_cap']} elements): max |x| {_num(x['max_abs'])} "
+                     f"against {_num(y['max_abs'])}, mean {x['mean']:.6g} against {y['mean']:.6g}")
+    lines.append(f"  {a.header['dtype']} {a.header['numerics']} on {a.header['device']} against "
+                 f"{b.header['dtype']} {b.header['numerics']} on {b.header['device']}")
+    for layer, diff in result.growth:
+        lines.append(f"  then {layer}: max abs diff {_num(diff.max_abs)}")
+    return "\n".join(lines)

@@ -1,0 +1,136 @@
+"""`audit capture` / `audit bisect`: a one-ulp difference planted in one op of one layer at one step is
+found there; an unplanted pair has none; foreign, corrupt and mismatched captures are refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer import LLM
+from deepinfer.audit.bisect import bisect, difference, format_bisection, read_capture
+from deepinfer.audit.errors import AuditError
+from deepinfer.harness.capture import Window, capture
+from deepinfer.harness.cli import main
+from deepinfer.harness.suite_registry import load_suite
+from deepinfer.kernels import Ops
+
+PLANTED_LAYER, PLANTED_OP, PLANTED_STEP = "model.layers.1.attn_norm", "rms_norm", 1
+REQUESTS = [{"id": "greedy", "prompt_token_ids": [5, 17, 99, 3], "sampling": {"temperature": 0, "max_tokens": 8}},
+            {"id": "sampled", "prompt_token_ids": [7, 8], "sampling": {"temperature": 0.7, "seed": 3, "max_tokens": 8}}]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("preset:tiny")
+
+
+@pytest.fixture(scope="module")
+def suite_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("suite") / "suite.jsonl"
+    path.write_text("".join(json.dumps(request) + "\n" for request in REQUESTS))
+    return path
+
+
+def _perturbed(layer: str, table: Ops) -> Ops:
+    """`table`, except that in PLANTED_LAYER the PLANTED_STEP-th call of PLANTED_OP moves one element up
+    by one ulp."""
+    if layer != PLANTED_LAYER:
+        return table
+    calls = []
+    exact = getattr(table, PLANTED_OP)
+
+    def planted(*args, **kwargs):
+        out = exact(*args, **kwargs)
+        calls.append(None)
+        if len(calls) - 1 == PLANTED_STEP:
+            out = out.clone()
+            out.view(-1)[0] = torch.nextafter(out.view(-1)[0], torch.tensor(float("inf"), dtype=out.dtype))
+        return out
+
+    primitives = {name: value for name, value in vars(table).items() if callable(value)}
+    return Ops(table.numerics, table.device_type, {**primitives, PLANTED_OP: planted}, table.row_tiles)
+
+
+def _capture(llm: LLM, suite_file: Path, out: Path, requests=("greedy",), window=Window.steps(2), tables=None):
+    capture(llm, load_suite(str(suite_file)), list(requests), window, out, tables=tables)
+    return read_capture(out)
+
+
+def test_a_planted_ulp_is_found_at_its_step_layer_and_op(llm, suite_file, tmp_path) -> None:
+    plain = _capture(llm, suite_file, tmp_path / "plain.cap")
+    planted = _capture(llm, suite_file, tmp_path / "planted.cap", tables=_perturbed)
+    result = bisect(plain, planted)
+    first, _ = result.first
+    assert (first["request"], first["step"], first["layer"], first["op"]) == (
+        "greedy", PLANTED_STEP, PLANTED_LAYER, PLANTED_OP)
+    assert result.difference.max_ulp == 1 and result.difference.max_abs > 0
+    layers = [layer for layer, _ in result.growth]
+    assert layers == [f"model.layers.{i}" for i in range(1, llm.config.num_hidden_layers)]
+    assert all(diff.max_abs is not None and diff.max_abs > 0 for _, diff in result.growth)
+    text = format_bisection(result, plain, planted)
+    assert text.splitlines()[0].startswith(f"first difference: request greedy step {PLANTED_STEP} ")
+    assert f"{PLANTED_LAYER} {PLANTED_OP}: " in text and "max ulp diff 1" in text
+    assert main(["audit", "bisect", str(tmp_path / "plain.cap"), str(tmp_path / "planted.cap")]) == 1
+
+
+def test_an_unplanted_pair_has_no_difference_and_the_model_is_left_as_it_was(llm, suite_file, tmp_path, capsys) -> None:
+    tables = {name: module.ops for name, module in llm.model.named_modules() if "ops" in vars(module)}
+    a = _capture(llm, suite_file, tmp_path / "a.cap", requests=("greedy", "sampled"))
+    b = _capture(llm, suite_file, tmp_path / "b.cap", requests=("greedy", "sampled"))
+    assert bisect(a, b).first is None
+    assert format_bisection(bisect(a, b), a, b).startswith("no difference")
+    assert {(e["request"], e["step"]) for e in a.entries} == {(r, s) for r in ("greedy", "sampled") for s in range(3)}
+    assert all(module.ops is tables[name] for name, module in llm.model.named_modules() if "ops" in vars(module))
+    assert not any(module._forward_hooks or module._forward_pre_hooks for module in llm.model.modules())
+    assert main(["audit", "bisect", str(tmp_path / "a.cap"), str(tmp_path / "b.cap")]) == 0
+    assert capsys.readouterr().out.startswith("no difference")
+
+
+def test_the_capture_command_with_around_keeps_only_the_steps_near_a_position(suite_file, tmp_path, capsys) -> None:
+    out = tmp_path / "around.cap"
+    assert main(["audit", "capture", "--model", "preset:tiny", "--suite", str(suite_file), "--requests", "greedy",
+                 "--around", "4", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.startswith(f"capture {out}: ")
+    around = read_capture(out)
+    assert sorted({e["token"] for e in around.entries}) == [2, 3, 4, 5, 6]
+    assert around.header["requests"][0]["steps_run"] == 7  # generation stops at the window's last token
+
+
+def test_captures_of_different_requests_are_refused(llm, suite_file, tmp_path) -> None:
+    a = _capture(llm, suite_file, tmp_path / "a.cap", requests=("greedy",))
+    b = _capture(llm, suite_file, tmp_path / "b.cap", requests=("sampled",))
+    with pytest.raises(AuditError, match="not captures of the same requests"):
+        bisect(a, b)
+
+
+def test_foreign_and_corrupt_files_are_refused(llm, suite_file, tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    _capture(llm, suite_file, tmp_path / "good.cap")
+    data = (tmp_path / "good.cap").read_bytes()
+    (tmp_path / "truncated.cap").write_bytes(data[: len(data) // 2])
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "foreign.cap"))
+    (tmp_path / "text.cap").write_text("hello")
+    for name in ("truncated.cap", "foreign.cap", "text.cap", "missing.cap"):
+        with pytest.raises(AuditError) as err:
+            read_capture(tmp_path / name)
+        assert "\n" not in str(err.value) and name in str(err.value)
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    flipped = bytearray(data)
+    flipped[header_end + 5] ^= 1  # one bit of the stored values
+    (tmp_path / "flipped.cap").write_bytes(bytes(flipped))
+    with pytest.raises(AuditError, match="corrupt capture"):
+        read_capture(tmp_path / "flipped.cap")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_ulp_differences_count_representable_values_across_zero(dtype) -> None:
+    zero = torch.zeros(3, dtype=dtype)
+    up = torch.nextafter(zero, torch.ones(3, dtype=dtype))
+    down = torch.nextafter(zero, -torch.ones(3, dtype=dtype))
+    assert difference(zero, up).max_ulp == 1
+    assert difference(down, up).max_ulp == 2
+    assert difference(zero, zero.to(torch.float64)).max_ulp is None
