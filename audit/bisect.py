@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -15,6 +15,7 @@ from deepinfer.audit.errors import AuditError
 FORMAT = "deepinfer-activation-capture"  # what harness/capture.py writes
 VERSION = 1
 BLOCK_OUTPUT = "output"  # the op name under which a block's output is recorded
+AMPLIFIED, MAX_AMPLIFIERS = 8.0, 8  # an op whose difference grew past 8x all before it, the first 8 such
 _HEADER = ("model", "requests", "dtype", "numerics", "device", "value_cap", "entries")
 _KEY = ("request", "step", "layer", "op")  # an entry's place in execution order
 _ORDERED_INT = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
@@ -91,6 +92,8 @@ class Bisection:
     first: tuple[dict, dict] | None  # the first differing entry of each capture; None: no difference
     difference: Difference | None
     growth: list[tuple[str, Difference]]  # (later layer, difference of its output) in that step
+    amplifiers: list[tuple[dict, Difference, float]] = field(default_factory=list)  # (op, its difference, the
+    # largest before it) where the difference grew past AMPLIFIED times what came before it, in that step
 
 
 def _where(entry: dict) -> str:
@@ -148,11 +151,29 @@ def bisect(a: Capture, b: Capture) -> Bisection:
                       for x2, y2 in zip(a.entries[index + 1:], b.entries[index + 1:])
                       if x2["op"] == BLOCK_OUTPUT and all(x2[k] == y2[k] for k in _KEY)
                       and (x2["request"], x2["step"]) == step]
-            return Bisection((x, y), difference(a.values_of(x), b.values_of(y)), growth)
+            return Bisection((x, y), difference(a.values_of(x), b.values_of(y)), growth,
+                             _amplifiers(a, b, index, step))
     if len(a.entries) != len(b.entries):
         raise AuditError(f"{a.path} and {b.path} record different op sequences: {len(a.entries)} and "
                          f"{len(b.entries)} op outputs, the common ones identical")
     return Bisection(None, None, [])
+
+
+def _amplifiers(a: Capture, b: Capture, first: int, step: tuple) -> list[tuple[dict, Difference, float]]:
+    """The ops of `step`, from the first difference on, whose outputs differ by more than AMPLIFIED times
+    the largest difference of any output before them (values stored on both sides): where a small
+    difference became a large one (a rounding flip, a near-tie in a top-k, a quantization step)."""
+    found, largest = [], 0.0
+    for x, y in zip(a.entries[first:], b.entries[first:]):
+        if (x["request"], x["step"]) != step or x["op"] == BLOCK_OUTPUT:
+            continue
+        diff = difference(a.values_of(x), b.values_of(y))
+        if diff.max_abs is None:
+            continue
+        if largest and diff.max_abs > AMPLIFIED * largest and len(found) < MAX_AMPLIFIERS:
+            found.append((x, diff, largest))
+        largest = max(largest, diff.max_abs)
+    return found
 
 
 def format_bisection(result: Bisection, a: Capture, b: Capture) -> str:
@@ -167,6 +188,9 @@ def format_bisection(result: Bisection, a: Capture, b: Capture) -> str:
                      f"against {_num(y['max_abs'])}, mean {x['mean']:.6g} against {y['mean']:.6g}")
     lines.append(f"  {a.header['dtype']} {a.header['numerics']} on {a.header['device']} against "
                  f"{b.header['dtype']} {b.header['numerics']} on {b.header['device']}")
+    for entry, diff, before in result.amplifiers:
+        lines.append(f"  grew at {entry['layer']} {entry['op']}: max abs diff {_num(diff.max_abs)} (at most "
+                     f"{_num(before)} before it)")
     for layer, diff in result.growth:
         lines.append(f"  then {layer}: max abs diff {_num(diff.max_abs)}")
     return "\n".join(lines)

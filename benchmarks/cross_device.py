@@ -71,12 +71,17 @@ def crosscheck(work: Path, preset: str, dtype: str, suite: str) -> dict:
     result = {"pair": pair, "bisections": []}
     rows = {row["request_id"]: row for row in read_run(runs["cpu"]).streams.iter_rows(named=True)}
     other = {row["request_id"]: row for row in read_run(runs["cuda"]).streams.iter_rows(named=True)}
-    drift = {rid: max((abs(a - b) for a, b in zip(rows[rid]["logprobs"], other[rid]["logprobs"])), default=0.0)
-             for rid in rows if rows[rid]["token_ids"] == other[rid]["token_ids"]}
-    if drift and max(drift.values()) > 0:
+    drift = {rid: max(((abs(a - b), k) for k, (a, b) in enumerate(zip(row["logprobs"], other[rid]["logprobs"]))),
+                      default=(0.0, 0))
+             for rid, row in rows.items() if row["token_ids"] == other[rid]["token_ids"]}
+    if drift and max(drift.values())[0] > 0:
         worst = max(drift, key=drift.get)
-        result["bisections"].append({"request": worst, "why": f"largest logprob drift ({drift[worst]:.3g})",
-                                     "text": _bisection(work, model, suite, dtype, worst, ["--steps", "2"],
+        size, position = drift[worst]
+        # decode steps only (the prefill produces token 0): their outputs are small enough to be stored
+        # whole, so the ops where the difference grew can be named
+        result["bisections"].append({"request": worst, "why": f"largest logprob drift ({size:.3g}, token {position})",
+                                     "text": _bisection(work, model, suite, dtype, worst,
+                                                        ["--around", str(max(position, 3))],
                                                         f"{preset}-{dtype}-drift")})
     if pair["divergences"]:
         first = min(pair["divergences"], key=lambda d: d["position"])

@@ -18,6 +18,7 @@ from deepinfer.harness.suite_registry import load_suite
 from deepinfer.kernels import Ops
 
 PLANTED_LAYER, PLANTED_OP, PLANTED_STEP = "model.layers.1.attn_norm", "rms_norm", 1
+AMPLIFIED_LAYER = "model.layers.3.attn_norm"
 REQUESTS = [{"id": "greedy", "prompt_token_ids": [5, 17, 99, 3], "sampling": {"temperature": 0, "max_tokens": 8}},
             {"id": "sampled", "prompt_token_ids": [7, 8], "sampling": {"temperature": 0.7, "seed": 3, "max_tokens": 8}}]
 
@@ -34,10 +35,10 @@ def suite_file(tmp_path_factory) -> Path:
     return path
 
 
-def _perturbed(layer: str, table: Ops) -> Ops:
-    """`table`, except that in PLANTED_LAYER the PLANTED_STEP-th call of PLANTED_OP moves one element up
-    by one ulp."""
-    if layer != PLANTED_LAYER:
+def _planting(layer: str, table: Ops, at_layer: str, change) -> Ops:
+    """`table`, except that in `at_layer` the PLANTED_STEP-th call of PLANTED_OP has its first element
+    changed by `change`."""
+    if layer != at_layer:
         return table
     calls = []
     exact = getattr(table, PLANTED_OP)
@@ -47,11 +48,22 @@ def _perturbed(layer: str, table: Ops) -> Ops:
         calls.append(None)
         if len(calls) - 1 == PLANTED_STEP:
             out = out.clone()
-            out.view(-1)[0] = torch.nextafter(out.view(-1)[0], torch.tensor(float("inf"), dtype=out.dtype))
+            out.view(-1)[0] = change(out.view(-1)[0])
         return out
 
     primitives = {name: value for name, value in vars(table).items() if callable(value)}
     return Ops(table.numerics, table.device_type, {**primitives, PLANTED_OP: planted}, table.row_tiles)
+
+
+def _perturbed(layer: str, table: Ops) -> Ops:
+    """One ulp up in PLANTED_LAYER's PLANTED_OP at PLANTED_STEP."""
+    return _planting(layer, table, PLANTED_LAYER, lambda x: torch.nextafter(x, torch.tensor(float("inf"), dtype=x.dtype)))
+
+
+def _amplified(layer: str, table: Ops) -> Ops:
+    """The ulp of `_perturbed`, and two layers on, at the same op and step, a jump of 0.5."""
+    table = _perturbed(layer, table)
+    return _planting(layer, table, AMPLIFIED_LAYER, lambda x: x + 0.5)
 
 
 def _capture(llm: LLM, suite_file: Path, out: Path, requests=("greedy",), window=Window.steps(2), tables=None):
@@ -74,6 +86,19 @@ def test_a_planted_ulp_is_found_at_its_step_layer_and_op(llm, suite_file, tmp_pa
     assert text.splitlines()[0].startswith(f"first difference: request greedy step {PLANTED_STEP} ")
     assert f"{PLANTED_LAYER} {PLANTED_OP}: " in text and "max ulp diff 1" in text
     assert main(["audit", "bisect", str(tmp_path / "plain.cap"), str(tmp_path / "planted.cap")]) == 1
+
+
+def test_where_a_small_difference_became_a_large_one_is_named(llm, suite_file, tmp_path) -> None:
+    plain = _capture(llm, suite_file, tmp_path / "plain.cap")
+    amplified = _capture(llm, suite_file, tmp_path / "amplified.cap", tables=_amplified)
+    result = bisect(plain, amplified)
+    assert result.first[0]["layer"] == PLANTED_LAYER and result.difference.max_ulp == 1
+    grew = [(entry["layer"], entry["op"]) for entry, _, _ in result.amplifiers]
+    assert (AMPLIFIED_LAYER, PLANTED_OP) in grew
+    jump = next(diff for entry, diff, _ in result.amplifiers if entry["layer"] == AMPLIFIED_LAYER)
+    assert jump.max_abs >= 0.5 * (1 - 1e-6)
+    assert all(diff.max_abs > 8 * before for _, diff, before in result.amplifiers)
+    assert f"  grew at {AMPLIFIED_LAYER} {PLANTED_OP}: " in format_bisection(result, plain, amplified)
 
 
 def test_an_unplanted_pair_has_no_difference_and_the_model_is_left_as_it_was(llm, suite_file, tmp_path, capsys) -> None:
