@@ -72,8 +72,11 @@ def where_it_ran(manifest: dict) -> dict:
     git = manifest.get("git") if isinstance(manifest.get("git"), dict) else {}
     cuda = environment.get("cuda") if isinstance(environment.get("cuda"), dict) else {}
     packages = environment.get("packages") if isinstance(environment.get("packages"), dict) else {}
-    on_cpu = variant.get("device", "cpu") == "cpu"
+    on_cpu = variant.get("device") == "cpu"  # None: a run imported from another engine, which does not say
+    external = manifest.get("external_engine") if isinstance(manifest.get("external_engine"), dict) else None
     return {
+        "engine": (" ".join(str(v) for v in (external.get("name"), external.get("version")) if v) or None
+                   if external else "deepinfer"),
         "engine_release": manifest.get("engine_version"),
         "git_commit": git.get("commit"),
         "device": variant.get("device"),
@@ -148,13 +151,15 @@ def build_crosscheck(out_dir: str | os.PathLike, runs: list[tuple[str, str]], ne
 
 def _same(runs: list[Run], names: list[str], section: str) -> dict:
     """The manifests' `section` reduced to its content hash, which every run must share: a crosscheck
-    compares one suite served from one set of weights."""
+    compares one suite served from one set of weights. A run imported from another engine states no
+    checkpoint (`audit import`): its weights are taken on trust, and the crosscheck names the others'."""
     hashes = [(run.manifest.get(section) or {}).get("content_hash") for run in runs]
-    for name, found in zip(names[1:], hashes[1:]):
-        if found != hashes[0]:
-            raise AuditError(f"run {name!r} is of {section} {found}, run {names[0]!r} of {section} {hashes[0]}: a "
-                             f"crosscheck compares runs of one {section}")
-    return {"content_hash": hashes[0]}
+    stated = [(name, found) for name, found in zip(names, hashes) if found is not None or section == "suite"]
+    for name, found in stated[1:]:
+        if found != stated[0][1]:
+            raise AuditError(f"run {name!r} is of {section} {found}, run {stated[0][0]!r} of {section} {stated[0][1]}: "
+                             f"a crosscheck compares runs of one {section}")
+    return {"content_hash": stated[0][1] if stated else None}
 
 
 def collect_runs(out_dir: Path, given: list[tuple[str, Path]]) -> list[tuple[str, str]]:

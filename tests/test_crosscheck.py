@@ -161,3 +161,22 @@ def test_expect_fails_a_pair_that_falls_short(runs, tmp_path):
                  "tokens"]) == 1
     assert main(["audit", "crosscheck", default, f"again={default}", "--out", str(tmp_path / "b"), "--expect",
                  "bitwise"]) == 0
+
+
+def test_another_engines_outputs_imported_are_crosschecked_with_ours(runs, tmp_path, capsys):
+    """Our run's outputs written as another engine's plain JSONL, imported (`audit import`), then
+    crosschecked against our run: every request bitwise, the engine named, no checkpoint to compare."""
+    suite = runs["default"].parent / "suite.jsonl"
+    lines = [{"request_id": row["request_id"], "prompt_token_ids": row["prompt_token_ids"], "token_ids": row["token_ids"],
+              "logprobs": row["logprobs"], "finish_reason": row["finish_reason"],
+              "top_logprobs": [list(map(list, zip(ids, lps))) for ids, lps in zip(row["top_token_ids"], row["top_logprobs"])]}
+             for row in read_run(runs["default"]).streams.sort("index").iter_rows(named=True)]
+    outputs = tmp_path / "outputs.jsonl"
+    outputs.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert main(["audit", "import", str(outputs), "--from", "jsonl", "--suite", str(suite), "--out",
+                 str(tmp_path / "other-engine")]) == 0
+    assert main(["audit", "crosscheck", str(runs["default"]), str(tmp_path / "other-engine"), "--out",
+                 str(tmp_path / "out"), "--expect", "bitwise"]) == 0
+    [pair] = load_crosscheck(tmp_path / "out")["pairs"]
+    assert pair["classes"]["bitwise"] == 8 and pair["differs"]["engine"] == ["deepinfer", None]
+    assert verify_crosscheck(tmp_path / "out") == []
