@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 from typing import NoReturn
@@ -38,6 +39,7 @@ NOTHING_SERVED = "NO_REQUESTS_SERVED"  # every request errored (or the suite was
 VERDICTS = (BITWISE, TOKEN, DIVERGENT, NOTHING_SERVED)
 COMPARISON_KEYS = ("equal", "logprob_drift", "diverged", "near_tie", "missing", "error")
 RUN_FILES = (MANIFEST, STREAMS, ROOT)
+RUNS = "runs"  # the folder of a certificate or crosscheck that holds its runs
 
 _SEAL_KEYS = ("content_hash", "signature")
 _TOP_KEYS = {
@@ -336,6 +338,29 @@ def generate_keypair() -> tuple[bytes, bytes]:
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
     return private_pem, public_pem
+
+
+def gather_runs(out_dir: Path, given: list[tuple[str, Path]]) -> list[tuple[str, str]]:
+    """Copy each run folder into OUT/runs/NAME (its manifest, streams and root), so that a certificate or
+    crosscheck over runs recorded elsewhere verifies wherever its folder goes; the (name, relative folder)
+    pairs `build_certificate` and `build_crosscheck` take. The folder must be new or empty."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise AuditError(f"{out_dir}: exists and is not an empty folder; runs are gathered into a new one")
+    names = [name for name, _ in given]
+    if len(set(names)) != len(names):
+        raise AuditError(f"run names must be unique, got {names}: name them NAME=PATH")
+    for name, path in given:
+        problems = check_run(path)
+        if problems:
+            raise AuditError(f"run {name!r}: {problems[0]}")
+    collected = []
+    for name, path in given:
+        relative = f"{RUNS}/{name}"
+        (out_dir / relative).mkdir(parents=True)
+        for file in RUN_FILES:
+            shutil.copyfile(path / file, out_dir / relative / file)
+        collected.append((name, relative))
+    return collected
 
 
 def write_certificate(path: str | os.PathLike, cert: dict) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import NoReturn
@@ -30,6 +29,7 @@ import polars as pl
 
 from deepinfer.audit.certificate import (
     RUN_FILES,
+    RUNS,
     content_hash,
     cpu_isa_statement,
     digest_problems,
@@ -45,7 +45,6 @@ from deepinfer.audit.store import Run, check_run, file_digests, read_run
 
 CROSSCHECK_FORMAT = "deepinfer-crosscheck/1"
 CROSSCHECK = "crosscheck.json"
-RUNS = "runs"
 CLASSES = ("bitwise", "logprob_drift", "near_tie", "diverged", "missing", "error")
 _STATUS_CLASS = {"equal": "bitwise", "logprob_drift": "logprob_drift", "missing": "missing", "error": "error"}
 _TOP_KEYS = {"format", "created", "suite", "checkpoint", "near_tie_threshold", "reference", "runs", "pairs",
@@ -160,28 +159,6 @@ def _same(runs: list[Run], names: list[str], section: str) -> dict:
             raise AuditError(f"run {name!r} is of {section} {found}, run {stated[0][0]!r} of {section} {stated[0][1]}: "
                              f"a crosscheck compares runs of one {section}")
     return {"content_hash": stated[0][1] if stated else None}
-
-
-def collect_runs(out_dir: Path, given: list[tuple[str, Path]]) -> list[tuple[str, str]]:
-    """Copy each run folder into OUT/runs/NAME (its manifest, streams and root); the (name, relative
-    folder) pairs `build_crosscheck` takes. The folder must be new or empty."""
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise AuditError(f"{out_dir}: exists and is not an empty folder; a crosscheck is written into a new one")
-    names = [name for name, _ in given]
-    if len(set(names)) != len(names):
-        raise AuditError(f"run names must be unique, got {names}: name them NAME=PATH")
-    for name, path in given:
-        problems = check_run(path)
-        if problems:
-            raise AuditError(f"run {name!r}: {problems[0]}")
-    collected = []
-    for name, path in given:
-        relative = f"{RUNS}/{name}"
-        (out_dir / relative).mkdir(parents=True)
-        for file in RUN_FILES:
-            shutil.copyfile(path / file, out_dir / relative / file)
-        collected.append((name, relative))
-    return collected
 
 
 def write_crosscheck(out_dir: Path, crosscheck: dict) -> Path:

@@ -25,8 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from deepinfer.audit.certificate import (CERTIFICATE, build_certificate, load_certificate, reference_run, seal, sign,
-                               write_certificate)
+from deepinfer.audit.certificate import (CERTIFICATE, RUNS, build_certificate, gather_runs, load_certificate,
+                                         reference_run, seal, sign, write_certificate)
 from deepinfer.audit.files import atomic_write, folder_lock, json_bytes
 from deepinfer.audit.store import read_run
 from deepinfer.checkpoint import DEFAULT_PRESET, content_hash, default_checkpoint
@@ -39,7 +39,7 @@ from deepinfer.harness.suite_registry import Suite, load_suite
 from deepinfer.harness.sweep import Sweep, Variant, check_variant, variant_from_dict
 
 SWEEP_FILE = "sweep.json"
-RUNS = "runs"
+NOTHING_TO_RERUN = {"recorded_elsewhere": True}  # the rerun block of a certificate over runs it did not record
 
 
 def certify(
@@ -152,6 +152,31 @@ def _relative(path: Path, out_dir: Path) -> str | None:
         return None
 
 
+def certify_runs(given: list[tuple[str, Path]], out_dir: Path, *, sign_key: Path | None = None,
+                 near_tie_threshold: float = 1e-2) -> dict:
+    """A certificate over runs recorded already (another engine's, imported with `audit import`; or
+    `audit run`s made apart), the first the reference and the others variants, gathered into
+    OUT/runs/NAME. Its rerun block says there is nothing to re-run: this engine did not make them."""
+    signing_key = _read_key(sign_key) if sign_key else None
+    runs = gather_runs(out_dir, given)
+    manifests = {name: read_run(out_dir / relative).manifest for name, relative in runs}
+    reference = manifests[runs[0][0]]
+    for name, manifest in manifests.items():
+        found, stated = (manifest.get("suite") or {}).get("content_hash"), reference["suite"]["content_hash"]
+        if found != stated:
+            raise DeepInferError(f"run {name!r} is of suite {found}, the reference {runs[0][0]!r} of suite {stated}: "
+                                 "a certificate covers one suite")
+    configurations = [{"name": name, "role": "variant" if k else "reference", "config": manifests[name].get("variant", {}),
+                       "run": relative} for k, (name, relative) in enumerate(runs)]
+    certificate = seal(build_certificate(
+        out_dir=out_dir, reference=runs[0][0], configurations=configurations, suite=reference["suite"],
+        checkpoint=reference.get("checkpoint") or {}, rerun=NOTHING_TO_RERUN, near_tie_threshold=near_tie_threshold))
+    if signing_key is not None:
+        certificate = sign(certificate, signing_key)
+    write_certificate(out_dir / CERTIFICATE, certificate)
+    return certificate
+
+
 def rerun_reference(certificate_path: Path, model: str | Path | None = None, suite: str | None = None,
                     progress: bool = True) -> list[str]:
     """Re-execute the certificate's reference configuration in a scratch folder and compare roots;
@@ -161,6 +186,9 @@ def rerun_reference(certificate_path: Path, model: str | Path | None = None, sui
     file = certificate_path / CERTIFICATE if certificate_path.is_dir() else certificate_path
     certificate = load_certificate(file)
     rerun = certificate["rerun"]
+    if rerun == NOTHING_TO_RERUN:
+        raise DeepInferError(f"{file}: certifies runs recorded elsewhere (audit certify-runs): there is nothing to "
+                             "re-run")
     reference = _rerun_variant(rerun, file)
     loaded = load_suite(suite) if suite is not None else _recorded_suite(rerun, file)
     checkpoint_path = model if model is not None else _recorded_model(rerun, file)

@@ -7,6 +7,7 @@ The audit commands live here, not in deepinfer/, because they drive the harness 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -99,6 +100,17 @@ def add_audit(commands: argparse._SubParsersAction) -> None:
     diff.add_argument("--run", required=True, dest="candidate", help="run folder or certificate")
     _near_tie_flag(diff)
     diff.set_defaults(run=_cmd_diff)
+
+    certify_runs = sub.add_parser("certify-runs", help="certify runs recorded already (e.g. another engine's, "
+                                                        "imported) against the first",
+                                  description="Copy the runs into --out and certify them as certify does: the first "
+                                              "is the reference, every other a variant; writes certificate.json, "
+                                              "report.md and report.html.")
+    certify_runs.add_argument("runs", nargs="+", metavar="[NAME=]RUN", help="run folders, the reference first")
+    certify_runs.add_argument("--out", required=True, help="output folder (must be new or empty)")
+    certify_runs.add_argument("--sign-key", help="Ed25519 private key (PEM) to sign the certificate with")
+    _near_tie_flag(certify_runs)
+    certify_runs.set_defaults(run=_cmd_certify_runs)
 
     metrics = sub.add_parser("metric-diff", help="lm-eval metrics of two runs sample by sample: unchanged, numbers "
                                                  "changed, or quality changed (exit 1)",
@@ -360,27 +372,16 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 def _cmd_crosscheck(args: argparse.Namespace) -> int:
     """Exit 0 once written, unless --expect names a class some request falls short of (exit 1). The runs
     are gathered in a hidden folder beside --out and renamed into place whole: a failure leaves nothing."""
-    from deepinfer.audit.certificate import reference_run, sign
-    from deepinfer.audit.crosscheck import build_crosscheck, collect_runs, format_pair, write_crosscheck
+    from deepinfer.audit.certificate import gather_runs, sign
+    from deepinfer.audit.crosscheck import build_crosscheck, format_pair, write_crosscheck
     from deepinfer.reports import render_report
 
-    given = []
-    for spec in args.runs:
-        name, _, path = spec.rpartition("=")
-        run = reference_run(Path(path))
-        given.append((name or run.path.name, run.path))
-    out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise DeepInferError(f"{out}: exists and is not an empty folder; a crosscheck is written into a new one")
-    building = out.parent / f".{out.name}.partial-{os.getpid()}"
-    try:
-        crosscheck = build_crosscheck(building, collect_runs(building, given), args.near_tie)
+    given, out = _named_runs(args.runs), _new_folder(args.out, "a crosscheck")
+    with _building(out) as building:
+        crosscheck = build_crosscheck(building, gather_runs(building, given), args.near_tie)
         if args.sign_key:
             crosscheck = sign(crosscheck, _read(args.sign_key))
         file = write_crosscheck(building, crosscheck)
-        building.replace(out)
-    finally:
-        shutil.rmtree(building, ignore_errors=True)
     report_md, report_html = render_report(out)
     for pair in crosscheck["pairs"]:
         print(format_pair(pair))
@@ -405,6 +406,57 @@ def _cmd_metric_diff(args: argparse.Namespace) -> int:
     if skipped:
         print(f"not compared (not one number per sample): {', '.join(skipped)}")
     return EXIT_DIFFERENT if any(row.verdict == QUALITY_CHANGED for row in rows) else 0
+
+
+def _cmd_certify_runs(args: argparse.Namespace) -> int:
+    """Exit 0 when the verdict is reproducible and every request was served, 1 otherwise (as certify)."""
+    from deepinfer.audit.certificate import CERTIFICATE, DIVERGENT, NOTHING_SERVED, verdict_summary
+    from deepinfer.harness.certify import certify_runs
+    from deepinfer.reports import render_report
+
+    given, out = _named_runs(args.runs), _new_folder(args.out, "a certificate")
+    with _building(out) as building:
+        cert = certify_runs(given, building, sign_key=Path(args.sign_key) if args.sign_key else None,
+                            near_tie_threshold=args.near_tie)
+    report_md, report_html = render_report(out)
+    print(f"verdict: {verdict_summary(cert)}")
+    print(f"certificate: {out / CERTIFICATE}")
+    print(f"report: {report_md} and {report_html}")
+    counts = cert["verdict_counts"]
+    failed = cert["verdict"] in (DIVERGENT, NOTHING_SERVED) or counts["errored"] + counts["requests_errored_differently"]
+    return EXIT_DIFFERENT if failed else 0
+
+
+def _named_runs(specs: list[str]) -> list[tuple[str, Path]]:
+    """[NAME=]RUN arguments as (name, run folder): a certificate names its reference run; NAME defaults to
+    the folder's name."""
+    from deepinfer.audit.certificate import reference_run
+
+    given = []
+    for spec in specs:
+        name, _, path = spec.rpartition("=")
+        run = reference_run(Path(path))
+        given.append((name or run.path.name, run.path))
+    return given
+
+
+def _new_folder(path: str, what: str) -> Path:
+    out = Path(path)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DeepInferError(f"{out}: exists and is not an empty folder; {what} is written into a new one")
+    return out
+
+
+@contextlib.contextmanager
+def _building(out: Path):
+    """A hidden folder beside `out`, renamed into place when the block ends; removed on failure, so a
+    refusal or an interruption leaves nothing."""
+    building = out.parent / f".{out.name}.partial-{os.getpid()}"
+    try:
+        yield building
+        building.replace(out)
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
 
 
 def _cmd_report(args: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer.audit.certificate import TOKEN, build_certificate, seal, verify_certificate, write_certificate
+from deepinfer.audit.certificate import TOKEN, verify_certificate
 from deepinfer.audit.compare import compare_streams
 from deepinfer.audit.store import check_run, read_run
 from deepinfer.harness.cli import main
@@ -149,24 +149,27 @@ def test_batch_sizes_compare_as_logprob_drift_and_diverged(tmp_path, suite, caps
     assert main(["audit", "compare", str(runs["batch-1"]), str(runs["batch-1"])]) == 0
 
 
-def test_a_certificate_over_imported_batch_sizes_verifies(tmp_path, suite):
-    """No `audit certify-runs` command: the certificate is built over the imported runs directly."""
-    cert_dir = tmp_path / "cert"
-    configurations = []
+def test_imported_batch_sizes_are_certified_and_the_certificate_verifies(tmp_path, suite, capsys):
+    """`audit certify-runs` over vLLM outputs at batch 1 and 8: TOKEN_REPRODUCIBLE (one logprob drifted),
+    exit 1 for neither; it verifies, its report renders, and `verify --rerun` says there is nothing to re-run."""
     for name, streams in (("batch-1", STREAMS), ("batch-8", drifted())):
         settings = json.dumps({"max_num_seqs": int(name.split("-")[1])})
-        assert run_import(engine_file(tmp_path / f"{name}.jsonl", vllm_line, streams), suite, cert_dir / "runs" / name,
+        assert run_import(engine_file(tmp_path / f"{name}.jsonl", vllm_line, streams), suite, tmp_path / name,
                           "vllm", "--name", name, "--engine-settings", settings) == 0
-        manifest = read_run(cert_dir / "runs" / name).manifest
-        configurations.append({"name": name, "role": "reference" if name == "batch-1" else "variant",
-                               "config": manifest["variant"], "run": f"runs/{name}"})
-    reference = read_run(cert_dir / "runs" / "batch-1").manifest
-    cert = seal(build_certificate(out_dir=cert_dir, reference="batch-1", configurations=configurations,
-                                  suite=reference["suite"], checkpoint=reference["external_engine"], rerun={}))
-    write_certificate(cert_dir / "certificate.json", cert)
-    assert cert["verdict"] == TOKEN
-    assert cert["configurations"][1]["comparison"]["logprob_drift"] == 1
+    cert_dir = tmp_path / "cert"
+    capsys.readouterr()
+    assert main(["audit", "certify-runs", str(tmp_path / "batch-1"), str(tmp_path / "batch-8"), "--out",
+                 str(cert_dir)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "verdict: TOKEN_REPRODUCIBLE over all 3 requests; 1 variant vs reference batch-1: 0 request divergences, "
+        "1 logprob-only drift")
+    cert = json.loads((cert_dir / "certificate.json").read_text())
+    assert cert["verdict"] == TOKEN and cert["configurations"][1]["config"]["settings"] == {"max_num_seqs": 8}
     assert verify_certificate(cert_dir / "certificate.json") == []
+    assert (cert_dir / "report.html").is_file()
+    assert main(["audit", "verify", str(cert_dir), "--rerun"]) == 2
+    assert capsys.readouterr().err == (f"error: {cert_dir / 'certificate.json'}: certifies runs recorded elsewhere "
+                                       "(audit certify-runs): there is nothing to re-run\n")
 
 
 def refusal_cases(tmp: Path) -> dict:
