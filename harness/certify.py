@@ -161,11 +161,13 @@ def certify_runs(given: list[tuple[str, Path]], out_dir: Path, *, sign_key: Path
     runs = gather_runs(out_dir, given)
     manifests = {name: read_run(out_dir / relative).manifest for name, relative in runs}
     reference = manifests[runs[0][0]]
-    for name, manifest in manifests.items():
-        found, stated = (manifest.get("suite") or {}).get("content_hash"), reference["suite"]["content_hash"]
-        if found != stated:
-            raise DeepInferError(f"run {name!r} is of suite {found}, the reference {runs[0][0]!r} of suite {stated}: "
-                                 "a certificate covers one suite")
+    for section in ("suite", "checkpoint"):  # every run's, as verification will check them
+        stated = (reference.get(section) or {}).get("content_hash")
+        for name, manifest in manifests.items():
+            found = (manifest.get(section) or {}).get("content_hash")
+            if found != stated:
+                raise DeepInferError(f"run {name!r} is of {section} {found}, the reference {runs[0][0]!r} of {section} "
+                                     f"{stated}: a certificate covers one {section}")
     configurations = [{"name": name, "role": "variant" if k else "reference", "config": manifests[name].get("variant", {}),
                        "run": relative} for k, (name, relative) in enumerate(runs)]
     certificate = seal(build_certificate(

@@ -147,6 +147,10 @@ def test_bad_input_is_refused_in_one_line(runs, tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
         assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))
+    assert main(["audit", "certify-runs", str(runs["default"]), str(tmp_path / "other"), "--out",
+                 str(tmp_path / "cert")]) == 2
+    assert capsys.readouterr().err.startswith("error: run 'other' is of suite ")
+    assert not (tmp_path / "cert").exists()
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "kept.txt").write_text("mine")
     assert main(["audit", "crosscheck", str(runs["default"]), str(runs["avx2"]), "--out", str(tmp_path / "full")]) == 2
