@@ -420,22 +420,27 @@ def _is_hex(value: object) -> bool:
     return isinstance(value, str) and HEX_DIGEST.fullmatch(value) is not None
 
 
+def check_sealed_fields(sealed: object, path: Path, format_name: str, keys: set[str]) -> None:
+    """AuditError naming `path` unless `sealed` is an object of format `format_name` with exactly `keys`
+    (and optionally a signature): the first check of every sealed file (certificate, crosscheck)."""
+    if not isinstance(sealed, dict):
+        raise AuditError(f"{path}: not a JSON object")
+    if sealed.get("format") != format_name:
+        raise AuditError(f"{path}: format {sealed.get('format')!r} is not {format_name!r}")
+    missing, unknown = sorted(keys - set(sealed)), sorted(set(sealed) - keys - {"signature"})
+    if missing:
+        raise AuditError(f"{path}: missing field(s) {', '.join(missing)}")
+    if unknown:
+        raise AuditError(f"{path}: unknown field(s) {', '.join(unknown)}")
+
+
 def _check_structure(cert: object, path: Path) -> None:
     """AuditError naming `path` and the first field that does not have the certificate format."""
 
     def fail(problem: str) -> NoReturn:
         raise AuditError(f"{path}: {problem}")
 
-    if not isinstance(cert, dict):
-        fail("not a JSON object")
-    if cert.get("format") != CERTIFICATE_FORMAT:
-        fail(f"format {cert.get('format')!r} is not {CERTIFICATE_FORMAT!r}")
-    missing = sorted(_TOP_KEYS - set(cert))
-    if missing:
-        fail(f"missing field(s) {', '.join(missing)}")
-    unknown = sorted(set(cert) - _TOP_KEYS - {"signature"})
-    if unknown:
-        fail(f"unknown field(s) {', '.join(unknown)}")
+    check_sealed_fields(cert, path, CERTIFICATE_FORMAT, _TOP_KEYS)
     for key in ("suite", "checkpoint", "rerun", "verdict_counts"):
         if not isinstance(cert[key], dict):
             fail(f"{key} must be an object")

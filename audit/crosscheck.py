@@ -30,6 +30,7 @@ import polars as pl
 from deepinfer.audit.certificate import (
     RUN_FILES,
     RUNS,
+    check_sealed_fields,
     content_hash,
     cpu_isa_statement,
     digest_problems,
@@ -251,13 +252,7 @@ def _check_structure(crosscheck: object, path: Path) -> None:
     def fail(problem: str) -> NoReturn:
         raise AuditError(f"{path}: {problem}")
 
-    if not isinstance(crosscheck, dict):
-        fail("not a JSON object")
-    if crosscheck.get("format") != CROSSCHECK_FORMAT:
-        fail(f"format {crosscheck.get('format')!r} is not {CROSSCHECK_FORMAT!r}")
-    missing, unknown = sorted(_TOP_KEYS - set(crosscheck)), sorted(set(crosscheck) - _TOP_KEYS - {"signature"})
-    if missing or unknown:
-        fail(f"missing field(s) {', '.join(missing)}" if missing else f"unknown field(s) {', '.join(unknown)}")
+    check_sealed_fields(crosscheck, path, CROSSCHECK_FORMAT, _TOP_KEYS)
     runs, pairs = crosscheck["runs"], crosscheck["pairs"]
     if not isinstance(runs, list) or len(runs) < 2 or not all(isinstance(r, dict) and set(r) == _RUN_KEYS for r in runs):
         fail(f"runs must be a list of at least two objects with exactly {', '.join(sorted(_RUN_KEYS))}")
