@@ -106,14 +106,22 @@ def _num(value: float | None) -> str:
 
 
 def difference(a: torch.Tensor | None, b: torch.Tensor | None) -> Difference:
+    """Max abs and ulp differences; where both sides hold the same non-finite value (NaN in both: the
+    junk rows a step computes for unused capacity) they agree, and a non-finite value against another
+    value is an infinite difference."""
     if a is None or b is None or a.shape != b.shape:
         return Difference(None, None)
-    max_abs = float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+    if not a.numel():
+        return Difference(0.0, 0 if a.dtype == b.dtype else None)
+    x, y = a.double(), b.double()
+    agree = (x == y) | (torch.isnan(x) & torch.isnan(y))
+    finite = torch.isfinite(x) & torch.isfinite(y)
+    gaps = torch.where(agree, 0.0, torch.where(finite, (x - y).abs(), float("inf")))
+    max_abs = float(gaps.max())
     if a.dtype != b.dtype:
         return Difference(max_abs, None)
-    ordered_a, ordered_b = _ordered(a), _ordered(b)
-    max_ulp = int((ordered_a - ordered_b).abs().max()) if a.numel() else 0
-    return Difference(max_abs, max_ulp)
+    ulps = torch.where(agree, 0, (_ordered(a) - _ordered(b)).abs())
+    return Difference(max_abs, int(ulps.max()))
 
 
 def _ordered(t: torch.Tensor) -> torch.Tensor:
@@ -137,22 +145,27 @@ def _check_same_run(a: Capture, b: Capture) -> None:
         raise AuditError(f"{a.path} and {b.path} are not captures of the same requests (ids or prompts differ)")
 
 
-def bisect(a: Capture, b: Capture) -> Bisection:
-    """The first op output (in execution order) whose digests differ, and the block outputs after it in
-    the same step; a one-line AuditError when the captures are not of the same model and requests, or
-    their op sequences part before any output differs."""
+def bisect(a: Capture, b: Capture, above: float = 0.0) -> Bisection:
+    """The first op output (in execution order) whose digests differ, or with `above` > 0 the first whose
+    max abs difference exceeds it (outputs whose values both captures stored; where a small difference
+    became a large one, which may be steps after the first), and the block outputs after it in the same
+    step; a one-line AuditError when the captures are not of the same model and requests, or their op
+    sequences part before the op is found."""
     _check_same_run(a, b)
     for index, (x, y) in enumerate(zip(a.entries, b.entries)):
         if any(x[k] != y[k] for k in _KEY):
             raise AuditError(f"{a.path} and {b.path} record different op sequences: {_where(x)} against {_where(y)}")
-        if x["sha256"] != y["sha256"] or x["dtype"] != y["dtype"] or x["shape"] != y["shape"]:
-            step = (x["request"], x["step"])
-            growth = [(x2["layer"], difference(a.values_of(x2), b.values_of(y2)))
-                      for x2, y2 in zip(a.entries[index + 1:], b.entries[index + 1:])
-                      if x2["op"] == BLOCK_OUTPUT and all(x2[k] == y2[k] for k in _KEY)
-                      and (x2["request"], x2["step"]) == step]
-            return Bisection((x, y), difference(a.values_of(x), b.values_of(y)), growth,
-                             _amplifiers(a, b, index, step))
+        if x["sha256"] == y["sha256"] and x["dtype"] == y["dtype"] and x["shape"] == y["shape"]:
+            continue
+        diff = difference(a.values_of(x), b.values_of(y))
+        if above and (diff.max_abs is None or diff.max_abs <= above):
+            continue
+        step = (x["request"], x["step"])
+        growth = [(x2["layer"], difference(a.values_of(x2), b.values_of(y2)))
+                  for x2, y2 in zip(a.entries[index + 1:], b.entries[index + 1:])
+                  if x2["op"] == BLOCK_OUTPUT and all(x2[k] == y2[k] for k in _KEY)
+                  and (x2["request"], x2["step"]) == step]
+        return Bisection((x, y), diff, growth, _amplifiers(a, b, index, step))
     if len(a.entries) != len(b.entries):
         raise AuditError(f"{a.path} and {b.path} record different op sequences: {len(a.entries)} and "
                          f"{len(b.entries)} op outputs, the common ones identical")
@@ -176,11 +189,14 @@ def _amplifiers(a: Capture, b: Capture, first: int, step: tuple) -> list[tuple[d
     return found
 
 
-def format_bisection(result: Bisection, a: Capture, b: Capture) -> str:
+def format_bisection(result: Bisection, a: Capture, b: Capture, above: float = 0.0) -> str:
     if result.first is None:
+        if above:
+            return f"no difference above {above:g}: no op output of {len(a.entries)} differs by more"
         return f"no difference: {len(a.entries)} op outputs identical"
     x, y = result.first
-    lines = [f"first difference: {_where(x)}: {result.difference.describe()}"]
+    what = f"first difference above {above:g}" if above else "first difference"
+    lines = [f"{what}: {_where(x)}: {result.difference.describe()}"]
     if x["shape"] != y["shape"] or x["dtype"] != y["dtype"]:
         lines.append(f"  {a.path}: {x['dtype']}{x['shape']}, {b.path}: {y['dtype']}{y['shape']}")
     elif result.difference.max_abs is None:

@@ -71,6 +71,7 @@ def where_it_ran(manifest: dict) -> dict:
     variant = manifest.get("variant") if isinstance(manifest.get("variant"), dict) else {}
     git = manifest.get("git") if isinstance(manifest.get("git"), dict) else {}
     cuda = environment.get("cuda") if isinstance(environment.get("cuda"), dict) else {}
+    torch_cpu = environment.get("torch_cpu") if isinstance(environment.get("torch_cpu"), dict) else {}
     packages = environment.get("packages") if isinstance(environment.get("packages"), dict) else {}
     on_cpu = variant.get("device") == "cpu"  # None: a run imported from another engine, which does not say
     external = manifest.get("external_engine") if isinstance(manifest.get("external_engine"), dict) else None
@@ -85,6 +86,7 @@ def where_it_ran(manifest: dict) -> dict:
         "nvidia_driver": None if on_cpu else cuda.get("driver"),
         "cpu": environment.get("cpu"),
         "cpu_code_path": cpu_isa_statement(manifest) if on_cpu else None,
+        "cpu_kernels": torch_cpu.get("capability") if on_cpu else None,  # PyTorch's own (ATEN_CPU_CAPABILITY)
         "dtype": variant.get("dtype"),
         "numerics": variant.get("numerics"),
         "python": environment.get("python"),

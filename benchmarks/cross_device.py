@@ -1,13 +1,16 @@
 """The same suite on this machine's CPU and on its GPU: every request classified (`audit crosscheck`),
 and the largest drift and the first divergence of each pair bisected to the first op that differs
-(`audit capture` on both devices, then `audit bisect`).
+and to the first op whose difference passes a dtype's threshold (`audit capture` on both devices from
+the prefill on, then `audit bisect` and `audit bisect --above`). For V4.1 presets the pair is also run
+with the caches in full precision (`--no-cache-qdq`), the control for whether the release's cache
+formats turn the devices' last-bit differences into large ones.
 
     python benchmarks/cross_device.py --out results.json
     python benchmarks/cross_device.py --presets tiny --dtypes float32 --out results.json
 
 Both devices load one checkpoint folder (seeded random weights, written once), in the batch-invariant
 mode. The JSON holds, per preset and dtype, the crosscheck's pair (classes, drift bounds, divergences,
-what differed) and each bisection's text.
+what differed), the control pair where there is one, and each bisection's texts.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 
 from deepinfer.audit.crosscheck import load_crosscheck
 from deepinfer.audit.store import read_run
+from deepinfer.checkpoint import preset_config
 from deepinfer.harness.cli import main as deepinfer
 
 
@@ -43,32 +47,53 @@ def _checked(argv: list[str]) -> str:
     return printed
 
 
-def _bisection(work: Path, model: Path, suite: str, dtype: str, request: str, window: list[str], tag: str) -> str:
-    """Capture `request` over `window` on both devices and bisect the two captures."""
+# a difference past this is no longer the devices' last bits: where it arises is what bisect --above names
+ABOVE = {"float32": 1e-3, "bfloat16": 0.1}
+VALUE_CAP = 1 << 20  # every op output of the smoke suite's prompts keeps its values
+
+
+def _bisection(work: Path, model: Path, suite: str, dtype: str, request: str, position: int, tag: str) -> dict:
+    """Capture `request` from its prefill to output token `position` on both devices, then bisect the two
+    captures to the first difference and to the first past ABOVE."""
     files = []
     for device in ("cpu", "cuda"):
         files.append(work / f"{tag}-{device}.safetensors")
-        _checked(["audit", "capture", "--model", str(model), "--suite", suite, "--requests", request, *window,
-                  "--dtype", dtype, "--device", device, "--out", str(files[-1])])
-    return _run(["audit", "bisect", str(files[0]), str(files[1])])[1].strip()
+        _checked(["audit", "capture", "--model", str(model), "--suite", suite, "--requests", request,
+                  "--steps", str(position), "--value-cap", str(VALUE_CAP), "--dtype", dtype, "--device", device,
+                  "--out", str(files[-1])])
+    first = _run(["audit", "bisect", str(files[0]), str(files[1])])[1].strip()
+    above = _run(["audit", "bisect", str(files[0]), str(files[1]), "--above", str(ABOVE[dtype])])[1].strip()
+    for file in files:
+        file.unlink()
+    return {"text": first, "above": ABOVE[dtype], "text_above": above}
+
+
+def _pair(work: Path, model: Path, preset: str, dtype: str, suite: str, flags: list[str], tag: str
+          ) -> tuple[dict, dict[str, Path]]:
+    """Run `suite` on both devices with `flags` and crosscheck the two runs: (the pair, the runs)."""
+    runs = {}
+    for device in ("cpu", "cuda"):
+        runs[device] = work / f"{tag}-{device}"
+        start = time.perf_counter()
+        _checked(["audit", "run", "--model", str(model), "--suite", suite, "--dtype", dtype, "--device", device,
+                  "--no-progress", *flags, "--out", str(runs[device])])
+        print(f"{tag} {device}: {time.perf_counter() - start:.1f}s", flush=True)
+    out = work / f"{tag}-crosscheck"
+    printed = _checked(["audit", "crosscheck", f"cpu={runs['cpu']}", f"gpu={runs['cuda']}", "--out", str(out)])
+    print(printed, flush=True)
+    [pair] = load_crosscheck(out)["pairs"]
+    return pair, runs
 
 
 def crosscheck(work: Path, preset: str, dtype: str, suite: str) -> dict:
     model = work / preset
     if not model.exists():
         _checked(["checkpoint", "create", "--preset", preset, "--seed", "0", "--out", str(model), "--no-progress"])
-    runs = {}
-    for device in ("cpu", "cuda"):
-        runs[device] = work / f"{preset}-{dtype}-{device}"
-        start = time.perf_counter()
-        _checked(["audit", "run", "--model", str(model), "--suite", suite, "--dtype", dtype, "--device", device,
-                  "--no-progress", "--out", str(runs[device])])
-        print(f"{preset} {dtype} {device}: {time.perf_counter() - start:.1f}s", flush=True)
-    out = work / f"{preset}-{dtype}-crosscheck"
-    printed = _checked(["audit", "crosscheck", f"cpu={runs['cpu']}", f"gpu={runs['cuda']}", "--out", str(out)])
-    print(printed, flush=True)
-    [pair] = load_crosscheck(out)["pairs"]
+    pair, runs = _pair(work, model, preset, dtype, suite, [], f"{preset}-{dtype}")
     result = {"pair": pair, "bisections": []}
+    if preset_config(preset).model_type == "deepseek_v41":
+        result["without_cache_formats"] = _pair(work, model, preset, dtype, suite, ["--no-cache-qdq"],
+                                                f"{preset}-{dtype}-no-qdq")[0]
     rows = {row["request_id"]: row for row in read_run(runs["cpu"]).streams.iter_rows(named=True)}
     other = {row["request_id"]: row for row in read_run(runs["cuda"]).streams.iter_rows(named=True)}
     drift = {rid: max(((abs(a - b), k) for k, (a, b) in enumerate(zip(row["logprobs"], other[rid]["logprobs"]))),
@@ -80,18 +105,17 @@ def crosscheck(work: Path, preset: str, dtype: str, suite: str) -> dict:
         # decode steps only (the prefill produces token 0): their outputs are small enough to be stored
         # whole, so the ops where the difference grew can be named
         result["bisections"].append({"request": worst, "why": f"largest logprob drift ({size:.3g}, token {position})",
-                                     "text": _bisection(work, model, suite, dtype, worst,
-                                                        ["--around", str(max(position, 3))],
-                                                        f"{preset}-{dtype}-drift")})
+                                     **_bisection(work, model, suite, dtype, worst, position,
+                                                  f"{preset}-{dtype}-drift")})
     if pair["divergences"]:
         first = min(pair["divergences"], key=lambda d: d["position"])
         result["bisections"].append({"request": first["request_id"],
                                      "why": f"diverged at position {first['position']}",
-                                     "text": _bisection(work, model, suite, dtype, first["request_id"],
-                                                        ["--around", str(first["position"])],
-                                                        f"{preset}-{dtype}-divergence")})
+                                     **_bisection(work, model, suite, dtype, first["request_id"], first["position"],
+                                                  f"{preset}-{dtype}-divergence")})
     for bisection in result["bisections"]:
-        print(bisection["request"], bisection["why"], "\n" + bisection["text"], flush=True)
+        print(bisection["request"], bisection["why"], "\n" + bisection["text"], "\n" + bisection["text_above"],
+              flush=True)
     return result
 
 

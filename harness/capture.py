@@ -11,7 +11,7 @@ the others. Ops built inside a composite op (the routed experts' matmuls) record
 composite's output.
 
 The file (see `write_capture`) is a safetensors file: a JSON header in its metadata and, per op
-output of at most `VALUE_CAP` elements, the raw values, so `audit bisect` can compute the max abs
+output of at most `value_cap` elements (`VALUE_CAP` by default), the raw values, so `audit bisect` can compute the max abs
 and ulp differences of two captures made on different machines.
 """
 
@@ -32,7 +32,7 @@ from deepinfer.errors import DeepInferError
 from deepinfer.harness.suite_base import Suite, SuiteRequest
 from deepinfer.kernels import Ops
 
-VALUE_CAP = 64 * 1024  # outputs of at most this many elements keep their raw values
+VALUE_CAP = 64 * 1024  # by default, outputs of at most this many elements keep their raw values
 AROUND_RADIUS = 2  # --around P captures the steps producing output tokens P-2 .. P+2
 _BLOCK = re.compile(r"(^|\.)layers\.\d+$")
 
@@ -75,6 +75,7 @@ class _Recorder:
     """The entries of the capture so far, and where the engine is: request, step, token."""
 
     window: Window
+    value_cap: int = VALUE_CAP
     entries: list[dict] = field(default_factory=list)
     values: dict[str, torch.Tensor] = field(default_factory=dict)
     request: str = ""
@@ -100,7 +101,7 @@ class _Recorder:
 
     def _add(self, layer: str, op: str, tensor: torch.Tensor) -> None:
         key = None
-        if 0 < tensor.numel() <= VALUE_CAP:
+        if 0 < tensor.numel() <= self.value_cap:
             key = f"v{len(self.entries)}"
             self.values[key] = tensor.detach().contiguous().cpu().clone()
         self.entries.append({"request": self.request, "step": self.step, "token": self.token, "layer": layer,
@@ -163,7 +164,7 @@ def _run_recorded(llm: LLM, run: Callable[[], None], recorder: _Recorder, tables
 
 
 def capture(llm: LLM, suite: Suite, request_ids: list[str], window: Window, out: Path, *, run_seed: int = 0,
-            tables: Tables | None = None) -> dict:
+            value_cap: int = VALUE_CAP, tables: Tables | None = None) -> dict:
     """Run `request_ids` of `suite` one at a time on `llm`'s model and write the capture `out`; returns
     its header. `tables` (tests only) gives each holder of the numerics table the table it runs."""
     if llm.layout.world > 1:
@@ -174,7 +175,7 @@ def capture(llm: LLM, suite: Suite, request_ids: list[str], window: Window, out:
         raise DeepInferError(f"suite {suite.spec}: no request {missing[0]!r}")
     eager = llm.with_engine(replace(llm.engine_config, cuda_graphs=False, async_scheduling=False,
                                     speculation="off", prefix_caching=False))
-    recorder = _Recorder(window)
+    recorder = _Recorder(window, value_cap)
     requests = []
     for rid in request_ids:
         prompt_ids, params = _resolve(eager, by_id[rid], run_seed, window)
@@ -184,7 +185,7 @@ def capture(llm: LLM, suite: Suite, request_ids: list[str], window: Window, out:
     header = {"format": FORMAT, "version": VERSION, "model": llm.model_id, "suite": suite.describe(),
               "requests": requests, "window": {"first": window.first, "last": window.last},
               "dtype": str(llm.dtype).removeprefix("torch."), "numerics": llm.numerics, "device": str(llm.device),
-              "value_cap": VALUE_CAP, "environment": _environment(llm), "entries": recorder.entries}
+              "value_cap": value_cap, "environment": _environment(llm), "entries": recorder.entries}
     write_capture(out, header, recorder.values)
     return header
 

@@ -10,6 +10,10 @@ without touching the model and no call pays for a lookup. Modes:
   the fused ones of `kernels/triton_fused.py` replace the ops they cover);
 - `fast`: plain PyTorch ops, whose bits may change with batch shape (`kernels/fast.py`).
 
+The cache formats (`fp8_ue8m0_qdq`, `nvfp4_qdq`, `mxfp4_qdq`: kernels/quant.py) are one implementation
+shared by every table; they are ops so that what a model does to its caches is seen where its other
+numerics are (`audit capture` names them).
+
 Composite ops (`kernels/composite.py`, and the routed experts) are built from each table's own
 primitives unless the table brings a kernel of its own for them.
 
@@ -26,19 +30,21 @@ from functools import partial
 
 import torch
 
-from deepinfer.kernels import composite, fast, invariant
+from deepinfer.kernels import composite, fast, invariant, quant
 
 NUMERICS = ("batch_invariant", "fast")
 OPS = (
-    "clamped_swiglu", "cos_sin", "expert_outputs", "grouped_linear", "hyper_coefficients", "hyper_collapse", "hyper_expand",
-    "indexer_scores", "linear", "log", "log_softmax", "matmul_layout", "mix_streams", "moe_experts",
-    "ordered_sum", "paged_indexer_scores", "paged_sink_attention", "rms_norm", "rotary", "rotary_table", "sigmoid",
-    "sink_attention", "sinkhorn", "softmax", "softplus", "topk_indices", "unweighted_rms_norm", "weighted_combine",
-    "window_pool",
+    "clamped_swiglu", "cos_sin", "expert_outputs", "fp8_ue8m0_qdq", "grouped_linear", "hyper_coefficients",
+    "hyper_collapse", "hyper_expand", "indexer_scores", "linear", "log", "log_softmax", "matmul_layout",
+    "mix_streams", "moe_experts", "mxfp4_qdq", "nvfp4_qdq", "ordered_sum", "paged_indexer_scores",
+    "paged_sink_attention", "rms_norm", "rotary", "rotary_table", "sigmoid", "sink_attention", "sinkhorn",
+    "softmax", "softplus", "topk_indices", "unweighted_rms_norm", "weighted_combine", "window_pool",
 )
 _COMPOSITES = ("expert_outputs", "hyper_coefficients", "hyper_collapse", "hyper_expand", "moe_experts",
                "paged_indexer_scores", "paged_sink_attention", "rotary_table")
-_PRIMITIVES = tuple(name for name in OPS if name not in _COMPOSITES)
+# the release's cache formats (kernels/quant.py): one implementation, the same bits in every table
+_CACHE_FORMATS = ("fp8_ue8m0_qdq", "mxfp4_qdq", "nvfp4_qdq")
+_PRIMITIVES = tuple(name for name in OPS if name not in _COMPOSITES + _CACHE_FORMATS)
 
 
 class Ops:
@@ -56,8 +62,10 @@ class Ops:
 
 
 def _complete(table: dict) -> dict:
-    """Add the composite ops, built from the table's own primitives (so the routed experts use
-    whichever matmul the table has), unless the table brings its own (fused) version."""
+    """Add the cache formats and the composite ops, built from the table's own primitives (so the
+    routed experts use whichever matmul the table has), unless the table brings its own (fused) version."""
+    for name in _CACHE_FORMATS:
+        table.setdefault(name, getattr(quant, name))
     table.setdefault("moe_experts", partial(fast.routed_experts, matmul=table["linear"],
                                             swiglu=table["clamped_swiglu"]))
     table.setdefault("expert_outputs", partial(fast.expert_outputs, matmul=table["linear"],

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deepinfer import LLM
-from deepinfer.audit.bisect import bisect, difference, format_bisection, read_capture
+from deepinfer.audit.bisect import Difference, bisect, difference, format_bisection, read_capture
 from deepinfer.audit.errors import AuditError
 from deepinfer.harness.capture import Window, capture
 from deepinfer.harness.cli import main
@@ -101,6 +101,51 @@ def test_where_a_small_difference_became_a_large_one_is_named(llm, suite_file, t
     assert f"  grew at {AMPLIFIED_LAYER} {PLANTED_OP}: " in format_bisection(result, plain, amplified)
 
 
+def test_above_names_where_the_difference_passed_a_threshold_not_the_first_ulp(llm, suite_file, tmp_path,
+                                                                             capsys) -> None:
+    plain = _capture(llm, suite_file, tmp_path / "plain.cap")
+    amplified = _capture(llm, suite_file, tmp_path / "amplified.cap", tables=_amplified)
+    result = bisect(plain, amplified, above=0.25)
+    first, _ = result.first
+    assert (first["step"], first["layer"], first["op"]) == (PLANTED_STEP, AMPLIFIED_LAYER, PLANTED_OP)
+    assert result.difference.max_abs >= 0.5 * (1 - 1e-6)
+    argv = ["audit", "bisect", str(tmp_path / "plain.cap"), str(tmp_path / "amplified.cap")]
+    assert main([*argv, "--above", "0.25"]) == 1
+    assert capsys.readouterr().out.startswith(f"first difference above 0.25: request greedy step {PLANTED_STEP} "
+                                              f"(output token {PLANTED_STEP}) {AMPLIFIED_LAYER} {PLANTED_OP}: ")
+    assert main([*argv, "--above", "1000"]) == 0
+    assert capsys.readouterr().out.startswith("no difference above 1000: no op output of ")
+    assert main([*argv, "--above", "-1"]) == 2
+    assert capsys.readouterr().err == "error: flags: --above takes a difference >= 0\n"
+
+
+def test_the_value_cap_decides_which_outputs_keep_their_values(suite_file, tmp_path, capsys) -> None:
+    out = tmp_path / "small.cap"
+    assert main(["audit", "capture", "--model", "preset:tiny", "--suite", str(suite_file), "--requests", "greedy",
+                 "--steps", "1", "--value-cap", "16", "--out", str(out)]) == 0
+    small = read_capture(out)
+    assert small.header["value_cap"] == 16
+    assert {e["values"] is not None for e in small.entries} == {True, False}
+    assert all((e["values"] is not None) == (0 < torch.Size(e["shape"]).numel() <= 16) for e in small.entries)
+    capsys.readouterr()
+    assert main(["audit", "capture", "--model", "preset:tiny", "--suite", str(suite_file), "--requests", "greedy",
+                 "--value-cap", "-1", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == "error: flags: --value-cap takes a number of elements >= 0\n"
+
+
+def test_v41_cache_formats_are_ops_a_capture_names(v41_checkpoint, suite_file, tmp_path) -> None:
+    """What the release's cache formats do to the values is recorded where it happens (the window KV in
+    FP8, compressed KV in NVFP4, indexer keys and queries in MXFP4); with the formats off, nothing."""
+    ops = {}
+    for qdq in (True, False):
+        llm = LLM(str(v41_checkpoint), cache_qdq=qdq)
+        found = _capture(llm, suite_file, tmp_path / f"{qdq}.cap", window=Window.steps(1))
+        ops[qdq] = {(e["layer"].split(".")[-1], e["op"]) for e in found.entries if e["op"].endswith("_qdq")}
+    assert {op for _, op in ops[True]} == {"fp8_ue8m0_qdq", "nvfp4_qdq", "mxfp4_qdq"}
+    assert ("attn", "fp8_ue8m0_qdq") in ops[True] and ("indexer", "mxfp4_qdq") in ops[True]
+    assert ops[False] == set()
+
+
 def test_an_unplanted_pair_has_no_difference_and_the_model_is_left_as_it_was(llm, suite_file, tmp_path, capsys) -> None:
     tables = {name: module.ops for name, module in llm.model.named_modules() if "ops" in vars(module)}
     a = _capture(llm, suite_file, tmp_path / "a.cap", requests=("greedy", "sampled"))
@@ -159,3 +204,12 @@ def test_ulp_differences_count_representable_values_across_zero(dtype) -> None:
     assert difference(zero, up).max_ulp == 1
     assert difference(down, up).max_ulp == 2
     assert difference(zero, zero.to(torch.float64)).max_ulp is None
+
+
+def test_non_finite_values_agree_with_themselves_and_differ_infinitely_from_others() -> None:
+    nan, inf = float("nan"), float("inf")
+    a = torch.tensor([nan, inf, 1.0, -inf])
+    assert difference(a, a.clone()) == Difference(0.0, 0)
+    assert difference(a, torch.tensor([nan, inf, 1.5, -inf])).max_abs == 0.5
+    assert difference(a, torch.tensor([0.0, inf, 1.0, -inf])).max_abs == inf
+    assert difference(a, torch.tensor([nan, -inf, 1.0, -inf])).max_abs == inf

@@ -19,7 +19,8 @@ import pytest
 
 from deepinfer.audit.certificate import generate_keypair, seal
 from deepinfer.audit.compare import compare_streams
-from deepinfer.audit.crosscheck import CLASSES, CROSSCHECK, load_crosscheck, request_classes, verify_crosscheck
+from deepinfer.audit.crosscheck import (CLASSES, CROSSCHECK, load_crosscheck, request_classes, verify_crosscheck,
+                                        where_it_ran)
 from deepinfer.audit.files import json_bytes
 from deepinfer.audit.store import read_run
 from deepinfer.harness.cli import main
@@ -75,6 +76,18 @@ def test_every_request_of_every_pair_is_classified_as_compare_says(runs, crossch
     assert "the CPU code path" in printed.splitlines()[0]
     assert crosscheck["pairs"][1]["differs"]["dtype"] == ["float32", "bfloat16"]
     assert crosscheck["pairs"][1]["classes"]["bitwise"] < 8  # bf16 cannot give fp32's bits
+
+
+def test_pytorchs_own_cpu_kernels_are_part_of_where_a_run_ran():
+    """ATEN_CPU_CAPABILITY changes PyTorch's vectorised kernels (norms, softmax, exp) and with them the
+    bits, while MKL and oneDNN stay as they were: a pair differing only there must say so."""
+    def manifest(capability: str, device: str = "cpu") -> dict:
+        return {"variant": {"device": device}, "environment": {"torch_cpu": {"capability": capability}}}
+
+    assert where_it_ran(manifest("AVX2"))["cpu_kernels"] == "AVX2"
+    assert where_it_ran(manifest("AVX2", "cuda"))["cpu_kernels"] is None
+    differs = {k for k, v in where_it_ran(manifest("AVX2")).items() if where_it_ran(manifest("DEFAULT"))[k] != v}
+    assert differs == {"cpu_kernels"}
 
 
 def test_the_crosscheck_verifies_from_its_own_folder_anywhere(crosschecked, tmp_path, capsys):

@@ -12,7 +12,6 @@ index source's choice. The choice (`Selection`) is carried from layer to layer w
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,28 +23,25 @@ from deepinfer.model.batch import CacheAddresses, CompressorAddresses, gather_by
 from deepinfer.model.layers import Linear, RMSNorm, empty
 from deepinfer.model.rope import RotaryTable
 from deepinfer.kernels import Ops
-from deepinfer.kernels.quant import fp8_ue8m0_qdq, mxfp4_qdq, nvfp4_qdq
-
-
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
 
 
 @dataclass(frozen=True)
 class CacheFormats:
     """The precision the release keeps its caches in, applied as quantize-dequantize: the window KV in
     FP8 (ue8m0 scale per 32), the compressed KV in NVFP4, the indexer's queries and keys in MXFP4.
-    `CacheFormats.of(False)` keeps full precision everywhere."""
+    With `qdq` false, full precision everywhere. Each format is an op of the caller's numerics table,
+    so `audit capture` records what it did to the values."""
 
-    window: Callable[[torch.Tensor], torch.Tensor]
-    entries: Callable[[torch.Tensor], torch.Tensor]
-    index: Callable[[torch.Tensor], torch.Tensor]
+    qdq: bool
 
-    @classmethod
-    def of(cls, qdq: bool) -> "CacheFormats":
-        if not qdq:
-            return cls(_identity, _identity, _identity)
-        return cls(fp8_ue8m0_qdq, nvfp4_qdq, mxfp4_qdq)
+    def window(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
+        return ops.fp8_ue8m0_qdq(x) if self.qdq else x
+
+    def entries(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
+        return ops.nvfp4_qdq(x) if self.qdq else x
+
+    def index(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
+        return ops.mxfp4_qdq(x) if self.qdq else x
 
 
 def pool_prefix(kv_source: int) -> str:
@@ -131,7 +127,7 @@ class Indexer2(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops, device)
 
     def keys(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return self.formats.index(self.ops.rotary(self.k_norm(self.wk(latent)), cos, sin))
+        return self.formats.index(self.ops, self.ops.rotary(self.k_norm(self.wk(latent)), cos, sin))
 
     def select(
         self, x: torch.Tensor, q_residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -142,7 +138,7 @@ class Indexer2(nn.Module):
         `entry_slots` [T, E]; `valid` [T, E]; `visible` [T] how many it may see) and keep the top-k,
         inside the candidate pool once there is one."""
         q = self.wq_b(q_residual).view(x.shape[0], self.n_heads, self.head_dim)
-        q = self.formats.index(self.ops.rotary(q, *rope))
+        q = self.formats.index(self.ops, self.ops.rotary(q, *rope))
         weights = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
         scores = self.ops.paged_indexer_scores(q, entries, entry_slots, column, weights, valid, 1.0)
         candidates = carried.candidates if carried is not None else None
@@ -227,7 +223,7 @@ class Attention2(nn.Module):
 
     def window_kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The window KV of `x`'s tokens [T, head_dim] as the window cache keeps it (`CacheFormats.window`)."""
-        return self.formats.window(self.ops.rotary(self.kv_norm(self.wkv(x)), *rope))
+        return self.formats.window(self.ops, self.ops.rotary(self.kv_norm(self.wkv(x)), *rope))
 
     def project_out(self, out: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The attention output [T, heads, head_dim] with its RoPE undone, through the grouped `wo_a` and `wo_b`."""
@@ -275,7 +271,7 @@ class Attention2(nn.Module):
         the indexer's key]."""
         latent = self.compressor.latents(x, addresses, step, state)
         cos, sin = compress_rope(step.close_position)
-        kv = self.formats.entries(self.ops.rotary(latent, cos, sin))
+        kv = self.formats.entries(self.ops, self.ops.rotary(latent, cos, sin))
         row = torch.cat([kv, self.indexer.keys(latent, cos, sin)], dim=-1)
         entries[step.close_write] = row.to(entries.dtype)
 

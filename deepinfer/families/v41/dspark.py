@@ -158,7 +158,7 @@ class DSpark(DraftDecoder):
         self.target_config = config
         self.config = draft_config(config)  # what `Decoder.load_tensors` stacks the experts by
         self.confidence_input = confidence_input
-        formats = CacheFormats.of(cache_qdq)
+        formats = CacheFormats(cache_qdq)
         self.mtp = nn.ModuleList(DraftBlock(self.config, ops, k, formats, dtype, device)
                                  for k in range(config.num_draft_layers))
         self.main_rope = RotaryTable(config, ops, "main")

@@ -81,7 +81,7 @@ class DeepseekV41(Decoder):
         self.roles = config.roles
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.embed.weight.requires_grad_(False)
-        formats = CacheFormats.of(cache_qdq)
+        formats = CacheFormats(cache_qdq)
         self.layers = nn.ModuleList(Block41(config, ops, i, formats, dtype, device)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, device)
