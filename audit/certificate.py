@@ -28,7 +28,7 @@ from deepinfer.audit.compare import compare_streams, summarize
 from deepinfer.audit.errors import AuditError
 from deepinfer.audit.files import atomic_write, json_bytes
 from deepinfer.audit.manifest import describe_protocol
-from deepinfer.audit.store import MANIFEST, ROOT, STREAMS, Run, check_run, file_digests, read_run
+from deepinfer.audit.store import MANIFEST, ROOT, STREAMS, Run, check_run, file_digests, read_run, read_stats
 from deepinfer.audit.streams import HEX_DIGEST, canonical_json
 
 CERTIFICATE_FORMAT = "deepinfer-certificate/2"
@@ -47,7 +47,12 @@ _TOP_KEYS = {
     "configurations", "verdict", "verdict_counts", "controls", "content_hash",
 }
 _CONFIG_KEYS = {"name", "role", "config", "run", "count", "token_root", "logit_root", "files", "comparison", "errors"}
-_OPTIONAL_CONFIG_KEYS = {"cpu_isa"}  # certificates made before it was added lack it
+# cpu_isa: certificates made before it lack it; speculation: a speculating configuration's drafts (its run's
+# stats.json), where the run has them
+_OPTIONAL_CONFIG_KEYS = {"cpu_isa", "speculation"}
+SPECULATION_COUNTS = {"drafted": "drafted", "kept": "drafts_kept", "verify_chunks": "verify_chunks",
+                      "rollbacks": "rollbacks"}  # certificate key: stats.json key
+SPECULATION_KEYS = (*SPECULATION_COUNTS, "verify_lengths", "acceptance", "mean_accepted_length", "tokens_per_forward")
 _MKL_VARIABLES = (("mkl_enable_instructions", "MKL_ENABLE_INSTRUCTIONS"), ("mkl_cbwr", "MKL_CBWR"))
 _SIGNATURE_KEYS = {"algorithm", "public_key", "value"}
 _LINKED = "is a symbolic link; run folders and their files must be real paths inside the certificate's folder"
@@ -190,6 +195,29 @@ def _selftest_statement(key: str, record: object) -> str:
     return f"self-test FAILED ({key}: {variant} depend on the batch{waiver})"
 
 
+def speculation_figures(stats: dict | None) -> dict | None:
+    """What a speculating run's drafts did, from its stats.json: the counts, how many chunks verified each
+    number of drafts, and the rates (acceptance: kept of drafted; mean accepted length: kept per verifying
+    chunk; tokens per forward: that plus the token the target adds), rounded to 4 decimals, None where
+    nothing was drafted. None when the stats do not hold them."""
+    if not isinstance(stats, dict):
+        return None
+    counts = {key: stats.get(name) for key, name in SPECULATION_COUNTS.items()}
+    lengths = stats.get("verify_lengths", {})
+    if not all(_is_count(n) for n in counts.values()) or not isinstance(lengths, dict) or not all(
+            isinstance(k, str) and k.isdigit() and _is_count(n) for k, n in lengths.items()):
+        return None
+    drafted, kept, chunks = counts["drafted"], counts["kept"], counts["verify_chunks"]
+    return {**counts, "verify_lengths": lengths,
+            "acceptance": round(kept / drafted, 4) if drafted else None,
+            "mean_accepted_length": round(kept / chunks, 4) if chunks else None,
+            "tokens_per_forward": round(1 + kept / chunks, 4) if chunks else None}
+
+
+def _speculates(configuration: dict) -> bool:
+    return configuration["config"].get("speculation", "off") != "off"
+
+
 def _run_dir(base: Path, run: object, where: str) -> Path:
     """The run folder of a configuration: a relative path inside `base`."""
     if not isinstance(run, str) or not run:
@@ -248,6 +276,9 @@ def build_certificate(
             "errors": error_counts(run.streams),
             "cpu_isa": cpu_isa_statement(run.manifest),
         })
+        figures = speculation_figures(read_stats(run.path)) if _speculates(given) else None
+        if figures is not None:  # a run without readable counts (one not recorded by deepinfer) states none
+            entries[-1]["speculation"] = figures
     overall, counts = verdict(entries)
     cert = {
         "format": CERTIFICATE_FORMAT,
@@ -485,6 +516,9 @@ def _check_structure(cert: object, path: Path) -> None:
             fail(f"{where}: errors must map error kinds to counts")
         if not isinstance(c.get("cpu_isa", ""), str):
             fail(f"{where}: cpu_isa must be a string")
+        if "speculation" in c and (not isinstance(c["speculation"], dict)
+                                   or set(c["speculation"]) != set(SPECULATION_KEYS)):
+            fail(f"{where}: speculation must be an object with exactly {', '.join(SPECULATION_KEYS)}")
         try:
             _run_dir(path.parent, c["run"], where)
         except AuditError as exc:
@@ -658,6 +692,11 @@ def verify_certificate(cert_path: str | os.PathLike, public_key_pem: bytes | Non
         errors = error_counts(intact[c["name"]].streams)
         if errors != c["errors"]:
             problems.append(f"{name}: errors of {c['name']!r} {c['errors']} do not match its run (recomputed {errors})")
+        if "speculation" in c:  # certificates made before it was sealed lack it
+            figures = speculation_figures(read_stats(intact[c["name"]].path))
+            if figures != c.get("speculation"):
+                problems.append(f"{name}: speculation figures of {c['name']!r} {c.get('speculation')} do not match "
+                                f"its run's stats.json (recomputed {figures})")
     return problems
 
 

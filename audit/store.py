@@ -411,6 +411,15 @@ def _root_problems(run: Run) -> list[str]:
     return problems
 
 
+def read_stats(path: str | os.PathLike) -> dict | None:
+    """A run folder's stats.json as written (the engine's counters); None when absent or not a JSON object."""
+    try:
+        stats = json.loads((Path(path) / STATS).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return stats if isinstance(stats, dict) else None
+
+
 def read_run(path: str | os.PathLike) -> Run:
     """A finished run whose files are well-formed and whose root matches its stored hashes.
 

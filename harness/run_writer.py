@@ -172,6 +172,11 @@ class RunWriter:
             counters = {"preemptions": "num_preemptions", **_PREFIX_KEYS, **_SPECULATION_KEYS}
             for key, counter in counters.items():
                 stats[key] += sum(getattr(llm.scheduler, counter) for llm in self.engines)
+            lengths = {int(length): count for length, count in stats["verify_lengths"].items()}
+            for llm in self.engines:
+                for length, count in llm.scheduler.verify_lengths.items():
+                    lengths[length] = lengths.get(length, 0) + count
+            stats["verify_lengths"] = {str(length): lengths[length] for length in sorted(lengths)}
             atomic_write(self.path / STATS_FILE, json_bytes(stats))
         return self.store.finalize()
 
@@ -181,17 +186,20 @@ def read_stats(run_dir: Path) -> dict:
     path = Path(run_dir) / STATS_FILE
     if not path.exists():
         return {"sessions": 0, "wall_s": 0.0, "preemptions": 0,
-                **dict.fromkeys((*_SPECULATION_KEYS, *_PREFIX_KEYS), 0)}
+                **dict.fromkeys((*_SPECULATION_KEYS, *_PREFIX_KEYS), 0), "verify_lengths": {}}
     try:
         stats = json.loads(path.read_bytes())
     except (OSError, ValueError):
         stats = None
     numbers = isinstance(stats, dict) and all(
         isinstance(stats.get(key), (int, float)) and not isinstance(stats.get(key), bool) for key in _STATS_KEYS)
-    if not numbers:
-        raise AuditError(f"{path}: not the run's statistics (a JSON object with sessions, wall_s and preemptions); "
-                         "delete it to resume")
-    return {**dict.fromkeys((*_SPECULATION_KEYS, *_PREFIX_KEYS), 0), **stats}
+    lengths = stats.get("verify_lengths", {}) if numbers else None
+    if not numbers or not isinstance(lengths, dict) or not all(
+            key.isdigit() and int(key) > 0 and isinstance(n, int) and not isinstance(n, bool) and n >= 0
+            for key, n in lengths.items()):
+        raise AuditError(f"{path}: not the run's statistics (a JSON object with sessions, wall_s and preemptions, "
+                         "verify_lengths mapping draft counts to chunks); delete it to resume")
+    return {**dict.fromkeys((*_SPECULATION_KEYS, *_PREFIX_KEYS), 0), "verify_lengths": {}, **stats}
 
 
 def _check_same_run(run_dir: Path, stored: dict, wanted: dict) -> None:

@@ -242,11 +242,13 @@ def _engine_counters(data: AuditData) -> Section:
         return Section("Speculation and prefix cache", [Note("No configuration speculated or cached prefixes.")])
     return Section("Speculation and prefix cache", [
         Table(table),
-        Paragraph("From each run's stats.json, the engine's own account of its work: the certificate does not "
-                  "seal it (the roots cover outputs only). A draft is kept when it equals the token the target "
-                  "samples at its position; kept per verify is the mean accepted length of a step that verified "
-                  "drafts, tokens per forward that plus the token the target adds; prefix hits count prompt "
-                  "tokens whose cache rows were reused instead of computed."),
+        Paragraph("From each run's stats.json, the engine's own account of its work (the roots cover outputs "
+                  "only): the certificate seals a speculating configuration's figures, and verification checks "
+                  "them against stats.json; the prefix counts are not sealed. A draft is kept when it equals the "
+                  "token the target samples at its position; kept per verify is the mean accepted length of a step "
+                  "that verified drafts, tokens per forward that plus the token the target adds, verify lengths "
+                  "how many steps verified each number of drafts; prefix hits count prompt tokens whose cache rows "
+                  "were reused instead of computed."),
     ])
 
 

@@ -8,7 +8,6 @@ so no report can show a verdict that `deepinfer audit verify` rejects."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import polars as pl
 from deepinfer.audit.certificate import CERTIFICATE, check_certificate, cpu_isa_statement, digest_problems, run_path_problems
 from deepinfer.audit.compare import compare_streams, summarize
 from deepinfer.audit.errors import AuditError
-from deepinfer.audit.store import STATS, Run, read_run
+from deepinfer.audit.store import Run, read_run, read_stats
 
 @dataclass(frozen=True)
 class Configuration:
@@ -30,7 +29,7 @@ class Configuration:
     logit_root: str
     run: Run
     cpu_isa: str  # audit.certificate.cpu_isa_statement of the run's manifest
-    stats: dict | None = None  # the engine's counters (stats.json): not certified; None when absent or unreadable
+    stats: dict | None = None  # the engine's counters (stats.json); None when absent or unreadable
 
 
 @dataclass(frozen=True)
@@ -86,16 +85,8 @@ def _read_configuration(out_dir: Path, entry: dict) -> Configuration:
         logit_root=entry["logit_root"],
         run=run,
         cpu_isa=cpu_isa,
-        stats=_read_stats(run_dir / STATS),
+        stats=read_stats(run_dir),
     )
-
-
-def _read_stats(path: Path) -> dict | None:
-    try:
-        stats = json.loads(path.read_bytes())
-    except (OSError, ValueError):
-        return None
-    return stats if isinstance(stats, dict) else None
 
 
 def _compare(reference: Configuration, other: Configuration, near_tie_threshold: float) -> pl.DataFrame:

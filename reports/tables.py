@@ -140,10 +140,19 @@ def _share(part: int | None, whole: int | None) -> str:
     return "–" if part is None or not whole else f"{part / whole:.1%}"
 
 
+def _verify_lengths(lengths: object) -> str:
+    """"1 draft: 3, 2 drafts: 5" from stats.json's {"1": 3, "2": 5}; "–" when there are none to show."""
+    if not isinstance(lengths, dict) or not lengths or not all(
+            isinstance(k, str) and k.isdigit() and _count({"n": n}, "n") is not None for k, n in lengths.items()):
+        return "–"
+    return ", ".join(f"{k} draft{'s' if k != '1' else ''}: {lengths[k]}" for k in sorted(lengths, key=int))
+
+
 def engine_counters_table(data: AuditData) -> pl.DataFrame:
     """One row per configuration that speculated or cached prefixes, from its run's stats.json:
     drafts made and kept, kept drafts per verify step (mean accepted length), tokens per target
-    forward of a verifying sequence, rollbacks, and the prompt tokens taken from the prefix cache."""
+    forward of a verifying sequence, how many verify steps carried each number of drafts, rollbacks,
+    and the prompt tokens taken from the prefix cache."""
     rows = []
     for c in data.configurations:
         stats = c.stats or {}
@@ -161,6 +170,7 @@ def engine_counters_table(data: AuditData) -> pl.DataFrame:
             "acceptance": _share(kept, drafted),
             "kept per verify": "–" if kept is None or not verify else f"{kept / verify:.2f}",
             "tokens per forward": "–" if kept is None or not verify else f"{1 + kept / verify:.2f}",
+            "verify lengths": _verify_lengths(stats.get("verify_lengths")) if speculation != "off" else "–",
             "rollbacks": cell(_count(stats, "rollbacks")),
             "prefix hits": "–" if not looked_up else f"{hits} of {looked_up} ({_share(hits, looked_up)})",
         })

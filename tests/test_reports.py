@@ -85,7 +85,8 @@ def _manifest(name: str, config: dict, torch_cpu: dict | None = None) -> dict:
 
 
 def _certify_folder(out: Path, configurations: list[tuple], request_ids: list[str] = REQUEST_IDS,
-                    torch_cpu: dict[str, dict] | None = None, structured: dict[str, dict] | None = None) -> Path:
+                    torch_cpu: dict[str, dict] | None = None, structured: dict[str, dict] | None = None,
+                    stats: dict[str, dict] | None = None) -> Path:
     entries = []
     for name, role, config, overrides in configurations:
         config = {"name": name, **config, "dtype": "float32"}
@@ -94,6 +95,8 @@ def _certify_folder(out: Path, configurations: list[tuple], request_ids: list[st
         store.append(rows[:2])
         store.append(rows[2:])
         store.finalize()
+        if name in (stats or {}):
+            (out / "runs" / name / "stats.json").write_text(json.dumps(stats[name]))
         entries.append({"name": name, "role": role, "config": config, "run": f"runs/{name}"})
     cert = build_certificate(
         out_dir=out, reference=configurations[0][0], configurations=entries,
@@ -348,18 +351,19 @@ def test_speculation_and_prefix_counters_come_from_each_runs_stats(tmp_path):
         ("ngram", "variant", {"batch_size": 1, "numerics": "invariant", "speculation": "ngram",
                               "draft_tokens": 3}, {}),
     ]
-    out = _certify_folder(tmp_path, configurations)
-    (out / "runs" / "dspark" / "stats.json").write_text(json.dumps({
-        "sessions": 1, "wall_s": 1.0, "preemptions": 0, "drafted": 40, "drafts_kept": 30, "verify_chunks": 8,
-        "rollbacks": 5, "rollback_rows": 10, "prefix_hit_tokens": 90, "prefix_query_tokens": 100}))
-    (out / "runs" / "ngram" / "stats.json").write_text("{not json")
+    stats = {"sessions": 1, "wall_s": 1.0, "preemptions": 0, "drafted": 40, "drafts_kept": 30, "verify_chunks": 8,
+             "rollbacks": 5, "rollback_rows": 10, "prefix_hit_tokens": 90, "prefix_query_tokens": 100,
+             "verify_lengths": {"4": 5, "10": 2, "3": 1}}
+    out = _certify_folder(tmp_path, configurations, stats={"dspark": stats, "ngram": stats})
+    (out / "runs" / "ngram" / "stats.json").write_text("{not json")  # damaged after certification
     md = render_report(out)[0].read_text(encoding="utf-8")
     section = md.split("## Speculation and prefix cache", 1)[1].split("\n## ", 1)[0]
     assert _table_rows(section, "dspark") == [
-        ["dspark", "dspark", "5", "40", "30", "75.0%", "3.75", "4.75", "5", "90 of 100 (90.0%)"]]
-    assert _table_rows(section, "ngram") == [["ngram", "ngram", "3", "–", "–", "–", "–", "–", "–", "–"]]
+        ["dspark", "dspark", "5", "40", "30", "75.0%", "3.75", "4.75", "3 drafts: 1, 4 drafts: 5, 10 drafts: 2", "5",
+         "90 of 100 (90.0%)"]]
+    assert _table_rows(section, "ngram") == [["ngram", "ngram", "3", "–", "–", "–", "–", "–", "–", "–", "–"]]
     assert _table_rows(section, "reference") == []
-    assert "the certificate does not seal it" in section
+    assert "the certificate seals a speculating configuration's figures" in section
 
 
 def test_structured_outputs_are_checked_per_configuration(tmp_path):

@@ -14,6 +14,9 @@ from hypothesis import strategies as st
 
 from cpu_paths import bf16_refusal
 from deepinfer import LLM, EngineConfig, SamplingParams
+from deepinfer.audit.certificate import CERTIFICATE, build_certificate, seal, verify_certificate, write_certificate
+from deepinfer.audit.files import json_bytes
+from deepinfer.audit.store import read_run
 from deepinfer.engine.drafter import NgramDrafter
 from deepinfer.engine.sequence import Sequence
 from deepinfer.errors import DeepInferError
@@ -154,6 +157,9 @@ def test_a_recorded_run_counts_its_drafts_and_certify_says_what_they_did(tiny_ch
     record_run(tiny_checkpoint, load_suite("smoke"), variant, tmp_path / "run", progress=False)
     stats = read_stats(tmp_path / "run")
     assert stats["drafted"] > 0 and stats["verify_chunks"] > 0 and 0 <= stats["drafts_kept"] <= stats["drafted"]
+    lengths = {int(k): n for k, n in stats["verify_lengths"].items()}
+    assert sum(lengths.values()) == stats["verify_chunks"]
+    assert sum(k * n for k, n in lengths.items()) == stats["drafted"] and max(lengths) <= variant.engine.draft_tokens
     assert speculation_summary(stats).startswith(f"speculation: {stats['drafts_kept']} of {stats['drafted']} drafts")
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / STATS_FILE).write_text(json.dumps({"sessions": 1, "wall_s": 2.0, "preemptions": 0}))
@@ -162,3 +168,34 @@ def test_a_recorded_run_counts_its_drafts_and_certify_says_what_they_did(tiny_ch
     assert speculation_summary(old) == "speculation: no drafts were proposed, so this configuration ran as plain decoding"
     assert speculation_summary({"drafted": 8, "drafts_kept": 6, "verify_chunks": 2}) == (
         "speculation: 6 of 8 drafts kept (75%), 4.00 tokens per step with drafts")
+    _check_sealed_speculation(tmp_path, stats)
+
+
+def _check_sealed_speculation(base, stats: dict) -> None:
+    """A certificate over the speculating run states its figures; a figure changed in the certificate
+    (resealed or not) or in the run's stats.json fails verification."""
+    manifest = read_run(base / "run").manifest
+    configurations = [{"name": name, "role": role, "config": manifest["variant"], "run": "run"}
+                      for name, role in (("reference", "reference"), ("again", "variant"))]
+    cert = seal(build_certificate(out_dir=base, reference="reference", configurations=configurations,
+                                  suite=manifest["suite"], checkpoint=manifest["checkpoint"], rerun={}))
+    figures = cert["configurations"][1]["speculation"]
+    assert figures == {"drafted": stats["drafted"], "kept": stats["drafts_kept"], "verify_chunks": stats["verify_chunks"],
+                       "rollbacks": stats["rollbacks"], "verify_lengths": stats["verify_lengths"],
+                       "acceptance": round(stats["drafts_kept"] / stats["drafted"], 4),
+                       "mean_accepted_length": round(stats["drafts_kept"] / stats["verify_chunks"], 4),
+                       "tokens_per_forward": round(1 + stats["drafts_kept"] / stats["verify_chunks"], 4)}
+    write_certificate(base / CERTIFICATE, cert)
+    assert verify_certificate(base) == []
+    tampered = json.loads(json.dumps(cert))
+    tampered["configurations"][1]["speculation"]["kept"] += 1
+    (base / CERTIFICATE).write_bytes(json_bytes(tampered))
+    assert any("content hash does not match" in problem for problem in verify_certificate(base))
+    write_certificate(base / CERTIFICATE, seal(tampered))
+    [problem] = verify_certificate(base)
+    assert problem.startswith("certificate.json: speculation figures of 'again' ")
+    write_certificate(base / CERTIFICATE, cert)
+    edited = {**stats, "rollbacks": stats["rollbacks"] + 1}
+    (base / "run" / STATS_FILE).write_text(json.dumps(edited))
+    assert [p.split(" {")[0] for p in verify_certificate(base)] == [
+        "certificate.json: speculation figures of 'reference'", "certificate.json: speculation figures of 'again'"]

@@ -149,6 +149,7 @@ class Scheduler:
         self.num_drafted = 0  # draft tokens verified
         self.num_draft_kept = 0  # of those, the ones that held
         self.num_verify_chunks = 0  # chunks that carried drafts
+        self.verify_lengths: dict[int, int] = {}  # drafts a chunk carried -> how many chunks carried that many
         self.num_rollbacks = 0  # verify chunks with a draft that failed
         self.num_rollback_rows = 0  # cache rows those wrote past the kept tokens (rewritten later, never replayed)
 
@@ -359,6 +360,8 @@ class Scheduler:
         self.num_drafted += chunk.num_draft
         self.num_draft_kept += len(drawn) - 1
         self.num_verify_chunks += chunk.num_draft > 0
+        if chunk.num_draft:
+            self.verify_lengths[chunk.num_draft] = self.verify_lengths.get(chunk.num_draft, 0) + 1
         for j, token in enumerate(drawn):
             if not result.finite[row][j]:
                 del seq.token_ids[index + j:]
