@@ -6,8 +6,9 @@ and `DeepInferLM` (the requests lm-eval sends, harness/lm_eval_model.py) both go
     RUN/parts/, RUN/streams.parquet, RUN/root.json
                           the rows (audit.store.RunStore: part files as rows come, merged at the end)
     RUN/stats.json        with `stats`: engine statistics summed over the sessions that wrote the run
-                          (sessions, wall_s, preemptions, speculation's drafts, prompt tokens the
-                          prefix cache was asked for and supplied; timing is never hashed)
+                          (sessions, wall_s, preemptions, speculation's drafts and how many chunks
+                          verified each number of them, prompt tokens the prefix cache was asked for
+                          and supplied; timing is never hashed)
 
 A resumed run (`open_run(..., resume=True)`) must have the same manifest, except the fields that may
 differ between sessions (the checkpoint's path); a damaged stats.json stops it before any work. Its rows
