@@ -97,8 +97,9 @@ class Bisection:
 
 
 def _where(entry: dict) -> str:
-    return (f"request {entry['request']} step {entry['step']} (output token {entry['token']}) "
-            f"{entry['layer']} {entry['op']}")
+    token = entry["token"]
+    made = f"output token {token}" if token >= 0 else f"prefill, {-token} prompt tokens before its last"
+    return f"request {entry['request']} step {entry['step']} ({made}) {entry['layer']} {entry['op']}"
 
 
 def _num(value: float | None) -> str:

@@ -52,15 +52,16 @@ ABOVE = {"float32": 1e-3, "bfloat16": 0.1}
 VALUE_CAP = 1 << 20  # every op output of the smoke suite's prompts keeps its values
 
 
-def _bisection(work: Path, model: Path, suite: str, dtype: str, request: str, position: int, tag: str) -> dict:
-    """Capture `request` from its prefill to output token `position` on both devices, then bisect the two
-    captures to the first difference and to the first past ABOVE."""
+def _bisection(work: Path, model: Path, suite: str, dtype: str, request: str, position: int, tag: str,
+               flags: list[str] = ()) -> dict:
+    """Capture `request` (served with `flags`) from its prefill to output token `position` on both devices,
+    then bisect the two captures to the first difference and to the first past ABOVE."""
     files = []
     for device in ("cpu", "cuda"):
         files.append(work / f"{tag}-{device}.safetensors")
         _checked(["audit", "capture", "--model", str(model), "--suite", suite, "--requests", request,
                   "--steps", str(position), "--value-cap", str(VALUE_CAP), "--dtype", dtype, "--device", device,
-                  "--out", str(files[-1])])
+                  *flags, "--out", str(files[-1])])
     first = _run(["audit", "bisect", str(files[0]), str(files[1])])[1].strip()
     above = _run(["audit", "bisect", str(files[0]), str(files[1]), "--above", str(ABOVE[dtype])])[1].strip()
     for file in files:
@@ -85,28 +86,40 @@ def _pair(work: Path, model: Path, preset: str, dtype: str, suite: str, flags: l
     return pair, runs
 
 
+def _largest_drift(runs: dict[str, Path]) -> tuple[str, float, int] | None:
+    """(request, its largest logprob difference, the token where it is) over the requests whose tokens
+    agree on both devices; None when every such logprob is bitwise equal."""
+    rows = {row["request_id"]: row for row in read_run(runs["cpu"]).streams.iter_rows(named=True)}
+    other = {row["request_id"]: row for row in read_run(runs["cuda"]).streams.iter_rows(named=True)}
+    drift = {rid: max(((abs(a - b), k) for k, (a, b) in enumerate(zip(row["logprobs"], other[rid]["logprobs"]))),
+                      default=(0.0, 0))
+             for rid, row in rows.items() if row["token_ids"] == other[rid]["token_ids"]}
+    if not drift or max(drift.values())[0] == 0:
+        return None
+    worst = max(drift, key=drift.get)
+    return worst, *drift[worst]
+
+
 def crosscheck(work: Path, preset: str, dtype: str, suite: str) -> dict:
     model = work / preset
     if not model.exists():
         _checked(["checkpoint", "create", "--preset", preset, "--seed", "0", "--out", str(model), "--no-progress"])
     pair, runs = _pair(work, model, preset, dtype, suite, [], f"{preset}-{dtype}")
     result = {"pair": pair, "bisections": []}
+    drifts = [([], runs, "")]
     if preset_config(preset).model_type == "deepseek_v41":
-        result["without_cache_formats"] = _pair(work, model, preset, dtype, suite, ["--no-cache-qdq"],
-                                                f"{preset}-{dtype}-no-qdq")[0]
-    rows = {row["request_id"]: row for row in read_run(runs["cpu"]).streams.iter_rows(named=True)}
-    other = {row["request_id"]: row for row in read_run(runs["cuda"]).streams.iter_rows(named=True)}
-    drift = {rid: max(((abs(a - b), k) for k, (a, b) in enumerate(zip(row["logprobs"], other[rid]["logprobs"]))),
-                      default=(0.0, 0))
-             for rid, row in rows.items() if row["token_ids"] == other[rid]["token_ids"]}
-    if drift and max(drift.values())[0] > 0:
-        worst = max(drift, key=drift.get)
-        size, position = drift[worst]
-        # decode steps only (the prefill produces token 0): their outputs are small enough to be stored
-        # whole, so the ops where the difference grew can be named
-        result["bisections"].append({"request": worst, "why": f"largest logprob drift ({size:.3g}, token {position})",
-                                     **_bisection(work, model, suite, dtype, worst, position,
-                                                  f"{preset}-{dtype}-drift")})
+        control, control_runs = _pair(work, model, preset, dtype, suite, ["--no-cache-qdq"], f"{preset}-{dtype}-no-qdq")
+        result["without_cache_formats"] = control
+        if control["max_logprob_drift"] > ABOVE[dtype]:  # something besides the cache formats amplifies too
+            drifts.append((["--no-cache-qdq"], control_runs, " with --no-cache-qdq"))
+    for flags, pair_runs, label in drifts:
+        found = _largest_drift(pair_runs)
+        if found is not None:
+            worst, size, position = found
+            result["bisections"].append({"request": worst,
+                                         "why": f"largest logprob drift{label} ({size:.3g}, token {position})",
+                                         **_bisection(work, model, suite, dtype, worst, position,
+                                                      f"{preset}-{dtype}-drift{len(flags)}", flags)})
     if pair["divergences"]:
         first = min(pair["divergences"], key=lambda d: d["position"])
         result["bisections"].append({"request": first["request_id"],
