@@ -136,7 +136,14 @@ def test_a_rollback_resumes_at_the_rejected_draft() -> None:
     assert checked >= 3 and scheduler.num_rollbacks >= 1
 
 
-@given(st.lists(st.lists(st.floats(0, 1), min_size=5, max_size=5), min_size=1, max_size=4), st.floats(0, 1))
+# confidences 0 or at least 1e-6, so no product of five is subnormal: whether one stays subnormal or is
+# flushed to zero depends on the code path (cumprod's vectorised one flushed 0.75 x 2^-149 on a Zen 3
+# where the scalar product kept it); a verify length never changes outputs
+CONFIDENCE = st.one_of(st.just(0.0), st.floats(1e-6, 1))
+
+
+@given(st.lists(st.lists(CONFIDENCE, min_size=5, max_size=5), min_size=1, max_size=4),
+       st.floats(0, 1, allow_subnormal=False))
 def test_confident_lengths_count_the_leading_slots_above_the_threshold(rows: list, threshold: float) -> None:
     confidence = torch.tensor(rows, dtype=torch.float32)
     threshold = float(torch.tensor(threshold, dtype=torch.float32))  # the comparison is in fp32

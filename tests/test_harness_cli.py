@@ -706,7 +706,8 @@ def test_resume_with_a_damaged_stats_file_stops_before_any_work(capsys, tiny_che
     (out / "parts").mkdir()
     (out / "stats.json").write_text("{garbage")
     assert_user_error(capsys, [*argv, "--resume"], f"{out / 'stats.json'}: not the run's statistics (a JSON object "
-                                                   "with sessions, wall_s and preemptions); delete it to resume")
+                                                   "with sessions, wall_s and preemptions, verify_lengths mapping "
+                                                   "draft counts to chunks); delete it to resume")
     assert list((out / "parts").iterdir()) == []
 
 

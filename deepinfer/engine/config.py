@@ -22,6 +22,7 @@ MAX_DRAFT_TOKENS = 16  # each costs a verified position per sequence and step; p
 
 WEIGHT_STORAGE = ("auto", "quantized", "decoded")
 ENGRAM_TABLES = ("device", "host")
+VERIFY_POLICY = ("fixed", "throughput")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -85,6 +86,10 @@ class EngineConfig:
     draft_confidence: float = _setting(0.0, "with speculation=dspark or mtp: verify a sequence's drafts only as far "
                                        "as the draft's confidence head gives all of them at least this chance to hold "
                                        "(0 to 1; 0: always draft_tokens)")
+    verify_policy: str = _setting("fixed", "with speculation: verify every draft the drafter proposes (fixed), or "
+                                  "per step only as many as are expected to pay, from each sequence's own hold "
+                                  "rates and the step times measured so far (throughput: changes how many steps a "
+                                  "run takes and its draft counts, never its outputs)", choices=VERIFY_POLICY)
     expert_parallel: int = _setting(1, "processes each MoE layer's routed experts are spread over: 1, or every "
                                     "process of a torchrun launch (tokens go to their experts' process and back, "
                                     "combined in the order one process uses: the same bits); steps run eagerly "

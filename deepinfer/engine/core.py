@@ -7,6 +7,8 @@ next step is queued, so the host schedules and prepares step t + 1 while the dev
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import replace
 
 from deepinfer.engine.cache import CacheManager, step_budget
@@ -78,6 +80,7 @@ class EngineCore:
             max_num_batched_tokens=self.max_num_batched_tokens, chunked_prefill=config.enable_chunked_prefill,
             drafter=build_drafter(config.speculation), draft_tokens=config.draft_tokens,
             prefix=PrefixCache(self.cache) if config.prefix_caching else None,
+            plan_verification=config.verify_policy == "throughput",
         )
         drafts = None
         if draft is not None:
@@ -172,6 +175,7 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         before, self.in_flight = self.in_flight, None
         current = None
+        started = time.perf_counter()
         if scheduled.chunks:
             try:
                 current = (scheduled, self.runner.execute(scheduled, before[1] if before else None))
@@ -187,6 +191,8 @@ class EngineCore:
             self.in_flight = current
         elif current is not None:
             finished += self._read(current)
+            self.scheduler.observe_step(sum(chunk.num_tokens for chunk in scheduled.chunks),
+                                        time.perf_counter() - started)
         return [self.output.request_output(seq) for seq in finished]
 
     def _read(self, step: tuple[SchedulerOutput, RunnerOutput]) -> list[Sequence]:

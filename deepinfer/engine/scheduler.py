@@ -53,6 +53,7 @@ from deepinfer.engine.cache import BlockTables, CacheManager
 from deepinfer.engine.drafter import Drafter
 from deepinfer.engine.prefix import PrefixCache
 from deepinfer.engine.sequence import Sequence, Status, is_placeholder, placeholder
+from deepinfer.engine.verify_plan import HoldRates, StepCost, plan_verify
 
 if TYPE_CHECKING:  # produced by the runner, which imports this module
     from deepinfer.engine.runner import StepResult
@@ -131,7 +132,7 @@ class Scheduler:
     def __init__(
         self, cache: CacheManager, rules: StopRules, *, max_num_seqs: int, max_num_batched_tokens: int,
         chunked_prefill: bool, drafter: Drafter | None = None, draft_tokens: int = 0,
-        prefix: PrefixCache | None = None,
+        prefix: PrefixCache | None = None, plan_verification: bool = False,
     ) -> None:
         self.cache = cache
         self.prefix = prefix
@@ -140,6 +141,10 @@ class Scheduler:
         self.budget = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
         self.drafter, self.draft_tokens = drafter, draft_tokens
+        # with throughput-aware verification (`engine.verify_plan`): the forward-time curve of the steps run,
+        # and the drafter's hold rates over every sequence, where a new sequence's own start
+        self.step_cost = StepCost() if plan_verification and drafter is not None else None
+        self.drafter_holds = HoldRates()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -150,6 +155,7 @@ class Scheduler:
         self.num_draft_kept = 0  # of those, the ones that held
         self.num_verify_chunks = 0  # chunks that carried drafts
         self.verify_lengths: dict[int, int] = {}  # drafts a chunk carried -> how many chunks carried that many
+        self.num_drafts_declined = 0  # drafts proposed that throughput-aware verification did not verify
         self.num_rollbacks = 0  # verify chunks with a draft that failed
         self.num_rollback_rows = 0  # cache rows those wrote past the kept tokens (rewritten later, never replayed)
 
@@ -180,6 +186,8 @@ class Scheduler:
             self.cache.grow(seq.blocks, seq.num_computed + n + len(drafts))
             chunks.append(self._chunk(seq, seq.num_computed, n, drafts))
             budget -= n + len(drafts)
+        if self.step_cost is not None:
+            budget += self._plan_verification(chunks)
         index = 0  # waiting sequences before it wait for a prefix a running sequence is computing
         while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[index]
@@ -204,6 +212,32 @@ class Scheduler:
             budget -= n
         self._commit(chunks)
         return SchedulerOutput(chunks)
+
+    def _plan_verification(self, chunks: list[ScheduledChunk]) -> int:
+        """Cut each chunk's drafts to the length `plan_verify` picks for the step; the budget freed."""
+        speculating = [chunk for chunk in chunks if chunk.num_draft]
+        if not speculating:
+            return 0
+        for chunk in speculating:
+            if chunk.seq.hold_rates is None:
+                chunk.seq.hold_rates = HoldRates(list(self.drafter_holds.rates))
+        lengths = plan_verify(sum(chunk.num_tokens - chunk.num_draft for chunk in chunks),
+                              sum(chunk.samples for chunk in chunks),
+                              [chunk.seq.hold_rates.survivals(chunk.num_draft) for chunk in speculating],
+                              self.step_cost.seconds)
+        freed = 0
+        for chunk, length in zip(speculating, lengths):
+            declined = chunk.num_draft - length
+            chunk.num_tokens -= declined
+            chunk.draft_ids = chunk.draft_ids[:length]
+            freed += declined
+        self.num_drafts_declined += freed
+        return freed
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A step of `rows` rows took `seconds` (read back): the curve throughput-aware verification reads."""
+        if self.step_cost is not None:
+            self.step_cost.observe(rows, seconds)
 
     def _take_prefix(self, seq: Sequence) -> bool:
         """Start a waiting sequence at its longest cached prefix, sharing that prefix's blocks; or
@@ -362,6 +396,9 @@ class Scheduler:
         self.num_verify_chunks += chunk.num_draft > 0
         if chunk.num_draft:
             self.verify_lengths[chunk.num_draft] = self.verify_lengths.get(chunk.num_draft, 0) + 1
+            if seq.hold_rates is not None:
+                seq.hold_rates.observe(chunk.num_draft, len(drawn) - 1)
+                self.drafter_holds.observe(chunk.num_draft, len(drawn) - 1)
         for j, token in enumerate(drawn):
             if not result.finite[row][j]:
                 del seq.token_ids[index + j:]

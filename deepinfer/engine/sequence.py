@@ -14,6 +14,7 @@ from enum import Enum
 
 from deepinfer.engine.cache import BlockTables
 from deepinfer.engine.structured import Matcher
+from deepinfer.engine.verify_plan import HoldRates
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -55,6 +56,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)  # when it was queued
     first_token_time: float | None = None
     draft_state: object | None = None  # the scheduler's drafter's memory of this sequence (`engine.drafter`)
+    hold_rates: HoldRates | None = None  # how often its drafts held, per position (`engine.verify_plan`)
     prefix_keys: list[bytes] = field(default_factory=list)  # its token blocks' keys, as far as computed (`engine.prefix`)
     num_cached: int = 0  # leading tokens whose rows it took from or offered to the prefix cache
     grammar: Matcher | None = None  # its `structured` constraint after its known tokens (`engine.structured`)

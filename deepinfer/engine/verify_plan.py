@@ -1,0 +1,105 @@
+"""Throughput-aware verification: how many of its drafts each speculating sequence verifies in a step.
+
+A draft is worth its row only if it is likely to hold and the row costs little: verifying j drafts of a
+sequence yields, in expectation, 1 + a_1 + ... + a_j tokens, where a_j (its survival) is the chance that
+drafts 1..j all hold, and the step's forward takes longer the more rows it has. `plan_verify` picks the
+lengths by greedy global admission over every sequence's drafts (most likely first, which keeps each
+sequence's admitted drafts a prefix of its own), stopping at the count that maximises expected tokens per
+second of the step; `StepCost` is the forward-time curve that decision reads (rows in a step -> seconds:
+recent steps' median per row bucket, linear between buckets), `HoldRates` a sequence's survivals, learnt
+from its own verifications (the chance that each draft position holds given the ones before it, as an
+exponential moving average). A new sequence starts from the drafter's rates over every sequence so far,
+and the first from an optimistic prior, so a drafter is tried before it is judged, and one whose drafts
+never hold stops costing new requests their rows.
+
+None of this changes outputs: a step yields the tokens the target samples, bitwise the same whatever
+it verifies (see `deepinfer.engine.drafter`). It changes only how many steps those tokens take, and
+since it reads measured times it may differ from run to run: so may a run's speculation counts.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+PRIOR_HOLD = 0.75  # a new sequence's chance that each draft holds, before its verifications say otherwise
+HOLD_MEMORY = 0.3  # weight of the latest verification in a position's moving average
+COST_WINDOW = 32  # steps per row bucket whose median the curve keeps
+
+
+@dataclass
+class HoldRates:
+    """Per draft position j (0-based), the chance that draft j holds given that drafts before it held."""
+
+    rates: list[float] = field(default_factory=list)
+
+    def survivals(self, count: int) -> list[float]:
+        """a_1 .. a_count: the chance that the first j drafts all hold."""
+        out, survival = [], 1.0
+        for j in range(count):
+            survival *= self.rates[j] if j < len(self.rates) else PRIOR_HOLD
+            out.append(survival)
+        return out
+
+    def observe(self, verified: int, kept: int) -> None:
+        """A step verified `verified` drafts and `kept` of them held (the first `kept`): positions before
+        `kept` held, position `kept` failed if it was verified, later ones were not tried."""
+        for j in range(min(kept + 1, verified)):
+            while len(self.rates) <= j:
+                self.rates.append(PRIOR_HOLD)
+            held = 1.0 if j < kept else 0.0
+            self.rates[j] += HOLD_MEMORY * (held - self.rates[j])
+
+
+class StepCost:
+    """Seconds of a target forward of `rows` rows, from the steps actually run: per power-of-two row
+    bucket the median of its last COST_WINDOW steps, linear between the buckets measured, flat outside
+    them. So a size not measured yet costs what the nearest measured one does (before any step, every
+    size costs the same): optimistic, as in a GPU's small batches, where a forward's time is the reading
+    of its weights; drafts are tried, and the steps they make measure what they really cost."""
+
+    def __init__(self) -> None:
+        self._steps: dict[int, deque[tuple[int, float]]] = {}
+
+    @staticmethod
+    def _bucket(rows: int) -> int:
+        return max(rows - 1, 0).bit_length()
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows > 0 and seconds > 0:
+            self._steps.setdefault(self._bucket(rows), deque(maxlen=COST_WINDOW)).append((rows, seconds))
+
+    def seconds(self, rows: int) -> float:
+        points = sorted((statistics.median(r for r, _ in steps), statistics.median(s for _, s in steps))
+                        for steps in self._steps.values())
+        if not points:
+            return 1.0
+        if rows <= points[0][0]:
+            return points[0][1]
+        for (r0, s0), (r1, s1) in zip(points, points[1:]):
+            if rows <= r1:
+                return s0 + (s1 - s0) * (rows - r0) / (r1 - r0) if r1 > r0 else s1
+        return points[-1][1]
+
+
+def plan_verify(base_rows: int, base_tokens: int, survivals: list[list[float]],
+                seconds: Callable[[int], float]) -> list[int]:
+    """How many drafts each speculating sequence verifies: `survivals[i]` are sequence i's a_1 .. a_k
+    (non-increasing), `base_rows` the step's rows without drafts, `base_tokens` the tokens it yields
+    without them (one per chunk that samples), `seconds(rows)` the forward's time. Admits drafts most
+    likely first and keeps the count whose expected tokens per second is highest (ties: fewer rows)."""
+    ranked = sorted(((a, i) for i, row in enumerate(survivals) for a in row), key=lambda item: -item[0])
+    expected = float(base_tokens)
+    best_rate = expected / seconds(base_rows)
+    admitted = 0
+    for count, (a, _) in enumerate(ranked, start=1):
+        expected += a
+        rate = expected / seconds(base_rows + count)
+        if rate > best_rate:
+            best_rate, admitted = rate, count
+    lengths = [0] * len(survivals)
+    for _, i in ranked[:admitted]:
+        lengths[i] += 1
+    return lengths
