@@ -16,6 +16,7 @@ from deepinfer.harness.capture import Window, capture
 from deepinfer.harness.cli import main
 from deepinfer.harness.suite_registry import load_suite
 from deepinfer.kernels import Ops
+from deepinfer.model.batch import bucket
 
 PLANTED_LAYER, PLANTED_OP, PLANTED_STEP = "model.layers.1.attn_norm", "rms_norm", 1
 AMPLIFIED_LAYER = "model.layers.3.attn_norm"
@@ -167,6 +168,23 @@ def test_the_capture_command_with_around_keeps_only_the_steps_near_a_position(su
     around = read_capture(out)
     assert sorted({e["token"] for e in around.entries}) == [2, 3, 4, 5, 6]
     assert around.header["requests"][0]["steps_run"] == 7  # generation stops at the window's last token
+
+
+def test_padding_rows_are_left_out_of_what_a_capture_keeps(llm, suite_file, tmp_path) -> None:
+    """A step pads its tokens to a bucket (5 to 8): its per-token outputs keep the 5 real rows only."""
+    assert bucket(5) == 8
+    found = _capture(llm, load_suite_lines(tmp_path, [{"id": "five", "prompt_token_ids": [5, 17, 99, 3, 8],
+                                                        "sampling": {"temperature": 0, "max_tokens": 2}}]),
+                     tmp_path / "five.cap", requests=("five",))
+    prefill = [e for e in found.entries if e["step"] == 0]
+    assert any(e["shape"][0] == 5 for e in prefill if e["op"] == "rms_norm")
+    assert not any(e["shape"] and e["shape"][0] == 8 for e in prefill)
+
+
+def load_suite_lines(tmp_path: Path, requests: list[dict]) -> Path:
+    path = tmp_path / "lines.jsonl"
+    path.write_text("".join(json.dumps(request) + "\n" for request in requests))
+    return path
 
 
 def test_captures_of_different_requests_are_refused(llm, suite_file, tmp_path) -> None:
