@@ -111,7 +111,7 @@ def test_batch_size_auto_is_one_error_line(runs):
                                  "context_parallel, cuda_graphs, data_parallel, device, draft_confidence, draft_tokens, "
                                  "dtype, enable_chunked_prefill, engram_tables, expert_parallel, max_model_len, "
                                  "max_num_batched_tokens, model, num_cache_blocks, numerics, prefix_caching, run_dir, "
-                                 "run_seed, speculation, suite, unseeded_seeds, weight_storage)"),
+                                 "run_seed, speculation, suite, unseeded_seeds, verify_policy, weight_storage)"),
 ])
 def test_settings_that_cannot_be_served(model_args, settings, message):
     with pytest.raises(EvalError, match=f"^{re.escape(message)}$"):

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from deepinfer import LLM
+from deepinfer import LLM, EngineConfig
+from deepinfer.errors import DeepInferError
 from deepinfer.engine.verify_plan import PRIOR_HOLD, HoldRates, StepCost, plan_verify
 from deepinfer.harness.invariance import signature, standard_requests
 
@@ -109,3 +110,15 @@ def test_drafts_that_never_hold_stop_being_verified(requests, monkeypatch) -> No
     assert [signature(o) for o in outputs] == _serve(requests)[0]
     assert verified[1] > 0 and not any(verified[4:])
     assert llm.core.scheduler.drafter_holds.survivals(1)[0] < 0.2 and llm.core.scheduler.num_draft_kept == 0
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"verify_policy": "greedy"}, "unknown verify_policy 'greedy' (expected one of fixed, throughput)"),
+    ({"verify_policy": "throughput", "expert_parallel": 2},
+     "verify_policy=throughput decides from this process's own step times, which the other processes of a "
+     "parallel layout do not share: use fixed with expert, data or context parallelism"),
+])
+def test_bad_verify_settings_are_refused(settings, message) -> None:
+    with pytest.raises(DeepInferError) as err:
+        EngineConfig(**settings)
+    assert str(err.value) == message

@@ -123,6 +123,12 @@ class EngineConfig:
         _check_choice("weight_storage", self.weight_storage, WEIGHT_STORAGE)
         _check_choice("engram_tables", self.engram_tables, ENGRAM_TABLES)
         _check_choice("speculation", self.speculation, SPECULATION)
+        _check_choice("verify_policy", self.verify_policy, VERIFY_POLICY)
+        if self.verify_policy == "throughput" and max(self.expert_parallel, self.data_parallel,
+                                                      self.context_parallel) > 1:
+            raise DeepInferError("verify_policy=throughput decides from this process's own step times, which the "
+                                 "other processes of a parallel layout do not share: use fixed with expert, data or "
+                                 "context parallelism")
         if self.draft_tokens > MAX_DRAFT_TOKENS:
             raise DeepInferError(f"draft_tokens must be from 1 to {MAX_DRAFT_TOKENS} (a step verifies at most that many "
                                  f"drafts per sequence), got {self.draft_tokens}")

@@ -8,7 +8,6 @@ next step is queued, so the host schedules and prepares step t + 1 while the dev
 from __future__ import annotations
 
 import time
-
 from dataclasses import replace
 
 from deepinfer.engine.cache import CacheManager, step_budget
