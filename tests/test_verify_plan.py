@@ -80,10 +80,11 @@ def _serve(requests, preset: str = "tiny", **settings) -> tuple[list[tuple], LLM
 
 @pytest.mark.parametrize("preset, speculation", [("tiny", "ngram"), ("v41-tiny", "dspark")])
 def test_throughput_aware_verification_changes_draft_counts_never_outputs(requests, preset, speculation) -> None:
+    """Against `fixed`, whose outputs are plain decoding's (tests/test_speculation.py, test_dspark_engine.py)."""
+    requests = requests if preset == "tiny" else requests[:6]
     fixed, fixed_llm = _serve(requests, preset, speculation=speculation, verify_policy="fixed")
-    off, _ = _serve(requests, preset)
     planned, llm = _serve(requests, preset, speculation=speculation, verify_policy="throughput")
-    assert planned == fixed == off
+    assert planned == fixed
     assert fixed_llm.core.scheduler.num_drafts_declined == 0 and llm.core.scheduler.step_cost is not None
     assert llm.core.scheduler.num_drafts_declined + llm.core.scheduler.num_drafted == fixed_llm.core.scheduler.num_drafted
 
