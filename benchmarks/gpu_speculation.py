@@ -14,7 +14,10 @@ differ from plain decoding (there must be none), drafts made and kept, engine st
 With `--speed-batches`, decode speed with and without speculation: B greedy requests of 128 new
 tokens each, plain decoding (CUDA graphs and async scheduling) against drafts from an oracle that
 knows the outputs and is wrong at every `--wrong-every`-th position (and one that is never wrong):
-generated tokens per second, steps, and the share of drafts kept.
+generated tokens per second, steps, and the share of drafts kept; then the preset's own drafters
+(prompt lookup, and its draft model where it has one), whose drafts rarely hold on random weights,
+under each `verify_policy`: what speculation costs when drafts fail (its time over plain decoding's),
+with the drafts the throughput-aware policy declined.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 from deepinfer import LLM, EngineConfig, SamplingParams
 from deepinfer.checkpoint import preset_config
 from deepinfer.harness.invariance import ReferenceDrafter, signature, standard_requests
+from deepinfer.harness.sweep import checkpoint_drafter
 
 
 def synchronize(llm: LLM) -> None:
@@ -95,7 +99,7 @@ def main() -> None:
     report["bitwise_equal"] = all(not r.get("diverged") for r in report["runs"])
     print("bitwise equal with speculation on and off:", report["bitwise_equal"], flush=True)
     batches = [int(b) for b in args.speed_batches.split(",") if b]
-    report["speed"] = [row for batch in batches for row in speed(llm, batch, args.wrong_every)]
+    report["speed"] = [row for batch in batches for row in speed(llm, f"preset:{args.preset}", batch, args.wrong_every)]
     Path(args.out).write_text(json.dumps(report, indent=1))
 
 
@@ -103,8 +107,9 @@ def prefix_hits(scheduler) -> int:
     return getattr(scheduler, "num_prefix_hit_tokens", 0)
 
 
-def speed(llm: LLM, batch: int, wrong_every: int) -> list[dict]:
-    """Decode tokens per second of `batch` greedy requests, plain and with oracle drafts."""
+def speed(llm: LLM, model: str, batch: int, wrong_every: int) -> list[dict]:
+    """Decode tokens per second of `batch` greedy requests, plain, with oracle drafts, and with `model`'s own
+    drafters under each verify policy."""
     vocab = llm.config.vocab_size
     prompts = [[(31 * i + 7 * j) % (vocab - 2) + 1 for j in range(64)] for i in range(batch)]
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
@@ -127,6 +132,20 @@ def speed(llm: LLM, batch: int, wrong_every: int) -> list[dict]:
                          "steps": steps, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
                          "drafts_kept": round(kept_share, 3), "speedup": round(rows[0]["seconds"] / seconds, 3),
                          "bitwise_equal": got == reference})
+            print(json.dumps(rows[-1]), flush=True)
+    for speculation in ["ngram"] + [name for name in [checkpoint_drafter(model)] if name is not None]:
+        for policy in ("fixed", "throughput"):
+            spec = llm.with_engine(replace(llm.engine_config, speculation=speculation, draft_tokens=5,
+                                           verify_policy=policy))
+            run(spec, requests)  # warm-up; the throughput policy's step times and hold rates carry over
+            scheduler = spec.scheduler
+            drafted, kept, declined = scheduler.num_drafted, scheduler.num_draft_kept, scheduler.num_drafts_declined
+            got, steps, seconds = run(spec, requests)
+            rows.append({"batch": batch, "speculation": speculation, "verify_policy": policy, "steps": steps,
+                         "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
+                         "drafted": scheduler.num_drafted - drafted, "kept": scheduler.num_draft_kept - kept,
+                         "declined": scheduler.num_drafts_declined - declined,
+                         "time_over_off": round(seconds / rows[0]["seconds"], 3), "bitwise_equal": got == reference})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 

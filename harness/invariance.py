@@ -94,7 +94,8 @@ class ReferenceDrafter:
         for stream in self.streams:
             if stream[:len(token_ids)] == token_ids:
                 drafts = stream[len(token_ids):len(token_ids) + limit]
-                return [token + 1 if (len(token_ids) + i) % self.wrong_every == 0 else token
+                # wrong, and still in the vocabulary (token + 1 was not, after its last id)
+                return [(token - 1 if token else 1) if (len(token_ids) + i) % self.wrong_every == 0 else token
                         for i, token in enumerate(drafts)]
         return []
 
