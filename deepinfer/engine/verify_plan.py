@@ -62,6 +62,7 @@ class StepCost:
 
     def __init__(self) -> None:
         self._steps: dict[int, deque[tuple[int, float]]] = {}
+        self._points: list[tuple[float, float]] | None = []  # (rows, seconds) per bucket; None: to recompute
 
     @staticmethod
     def _bucket(rows: int) -> int:
@@ -70,10 +71,14 @@ class StepCost:
     def observe(self, rows: int, seconds: float) -> None:
         if rows > 0 and seconds > 0:
             self._steps.setdefault(self._bucket(rows), deque(maxlen=COST_WINDOW)).append((rows, seconds))
+            self._points = None
 
     def seconds(self, rows: int) -> float:
-        points = sorted((statistics.median(r for r, _ in steps), statistics.median(s for _, s in steps))
-                        for steps in self._steps.values())
+        """A plan asks once per draft it weighs: the medians are taken once per step observed."""
+        if self._points is None:
+            self._points = sorted((statistics.median(r for r, _ in steps), statistics.median(s for _, s in steps))
+                                  for steps in self._steps.values())
+        points = self._points
         if not points:
             return 1.0
         if rows <= points[0][0]:
