@@ -85,6 +85,9 @@ class ReplayReport:
         cache = ("prefix caching is off" if self.prefix_hit_tokens is None else
                  f"the prefix cache supplied {self.prefix_hit_tokens} of the "
                  f"{cost.prompt_tokens - cost.unique_tokens} repeated")
+        refused = sum(r.refused_turn is not None for r in self.results)
+        if refused:  # an identical or diverged episode may still have stopped short of its last turn
+            counts += f"; {refused} of them ended where the engine refused a later turn's prompt"
         return (f"{len(self.results)} entries ({self.mode}): {counts}\n"
                 f"prefill: {cost.prompt_tokens} prompt tokens for {cost.unique_tokens} distinct prefix tokens "
                 f"({cost.ratio:.2f}x; {cache})")

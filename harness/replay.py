@@ -61,6 +61,7 @@ class EpisodeResult:
     recorded_margin: float | None = None
     near_tie: bool = False
     detail: str = ""
+    refused_turn: int | None = None  # a later turn whose prompt the engine refused, ending the episode there
 
     def describe(self) -> str:
         if self.status in ("identical", "completed"):
@@ -325,7 +326,8 @@ def against_trace(run: EpisodeRun, llm: LLM) -> EpisodeResult:
         if run.ending is not None:
             detail += f"; turn {run.ending.turn} refused: {run.ending.detail}"
         return EpisodeResult(episode_id, "diverged", turn.record.turn, position,
-                             margin=_margin(turn.record, position), detail=detail)
+                             margin=_margin(turn.record, position), detail=detail,
+                             refused_turn=run.ending.turn if run.ending is not None else None)
     if run.ending is not None:
         return run.ending
     return EpisodeResult(episode_id, "identical", detail=f"{len(run.turns)} turn(s) regenerated exactly as traced")
@@ -368,7 +370,8 @@ def against_recording(run: EpisodeRun, recording: Recording, llm: LLM) -> Episod
     ending = run.ending
     if ending is not None and ending.status == "error":
         return EpisodeResult(episode_id, "identical", detail=f"{len(run.turns)} turn(s) reproduced bit for bit, then "
-                                                             f"refused again at turn {ending.turn}: {ending.detail}")
+                                                             f"refused again at turn {ending.turn}: {ending.detail}",
+                             refused_turn=ending.turn)
     return EpisodeResult(episode_id, "identical", detail=f"{len(run.turns)} turn(s) reproduced bit for bit")
 
 

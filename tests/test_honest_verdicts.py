@@ -7,9 +7,12 @@ cassette of it must verify from another folder.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import polars as pl
 import pytest
@@ -63,16 +66,20 @@ def traces(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def certified(traces, tiny_checkpoint, tmp_path_factory):
+    """The certification, run here so that every test using it finds it made, whichever runs first:
+    (argv, out folder, exit code, stdout, stderr)."""
     out = tmp_path_factory.mktemp("cert") / "out"
     argv = ["audit", "certify", "--model", str(tiny_checkpoint), "--suite", f"traces:{traces}",
             "--sweep", str(traces.parent / "sweep.json"), "--out", str(out), "--no-progress"]
-    return argv, out
+    printed, errors = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
+        code = main(argv)
+    return argv, out, code, printed.getvalue(), errors.getvalue()
 
 
 def test_certify_counts_errored_requests_in_the_verdict_and_fails_by_default(certified, capsys):
-    argv, out = certified
-    code = main(argv)
-    captured = capsys.readouterr()
+    argv, out, code, printed, errors = certified
+    captured = SimpleNamespace(out=printed, err=errors)
     assert code == 1
     verdict = captured.out.splitlines()[0]
     # 4 episodes x 2 turns served; the too-long episode's 2 turns and 2 malformed lines errored
@@ -115,7 +122,7 @@ def test_a_certification_that_served_nothing_says_so_and_fails_even_with_errors_
 
 
 def test_error_rows_keep_kind_and_path_free_detail(certified, traces):
-    _, out = certified
+    out = certified[1]
     streams = read_run(out / "runs" / "ref").streams.filter(pl.col("finish_reason") == "error")
     rows = {r["request_id"]: (r["error_kind"], r["error"]) for r in streams.iter_rows(named=True)}
     assert set(rows) == {"line-3", "line-4", "too-long/turn-1", "too-long/turn-2"}
@@ -127,7 +134,7 @@ def test_error_rows_keep_kind_and_path_free_detail(certified, traces):
 
 
 def test_the_same_suite_from_another_folder_has_the_same_roots(certified, traces, tiny_checkpoint, tmp_path, capsys):
-    _, out = certified
+    out = certified[1]
     moved = tmp_path / "elsewhere" / "renamed.jsonl"
     moved.parent.mkdir()
     shutil.copy(traces, moved)
@@ -167,12 +174,17 @@ def test_a_refused_later_turn_is_part_of_the_outcome_and_verifies_from_anywhere(
     assert main(["audit", "replay", "record", "--traces", str(traces), "--out", str(tape), "--model",
                  str(tiny_checkpoint), "--max-model-len", "2048"]) == 0
     refusal = "turn 2 refused: prompt_too_long: prompt has "
-    assert refusal in capsys.readouterr().out
+    recorded = capsys.readouterr().out
+    assert refusal in recorded
+    assert "1 entries (teacher-forced): 1 diverged; 1 of them ended where the engine refused a later turn's prompt" \
+        in recorded
     moved = tmp_path / "elsewhere.jsonl"
     tape.rename(moved)
     assert main(["audit", "replay", "verify", str(moved)]) == 0
-    assert ("identical (1 turn(s) reproduced bit for bit, then refused again at turn 2: prompt_too_long: "
-            in capsys.readouterr().out)
+    verified = capsys.readouterr().out
+    assert "identical (1 turn(s) reproduced bit for bit, then refused again at turn 2: prompt_too_long: " in verified
+    assert "1 entries (teacher-forced): 1 identical; 1 of them ended where the engine refused a later turn's prompt" \
+        in verified
 
 
 def test_nan_weights_become_counted_error_rows_while_the_other_requests_finish(capsys, tiny_checkpoint, tmp_path):
