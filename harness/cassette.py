@@ -87,7 +87,7 @@ class ReplayReport:
                  f"{cost.prompt_tokens - cost.unique_tokens} repeated")
         refused = sum(r.refused_turn is not None for r in self.results)
         if refused:  # an identical or diverged episode may still have stopped short of its last turn
-            counts += f"; {refused} of them ended where the engine refused a later turn's prompt"
+            counts += f"; {refused} of them ended where the engine refused a turn's prompt"
         return (f"{len(self.results)} entries ({self.mode}): {counts}\n"
                 f"prefill: {cost.prompt_tokens} prompt tokens for {cost.unique_tokens} distinct prefix tokens "
                 f"({cost.ratio:.2f}x; {cache})")

@@ -176,14 +176,14 @@ def test_a_refused_later_turn_is_part_of_the_outcome_and_verifies_from_anywhere(
     refusal = "turn 2 refused: prompt_too_long: prompt has "
     recorded = capsys.readouterr().out
     assert refusal in recorded
-    assert "1 entries (teacher-forced): 1 diverged; 1 of them ended where the engine refused a later turn's prompt" \
+    assert "1 entries (teacher-forced): 1 diverged; 1 of them ended where the engine refused a turn's prompt" \
         in recorded
     moved = tmp_path / "elsewhere.jsonl"
     tape.rename(moved)
     assert main(["audit", "replay", "verify", str(moved)]) == 0
     verified = capsys.readouterr().out
     assert "identical (1 turn(s) reproduced bit for bit, then refused again at turn 2: prompt_too_long: " in verified
-    assert "1 entries (teacher-forced): 1 identical; 1 of them ended where the engine refused a later turn's prompt" \
+    assert "1 entries (teacher-forced): 1 identical; 1 of them ended where the engine refused a turn's prompt" \
         in verified
 
 
