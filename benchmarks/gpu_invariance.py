@@ -3,7 +3,8 @@
     python benchmarks/gpu_invariance.py --preset small --dtype bfloat16 --out results.json
 
 Runs the standard request set under every standard variant (with the preset's own draft model at
-1, 3 and 5 drafts and under a confidence threshold where it stores one), one with CUDA graphs off (the
+1, 3 and 5 drafts, under a confidence threshold, and under throughput-aware verification, whose plain
+steps run asynchronously between speculative ones, where it stores one), one with CUDA graphs off (the
 others replay decode steps from graphs, in whichever step-shape bucket their batches land) and one
 with async scheduling off (the others queue each step before reading the one before), and one
 whose prefill steps take up to 4096 tokens (more than 512 rows: the persistent matmul), in
@@ -24,7 +25,7 @@ import torch
 from deepinfer import LLM, NUMERICS
 from deepinfer.checkpoint import preset_config
 from deepinfer.harness.invariance import STANDARD_VARIANTS, matrix_variant, model_variants, run_matrix, run_variant, standard_requests
-from deepinfer.harness.sweep import Variant
+from deepinfer.harness.sweep import Variant, checkpoint_drafter
 
 GPU_VARIANTS = (Variant.of("graphs-off", cuda_graphs=False), Variant.of("async-off", async_scheduling=False),
                 Variant.of("budget-4096", max_num_batched_tokens=4096))
@@ -60,8 +61,11 @@ def main() -> None:
         llm = LLM(model, reference.engine)  # loaded once: every variant is an engine over it (LLM.with_engine)
         load_seconds = time.perf_counter() - start
         print(numerics, f"loaded in {load_seconds:.1f}s, {torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
-        result = run_matrix(llm, requests, model_variants(model) + GPU_VARIANTS, dtype=args.dtype, numerics=numerics,
-                            device="cuda")
+        drafter = checkpoint_drafter(model)
+        planned = (Variant.of("draft-k5-throughput", speculation=drafter, draft_tokens=5, verify_policy="throughput"),
+                   ) if drafter is not None else ()
+        result = run_matrix(llm, requests, model_variants(model) + planned + GPU_VARIANTS, dtype=args.dtype,
+                            numerics=numerics, device="cuda")
         seconds = timed_reference(llm, requests, args.dtype, numerics)
         storage = llm.engine_config.weight_storage
         del llm

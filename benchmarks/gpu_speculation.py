@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_speculation.py --preset small --dtype bfloat16 --out results.json
     python benchmarks/gpu_speculation.py --preset flash-4l --speed-batches 1,16 --out results.json
+    python benchmarks/gpu_speculation.py --preset v41-flash-5l --speed-only --speed-batches 1,16 --out results.json
 
 Runs the standard request set (greedy and seeded sampling, logprobs) without speculation, then with
 drafts taken from those outputs (`harness.invariance.ReferenceDrafter`: every `--wrong-every`-th
@@ -11,18 +12,23 @@ rarely hold); each configuration runs twice in one engine, so the second run tak
 from the prefix cache (cold, then hot). Per run: the requests whose token ids or logprob bits
 differ from plain decoding (there must be none), drafts made and kept, engine steps and wall time.
 
-With `--speed-batches`, decode speed with and without speculation: B greedy requests of 128 new
-tokens each, plain decoding (CUDA graphs and async scheduling) against drafts from an oracle that
+With `--speed-batches`, decode speed with and without speculation: B greedy requests of
+`--prompt-tokens` prompt tokens and 128 new tokens each, plain decoding (CUDA graphs and async
+scheduling) against drafts from an oracle that
 knows the outputs and is wrong at every `--wrong-every`-th position (and one that is never wrong):
 generated tokens per second, steps, and the share of drafts kept; then the preset's own drafters
 (prompt lookup, and its draft model where it has one), whose drafts rarely hold on random weights,
 under each `verify_policy`: what speculation costs when drafts fail (its time over plain decoding's),
-with the drafts the throughput-aware policy declined.
+with the drafts the throughput-aware policy declined and the steps it speculated in. The
+throughput-aware policy starts each timed run from nothing (no step times, the prior hold rates), its
+engine warmed up first, so its figure includes what it costs to learn that drafts do not hold.
+`--speed-only` skips the bitwise runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -36,6 +42,7 @@ from deepinfer import LLM, EngineConfig, SamplingParams
 from deepinfer.checkpoint import preset_config
 from deepinfer.harness.invariance import ReferenceDrafter, signature, standard_requests
 from deepinfer.harness.sweep import checkpoint_drafter
+from deepinfer.engine.verify_plan import HoldRates, StepCost
 
 
 def synchronize(llm: LLM) -> None:
@@ -63,22 +70,41 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--wrong-every", type=int, default=4, help="every n-th drafted position is wrong")
     parser.add_argument("--speed-batches", default="", help="comma-separated batch sizes for the speed runs")
+    parser.add_argument("--prompt-tokens", type=int, default=256, help="prompt length of the speed runs")
+    parser.add_argument("--speed-only", action="store_true", help="skip the bitwise runs")
+    parser.add_argument("--max-model-len", type=int, default=2048,
+                        help="each engine's context (its cache's size, with --max-num-seqs: one engine of plain "
+                             "decoding and one speculating are held at once)")
+    parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script on small presets")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     requests = standard_requests(preset_config(args.preset).vocab_size, count=args.requests)
-    llm = LLM(f"preset:{args.preset}", EngineConfig(device=args.device, dtype=args.dtype))
-    cold, _, _ = run(llm, requests)  # warm-up: kernels compiled and decode graphs captured outside the timed runs
-    reference, steps, seconds = run(llm, requests)
-    streams = [r.prompt + list(sig[0]) for r, sig in zip(requests, reference)]
+    llm = LLM(f"preset:{args.preset}", EngineConfig(device=args.device, dtype=args.dtype,
+                                                    max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs))
     command = " ".join(a if a != args.out else Path(args.out).name for a in sys.argv)
     device = torch.cuda.get_device_name() if llm.device.type == "cuda" else "cpu"
     report = {"command": f"python {command}", "device": device, "torch": torch.__version__,
-              "preset": args.preset, "dtype": args.dtype, "requests": len(requests),
-              "runs": [{"speculation": "off", "prefix_cache": "cold", "diverged":
+              "preset": args.preset, "dtype": args.dtype, "requests": 0 if args.speed_only else len(requests),
+              "runs": []}
+    if not args.speed_only:
+        bitwise(llm, requests, args.wrong_every, report)
+    batches = [int(b) for b in args.speed_batches.split(",") if b]
+    report["speed"] = [row for batch in batches
+                       for row in speed(llm, f"preset:{args.preset}", batch, args.wrong_every, args.prompt_tokens)]
+    Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+def bitwise(llm: LLM, requests, wrong_every: int, report: dict) -> None:
+    """The standard requests without speculation, then under each drafter, cold and hot prefix cache:
+    the requests whose bits differ from plain decoding's go to `report`'s runs."""
+    cold, _, _ = run(llm, requests)  # warm-up: kernels compiled and decode graphs captured outside the timed runs
+    reference, steps, seconds = run(llm, requests)
+    streams = [r.prompt + list(sig[0]) for r, sig in zip(requests, reference)]
+    report["runs"] += [{"speculation": "off", "prefix_cache": "cold", "diverged":
                         [i for i, (a, b) in enumerate(zip(reference, cold)) if a != b]},
-                       {"speculation": "off", "prefix_cache": "hot", "steps": steps, "seconds": round(seconds, 3)}]}
-    drafters = [(f"reference-{k}", "ngram", k, ReferenceDrafter(streams, args.wrong_every)) for k in (1, 3, 5)]
+                       {"speculation": "off", "prefix_cache": "hot", "steps": steps, "seconds": round(seconds, 3)}]
+    drafters = [(f"reference-{k}", "ngram", k, ReferenceDrafter(streams, wrong_every)) for k in (1, 3, 5)]
     drafters.append(("ngram-5", "ngram", 5, None))
     if getattr(llm.config, "num_draft_layers", 0):
         drafters += [(f"dspark-{k}", "dspark", k, None) for k in (1, 3, 5)]
@@ -98,23 +124,46 @@ def main() -> None:
             print(json.dumps(report["runs"][-1]), flush=True)
     report["bitwise_equal"] = all(not r.get("diverged") for r in report["runs"])
     print("bitwise equal with speculation on and off:", report["bitwise_equal"], flush=True)
-    batches = [int(b) for b in args.speed_batches.split(",") if b]
-    report["speed"] = [row for batch in batches for row in speed(llm, f"preset:{args.preset}", batch, args.wrong_every)]
-    Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+COUNTERS = {"drafted": "num_drafted", "kept": "num_draft_kept", "declined": "num_drafts_declined",
+            "speculating_steps": "num_speculating_steps"}
+
+
+def timed(llm: LLM, requests, drafter: ReferenceDrafter | None, **changes) -> tuple[list, int, float, dict]:
+    """`run` in a fresh engine over `llm`'s model with `changes` to its config (and `drafter` in place of its
+    own), after two warm-up runs in it (kernels compiled, graphs captured, prompts cached); the scheduler's
+    counters over the timed run. A throughput-aware policy starts the timed run from nothing. The engine
+    is dropped on return, its cache freed before the next is made."""
+    gc.collect()
+    if llm.device.type == "cuda":
+        torch.cuda.empty_cache()
+    spec = llm.with_engine(replace(llm.engine_config, **changes))
+    if drafter is not None:
+        spec.scheduler.drafter = drafter
+    for _ in range(2):  # warm-up, cold then hot prefix cache (the drafter's kernels compiled for both)
+        run(spec, requests)
+    scheduler = spec.scheduler
+    if scheduler.step_cost is not None:
+        scheduler.step_cost, scheduler.drafter_holds = StepCost(), HoldRates()
+    before = {name: getattr(scheduler, counter) for name, counter in COUNTERS.items()}
+    got, steps, seconds = run(spec, requests)
+    return got, steps, seconds, {name: getattr(scheduler, counter) - before[name] for name, counter in COUNTERS.items()}
 
 
 def prefix_hits(scheduler) -> int:
     return getattr(scheduler, "num_prefix_hit_tokens", 0)
 
 
-def speed(llm: LLM, model: str, batch: int, wrong_every: int) -> list[dict]:
+def speed(llm: LLM, model: str, batch: int, wrong_every: int, prompt_tokens: int) -> list[dict]:
     """Decode tokens per second of `batch` greedy requests, plain, with oracle drafts, and with `model`'s own
     drafters under each verify policy."""
     vocab = llm.config.vocab_size
-    prompts = [[(31 * i + 7 * j) % (vocab - 2) + 1 for j in range(64)] for i in range(batch)]
+    prompts = [[(31 * i + 7 * j) % (vocab - 2) + 1 for j in range(prompt_tokens)] for i in range(batch)]
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     requests = [SimpleNamespace(prompt=prompt, params=params) for prompt in prompts]
-    run(llm, requests)  # warm-up: graphs for this batch captured, prompts cached
+    for _ in range(2):  # warm-up, cold then hot prefix cache: kernels compiled for both, graphs captured
+        run(llm, requests)
     reference, steps, seconds = run(llm, requests)
     tokens = sum(len(sig[0]) for sig in reference)
     rows = [{"batch": batch, "speculation": "off", "steps": steps, "seconds": round(seconds, 3),
@@ -122,29 +171,19 @@ def speed(llm: LLM, model: str, batch: int, wrong_every: int) -> list[dict]:
     streams = [prompt + list(sig[0]) for prompt, sig in zip(prompts, reference)]
     for k in (3, 5):
         for every in (wrong_every, 10**9):
-            spec = llm.with_engine(replace(llm.engine_config, speculation="ngram", draft_tokens=k))
-            spec.scheduler.drafter = ReferenceDrafter(streams, every)
-            run(spec, requests)
-            drafted, kept = spec.scheduler.num_drafted, spec.scheduler.num_draft_kept
-            got, steps, seconds = run(spec, requests)
-            kept_share = (spec.scheduler.num_draft_kept - kept) / max(spec.scheduler.num_drafted - drafted, 1)
+            got, steps, seconds, counts = timed(llm, requests, ReferenceDrafter(streams, every), speculation="ngram",
+                                                draft_tokens=k)
             rows.append({"batch": batch, "speculation": f"oracle-{k}", "wrong_every": every if every < 10**9 else None,
                          "steps": steps, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
-                         "drafts_kept": round(kept_share, 3), "speedup": round(rows[0]["seconds"] / seconds, 3),
-                         "bitwise_equal": got == reference})
+                         "drafts_kept": round(counts["kept"] / max(counts["drafted"], 1), 3),
+                         "speedup": round(rows[0]["seconds"] / seconds, 3), "bitwise_equal": got == reference})
             print(json.dumps(rows[-1]), flush=True)
     for speculation in ["ngram"] + [name for name in [checkpoint_drafter(model)] if name is not None]:
         for policy in ("fixed", "throughput"):
-            spec = llm.with_engine(replace(llm.engine_config, speculation=speculation, draft_tokens=5,
-                                           verify_policy=policy))
-            run(spec, requests)  # warm-up; the throughput policy's step times and hold rates carry over
-            scheduler = spec.scheduler
-            drafted, kept, declined = scheduler.num_drafted, scheduler.num_draft_kept, scheduler.num_drafts_declined
-            got, steps, seconds = run(spec, requests)
+            got, steps, seconds, counts = timed(llm, requests, None, speculation=speculation, draft_tokens=5,
+                                                verify_policy=policy)
             rows.append({"batch": batch, "speculation": speculation, "verify_policy": policy, "steps": steps,
-                         "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
-                         "drafted": scheduler.num_drafted - drafted, "kept": scheduler.num_draft_kept - kept,
-                         "declined": scheduler.num_drafts_declined - declined,
+                         "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1), **counts,
                          "time_over_off": round(seconds / rows[0]["seconds"], 3), "bitwise_equal": got == reference})
             print(json.dumps(rows[-1]), flush=True)
     return rows

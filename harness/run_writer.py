@@ -45,7 +45,7 @@ _STATS_KEYS = ("sessions", "wall_s", "preemptions")
 # runs recorded before they existed lack them and read as 0
 _SPECULATION_KEYS = {"drafted": "num_drafted", "drafts_kept": "num_draft_kept", "verify_chunks": "num_verify_chunks",
                      "rollbacks": "num_rollbacks", "rollback_rows": "num_rollback_rows",
-                     "drafts_declined": "num_drafts_declined"}
+                     "drafts_declined": "num_drafts_declined", "speculating_steps": "num_speculating_steps"}
 # the prefix cache's counters (stats key: `engine.scheduler.Scheduler` attribute); older runs read as 0
 _PREFIX_KEYS = {"prefix_hit_tokens": "num_prefix_hit_tokens", "prefix_query_tokens": "num_prefix_query_tokens"}
 _RESUMED_SECTIONS = ("checkpoint", "suite", "variant", "engine", "seeds")  # what a resumed run must share

@@ -80,16 +80,19 @@ class EngineConfig:
                                 "checkpoint's MTP block drafts draft_tokens tokens one after another); the model "
                                 "verifies a sequence's drafts in one step and keeps each only where it equals the "
                                 "token it samples there, so with batch_invariant numerics outputs are the same bits "
-                                "either way; runs with synchronous scheduling", choices=SPECULATION)
+                                "either way; a step that speculates is read back before the next is scheduled",
+                                choices=SPECULATION)
     draft_tokens: int = _setting(5, f"with speculation: most draft tokens one sequence verifies per step (1 to "
                                     f"{MAX_DRAFT_TOKENS}; dspark: at most its block size)")
     draft_confidence: float = _setting(0.0, "with speculation=dspark or mtp: verify a sequence's drafts only as far "
                                        "as the draft's confidence head gives all of them at least this chance to hold "
                                        "(0 to 1; 0: always draft_tokens)")
-    verify_policy: str = _setting("fixed", "with speculation: verify every draft the drafter proposes (fixed), or "
-                                  "per step only as many as are expected to pay, from each sequence's own hold "
-                                  "rates and the step times measured so far (throughput: changes how many steps a "
-                                  "run takes and its draft counts, never its outputs)", choices=VERIFY_POLICY)
+    verify_policy: str = _setting("fixed", "with speculation: draft every step and verify every draft the drafter "
+                                  "proposes (fixed, synchronous scheduling), or per step only as many as are "
+                                  "expected to pay against a plain step, from each sequence's own hold rates and the "
+                                  "step times measured so far, running plain steps (no drafter, async scheduling) "
+                                  "while none would (throughput: changes how many steps a run takes and its draft "
+                                  "counts, never its outputs)", choices=VERIFY_POLICY)
     expert_parallel: int = _setting(1, "processes each MoE layer's routed experts are spread over: 1, or every "
                                     "process of a torchrun launch (tokens go to their experts' process and back, "
                                     "combined in the order one process uses: the same bits); steps run eagerly "

@@ -2,7 +2,9 @@
 
 A step is `Scheduler.schedule()`, `ModelRunner.execute()`, then `Scheduler.update()` (the scheduler
 owns every change to a queued sequence). With async scheduling the update of a step comes after the
-next step is queued, so the host schedules and prepares step t + 1 while the device runs step t.
+next step is queued, so the host schedules and prepares step t + 1 while the device runs step t; a
+speculative step (`SchedulerOutput.speculative`) is read back at once, since the next step's drafts
+follow the tokens it keeps.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ class PromptTooLongError(RequestError):
 class EngineCore:
     """An engine over `host`'s model, run as `config` says; it resolves the config (`max_model_len`
     and `weight_storage` filled in, `async_scheduling` off where the Engram tables are in host memory
-    or drafts are made, CUDA graphs off where ranks step in lockstep) and keeps it as `engine_config`."""
+    or every step drafts (speculation under the fixed verify policy), CUDA graphs off where ranks step in
+    lockstep) and keeps it as `engine_config`."""
 
     def __init__(self, host: ModelHost, config: EngineConfig) -> None:
         self.host = host
@@ -50,7 +53,8 @@ class EngineCore:
             # the step's Engram rows are gathered on the host from its tokens: no step can be queued
             # before the tokens of the one before are read
             config = replace(config, async_scheduling=False)
-        if config.speculation != "off":  # a sequence's drafts follow its last token, which must be known
+        if config.speculation != "off" and config.verify_policy == "fixed":
+            # a sequence's drafts follow its last token, which must be known: every step is read back
             config = replace(config, async_scheduling=False)
         if host.layout.lockstep:  # MoE exchanges read their sizes on the host, splits upload rows: no graphs
             config = replace(config, cuda_graphs=False)
@@ -84,7 +88,8 @@ class EngineCore:
         drafts = None
         if draft is not None:
             drafts = host.family.draft_runner(draft, self.cache, config.draft_tokens, config.draft_confidence)
-        self.runner = ModelRunner(host.model, self.cache, host.device, cuda_graphs=config.cuda_graphs, drafts=drafts)
+        self.runner = ModelRunner(host.model, self.cache, host.device, cuda_graphs=config.cuda_graphs, drafts=drafts,
+                                  timed=self.scheduler.step_cost is not None)
         self.async_scheduling = config.async_scheduling
         self.in_flight: tuple[SchedulerOutput, RunnerOutput] | None = None
         self.next_id = 0
@@ -171,10 +176,10 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the requests whose finish it read (with async scheduling, those
         that finished in the step before)."""
+        started = time.perf_counter()
         scheduled = self.scheduler.schedule()
         before, self.in_flight = self.in_flight, None
         current = None
-        started = time.perf_counter()
         if scheduled.chunks:
             try:
                 current = (scheduled, self.runner.execute(scheduled, before[1] if before else None))
@@ -186,15 +191,18 @@ class EngineCore:
             for exchange in self.host.exchanges:
                 exchange.idle()
         finished = self._read(before) if before is not None else []
-        if current is not None and self.async_scheduling:
+        if current is not None and self.async_scheduling and not scheduled.speculative:
             self.in_flight = current
         elif current is not None:
-            finished += self._read(current)
-            self.scheduler.observe_step(sum(chunk.num_tokens for chunk in scheduled.chunks),
-                                        time.perf_counter() - started)
+            finished += self._read(current, started)
         return [self.output.request_output(seq) for seq in finished]
 
-    def _read(self, step: tuple[SchedulerOutput, RunnerOutput]) -> list[Sequence]:
-        """Apply a step's results (waiting for them); the sequences that finished."""
+    def _read(self, step: tuple[SchedulerOutput, RunnerOutput], started: float | None = None) -> list[Sequence]:
+        """Apply a step's results (waiting for them); the sequences that finished. `started`: when the
+        step was queued, if it is read back at once (its wall time is then measured)."""
         scheduled, output = step
-        return self.scheduler.update(scheduled, output.result(scheduled))
+        result = output.result(scheduled)
+        if result.forward_seconds is not None:
+            wall = None if started is None else time.perf_counter() - started
+            self.scheduler.observe_step(scheduled, result.forward_seconds, wall)
+        return self.scheduler.update(scheduled, result)

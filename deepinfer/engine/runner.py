@@ -5,8 +5,10 @@ the sampler, logprobs and top-k run there, and the `RunnerOutput` holds device t
 to the host is queued right behind them. `RunnerOutput.result` waits for that copy (the step's only
 sync), which can be after the next step is queued (async scheduling): that step's inputs may hold
 placeholders for tokens this one samples, resolved on the device from its `token_ids`.
-With CUDA graphs on, a decode step's forward (speculation's verify steps too) is replayed from the
-graph of its shape.
+With CUDA graphs on, a decode step's forward (speculation's verify steps too, and with a device
+drafter the streams it reads) is replayed from the graph of its shape. Under throughput-aware
+verification each step is timed on the device's clock (`StepClock`): its forward and sampling, and
+its drafter.
 
 A request with a structured constraint samples only the tokens its constraint allows: the runner
 builds each sampled row's mask on the host while the device runs the step's forward, uploads it and
@@ -15,14 +17,16 @@ applies it to the logits the sampler draws from (logprobs stay those of the unco
 A chunk with draft tokens is sampled at its last token and at each draft (each row with its own
 position's noise), and the device counts how many drafts equal the token drawn before them: those
 and the token drawn after the last of them are what the chunk yields. With a model drafter
-(`deepinfer.engine.draft_runner`), the step then drafts the next tokens of every sampling chunk on
-the device, and they come down with the step's results.
+(`deepinfer.engine.draft_runner`), a speculative step then drafts the next tokens of every sampling
+chunk on the device, and they come down with the step's results; a plain step runs no drafter.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+
+import time
 
 import numpy as np
 import torch
@@ -45,7 +49,8 @@ class StepResult:
     order: the tokens it drew that count (the sampled token, and after each draft that held the
     token drawn after it), each one's logprob, top logprobs (when asked for) and whether its logits
     were finite; per scoring chunk the prompt logprobs and top logprobs of its `scored` positions;
-    with a model drafter, per sampling chunk the tokens it drafted to follow the ones it drew."""
+    with a model drafter, per sampling chunk the tokens it drafted to follow the ones it drew; when
+    the step was timed, the seconds of its forward and sampling and of its drafter."""
 
     tokens: list[list[int]]
     logprobs: list[list[float]]
@@ -54,6 +59,30 @@ class StepResult:
     prompt_logprobs: list[list[float]]
     prompt_top: list[list[list[tuple[int, float]]]]
     drafts: list[list[int]] | None = None
+    forward_seconds: float | None = None
+    draft_seconds: float = 0.0
+
+
+class StepClock:
+    """Marks on the device's clock: CUDA events, or on the CPU, whose work is done when its call
+    returns, the host's. Read once the step's download is in (its events have completed by then)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        """Between consecutive marks."""
+        pairs = zip(self.marks, self.marks[1:])
+        return [a.elapsed_time(b) / 1000 for a, b in pairs] if self.cuda else [b - a for a, b in pairs]
 
 
 @dataclass
@@ -84,12 +113,13 @@ class RunnerOutput:
     prompt_top_logprobs: torch.Tensor | None = None
     drafts: torch.Tensor | None = None
     num_drafts: torch.Tensor | None = None
+    clock: StepClock | None = field(default=None, repr=False)
     download: Download | None = field(default=None, repr=False)
 
     def send_to_host(self) -> None:
         """Queue the copy of everything but `hidden` to the host (once the step's tensors are all set)."""
         self.download = Download({f.name: getattr(self, f.name) for f in fields(self)
-                                  if f.name not in ("hidden", "download") and getattr(self, f.name) is not None})
+                                  if f.name not in ("hidden", "clock", "download") and getattr(self, f.name) is not None})
 
     def result(self, scheduled: SchedulerOutput) -> StepResult:
         """What the host needs, sliced per chunk of `scheduled` (this step's): waits for the copy."""
@@ -117,27 +147,31 @@ class RunnerOutput:
         drafts = None
         if "drafts" in host:
             drafts = [values[:count] for values, count in zip(host["drafts"], host["num_drafts"])]
-        return StepResult(tokens=counted("token_ids"), logprobs=counted("logprobs"), top=top,
-                          finite=counted("finite"), prompt_logprobs=prompt_logprobs, prompt_top=prompt_top,
-                          drafts=drafts)
+        result = StepResult(tokens=counted("token_ids"), logprobs=counted("logprobs"), top=top,
+                            finite=counted("finite"), prompt_logprobs=prompt_logprobs, prompt_top=prompt_top,
+                            drafts=drafts)
+        if self.clock is not None:
+            spans = self.clock.seconds()
+            result.forward_seconds, result.draft_seconds = spans[0], sum(spans[1:])
+        return result
 
 
 class ModelRunner:
     def __init__(self, model: Decoder, cache: CacheManager, device: torch.device | str,
-                 cuda_graphs: bool = False, drafts: DeviceDrafts | None = None) -> None:
+                 cuda_graphs: bool = False, drafts: DeviceDrafts | None = None, timed: bool = False) -> None:
         self.model = model
         self.drafts = drafts
+        self.timed = timed
         self.ops = model.ops
         self.config: ModelConfig = model.config
         self.cache = cache
         self.device = torch.device(device)
-        # decode steps replay graphs captured per step shape, sharing one memory pool (one replay at a
-        # time); fast numerics cannot be captured: its expert routing reads counts on the host; a
-        # model drafter's steps run eagerly (the graphs do not hand over the draft's features)
+        # decode steps replay graphs captured per step shape (and whether a drafter reads its streams),
+        # sharing one memory pool (one replay at a time); fast numerics cannot be captured: its expert
+        # routing reads counts on the host; a device drafter's own pass runs eagerly
         self.graphs: dict[tuple, StepGraph] | None = None
         self.compressed_ids: torch.Tensor | None = None  # Engram's compressed id of each token, on the device
-        if (cuda_graphs and self.device.type == "cuda" and self.ops.numerics == "batch_invariant"
-                and drafts is None):
+        if cuda_graphs and self.device.type == "cuda" and self.ops.numerics == "batch_invariant":
             self.graphs, self.graph_pool = {}, torch.cuda.graph_pool_handle()
 
     def execute(self, scheduled: SchedulerOutput, in_flight: RunnerOutput | None = None) -> RunnerOutput:
@@ -145,6 +179,10 @@ class ModelRunner:
         prompt positions asked for; nothing is read back to the host. `in_flight`: the output of
         the step before, whose sampled tokens this step's placeholders stand for."""
         chunks, sampling = scheduled.chunks, scheduled.sampling
+        clock = StepClock(self.device) if self.timed else None
+        if clock is not None:
+            clock.mark()
+        drafting = self.drafts is not None and scheduled.speculative
         # decode steps, and verify steps (a sequence's last token and its drafts), are graphed
         graphed = self.graphs is not None and all(c.num_tokens == 1 + c.num_draft and not c.scored for c in chunks)
         host_batch, rows = self.build_batch(chunks, graph_bucket if graphed else bucket)
@@ -155,12 +193,16 @@ class ModelRunner:
             if in_flight is None:
                 raise RuntimeError("a step takes placeholder tokens as input but no step is in flight")
             self._resolve_placeholders(batch, in_flight.token_ids[:, 0])
+            if drafting:
+                rows["next_ids"] = resolved(rows["next_ids"], in_flight.token_ids[:, 0])
         params = SamplingBatch.from_tensors(rows)
         streams_at: dict[int, torch.Tensor] = {}
-        if self.drafts is None:
-            hidden = self._replay(batch) if graphed else self.model(batch, self.cache.layer_views)
-        else:
+        if graphed:
+            hidden, streams_at = self._replay(batch, drafting)
+        elif drafting:
             hidden = self.model(batch, self.cache.layer_views, streams_at=streams_at)
+        else:
+            hidden = self.model(batch, self.cache.layer_views)
         sampled_hidden = hidden[rows["sample_rows"]]
         logits = self.model.logits(sampled_hidden)
         logprobs = self.ops.log_softmax(logits)
@@ -188,12 +230,17 @@ class ModelRunner:
             out.prompt_logprobs = prompt.gather(1, rows["score_targets"].unsqueeze(1)).squeeze(1)
             kp = max(max(c.seq.params.logprobs or 0, 1) for c in scoring)
             out.prompt_top_ids, out.prompt_top_logprobs = top_logprobs(prompt, kp)
-        if self.drafts is not None:
+        if clock is not None:
+            clock.mark()
+        if drafting:
             next_ids = rows["next_ids"].index_put((batch.sample_index[rows["sample_rows"]],), drawn)
             drafted = self.drafts.run(DraftInputs(batch, streams_at, next_ids, rows["sample_chunks"], rows["draws_at"],
                                                   token_ids, out.num_accepted, params.rows(columns[:, 0]), greedy_only))
             if drafted is not None:
                 out.drafts, out.num_drafts = drafted
+            if clock is not None:
+                clock.mark()
+        out.clock = clock
         out.send_to_host()
         return out
 
@@ -225,13 +272,15 @@ class ModelRunner:
             batch.engram_ids = resolved(batch.engram_ids, sampled, self.compressed_ids)
             batch.engram_lookback = resolved(batch.engram_lookback, sampled, self.compressed_ids)
 
-    def _replay(self, batch: StepBatch) -> torch.Tensor:
-        """A decode step's forward replayed from the graph of its shape (captured on first sight); the
-        hidden states are valid until the next replay."""
-        key = tuple(sorted(batch.shapes().items()))
+    def _replay(self, batch: StepBatch, tap_streams: bool) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """A decode step's forward replayed from the graph of its shape (captured on first sight): the
+        hidden states and, with `tap_streams`, the streams a device drafter reads, valid until the next
+        replay."""
+        key = (tuple(sorted(batch.shapes().items())), tap_streams)
         if key not in self.graphs:
-            self.graphs[key] = StepGraph(self.model, self.cache.layer_views, batch, self.graph_pool)
-        return self.graphs[key].replay(batch)
+            self.graphs[key] = StepGraph(self.model, self.cache.layer_views, batch, self.graph_pool, tap_streams)
+        graph = self.graphs[key]
+        return graph.replay(batch), graph.streams_at
 
     def build_batch(self, chunks: list[ScheduledChunk], table_bucket: Callable[[int], int] = bucket
                     ) -> tuple[StepBatch, dict[str, torch.Tensor]]:
@@ -245,8 +294,8 @@ class ModelRunner:
         (-1, which no token equals, past a chunk's own); `sample_chunks` [S] and `draws_at` [S] give
         each sampling chunk's row in the batch and the index of the first token it draws; `next_ids`
         [T] the token after each of the step's tokens where the host knows it (-1 at sampled rows, 0
-        for padding; a model drafter's input, made only for one: such drafters run with synchronous
-        scheduling, so every token before a sampled row is known)."""
+        for padding, placeholders resolved on the device like the input ids; a model drafter's input,
+        made only for one)."""
         num_tokens = sum(chunk.num_tokens for chunk in chunks)
         ids, positions, query_start = [], [], []
         sample_index, sample_rows, score_rows, score_targets = [], [], [], []

@@ -33,8 +33,11 @@ kept tokens. That is the whole rollback: every cache row (window KV, compressor 
 entries, indexer keys, the draft's context) is keyed by its absolute position and depends only on
 the tokens up to it, so the rows the failed drafts wrote (at most k) are rewritten by the steps
 that compute those positions again before anything reads them, and nothing before the rollback
-point is ever recomputed (replayed). Drafts need the sequence's last token, so speculation runs
-with synchronous scheduling.
+point is ever recomputed (replayed). Drafts need the sequence's last token, so a step that
+speculates (`SchedulerOutput.speculative`: it verifies drafts, or the drafter runs after it) is read
+back before the next is scheduled; under `verify_policy="throughput"` a step speculates only while
+drafts are expected to pay (`deepinfer.engine.verify_plan`), and the others are plain steps, which async
+scheduling may overlap.
 
 A sequence with a structured constraint (`deepinfer.engine.structured`) holds a matcher, which
 `update` advances over every token it keeps (the runner only reads it to build masks, leaving it as
@@ -101,9 +104,12 @@ class ScheduledChunk:
 
 @dataclass
 class SchedulerOutput:
-    """One step's work, in the order the runner lays it out."""
+    """One step's work, in the order the runner lays it out; `speculative`: the step drafts (a device
+    drafter runs after it) and is read back before the next step is scheduled, whose drafts follow the
+    tokens it keeps."""
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
+    speculative: bool = False
 
     @property
     def sampling(self) -> list[ScheduledChunk]:
@@ -141,8 +147,8 @@ class Scheduler:
         self.budget = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
         self.drafter, self.draft_tokens = drafter, draft_tokens
-        # with throughput-aware verification (`engine.verify_plan`): the forward-time curve of the steps run,
-        # and the drafter's hold rates over every sequence, where a new sequence's own start
+        # with throughput-aware verification (`engine.verify_plan`): the time curves of the steps run, and
+        # the drafter's hold rates over every sequence, where a new sequence's own start
         self.step_cost = StepCost() if plan_verification and drafter is not None else None
         self.drafter_holds = HoldRates()
         self.waiting: deque[Sequence] = deque()
@@ -156,6 +162,7 @@ class Scheduler:
         self.num_verify_chunks = 0  # chunks that carried drafts
         self.verify_lengths: dict[int, int] = {}  # drafts a chunk carried -> how many chunks carried that many
         self.num_drafts_declined = 0  # drafts proposed that throughput-aware verification did not verify
+        self.num_speculating_steps = 0  # steps that verified drafts or drafted (the others ran plain)
         self.num_rollbacks = 0  # verify chunks with a draft that failed
         self.num_rollback_rows = 0  # cache rows those wrote past the kept tokens (rewritten later, never replayed)
 
@@ -211,20 +218,42 @@ class Scheduler:
             chunks.append(self._chunk(seq, seq.num_computed, n, []))
             budget -= n
         self._commit(chunks)
-        return SchedulerOutput(chunks)
+        speculative = self._speculates(chunks)
+        self.num_speculating_steps += speculative
+        return SchedulerOutput(chunks, speculative)
+
+    def _holds(self, seq: Sequence) -> HoldRates:
+        if seq.hold_rates is None:
+            seq.hold_rates = HoldRates(list(self.drafter_holds.rates))
+        return seq.hold_rates
+
+    def _plan(self, chunks: list[ScheduledChunk], base_rows: int, base_tokens: int, drafts: list[int]) -> list[int]:
+        survivals = [self._holds(chunk.seq).survivals(n) for chunk, n in zip(chunks, drafts)]
+        return plan_verify(base_rows, base_tokens, survivals, self.step_cost.speculating.seconds,
+                           self.step_cost.plain.seconds)
+
+    def _speculates(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether the step is speculative: it verifies drafts (it must then be read back before the next
+        step is scheduled), or drafting pays."""
+        if self.drafter is None or not chunks:
+            return False
+        return any(chunk.num_draft for chunk in chunks) or self._drafting_pays(chunks)
+
+    def _drafting_pays(self, chunks: list[ScheduledChunk]) -> bool:
+        """Always under the fixed policy; under throughput-aware verification, while a decode step of the
+        step's sequences, each with `draft_tokens` drafts, would verify some (the rates do not change in
+        plain steps, which verify nothing: an engine whose drafts stopped paying stays plain)."""
+        if self.step_cost is None:
+            return True
+        return any(self._plan(chunks, len(chunks), len(chunks), [self.draft_tokens] * len(chunks)))
 
     def _plan_verification(self, chunks: list[ScheduledChunk]) -> int:
         """Cut each chunk's drafts to the length `plan_verify` picks for the step; the budget freed."""
         speculating = [chunk for chunk in chunks if chunk.num_draft]
         if not speculating:
             return 0
-        for chunk in speculating:
-            if chunk.seq.hold_rates is None:
-                chunk.seq.hold_rates = HoldRates(list(self.drafter_holds.rates))
-        lengths = plan_verify(sum(chunk.num_tokens - chunk.num_draft for chunk in chunks),
-                              sum(chunk.samples for chunk in chunks),
-                              [chunk.seq.hold_rates.survivals(chunk.num_draft) for chunk in speculating],
-                              self.step_cost.seconds)
+        lengths = self._plan(speculating, sum(chunk.num_tokens - chunk.num_draft for chunk in chunks),
+                             sum(chunk.samples for chunk in chunks), [chunk.num_draft for chunk in speculating])
         freed = 0
         for chunk, length in zip(speculating, lengths):
             declined = chunk.num_draft - length
@@ -234,10 +263,15 @@ class Scheduler:
         self.num_drafts_declined += freed
         return freed
 
-    def observe_step(self, rows: int, seconds: float) -> None:
-        """A step of `rows` rows took `seconds` (read back): the curve throughput-aware verification reads."""
-        if self.step_cost is not None:
-            self.step_cost.observe(rows, seconds)
+    def observe_step(self, scheduled: SchedulerOutput, plain_seconds: float, wall_seconds: float | None) -> None:
+        """What a step cost, for throughput-aware verification: `plain_seconds`, what it would have taken
+        as a plain step, and, for a speculative step read back at once, `wall_seconds`, its whole time."""
+        if self.step_cost is None:
+            return
+        rows = sum(chunk.num_tokens for chunk in scheduled.chunks)
+        self.step_cost.plain.observe(rows, plain_seconds)
+        if scheduled.speculative and wall_seconds is not None:
+            self.step_cost.speculating.observe(rows, wall_seconds)
 
     def _take_prefix(self, seq: Sequence) -> bool:
         """Start a waiting sequence at its longest cached prefix, sharing that prefix's blocks; or
@@ -387,9 +421,9 @@ class Scheduler:
     def _resolve(self, seq: Sequence, chunk: ScheduledChunk, result: StepResult, row: int, now: float) -> None:
         """The tokens `chunk` drew, in its output row `row`, from token `chunk.draws_at` on: the first
         in place of its placeholder, the ones drawn after drafts that held appended (a sequence with
-        drafts has no later placeholders: speculation runs synchronously), each followed by the stop
-        checks (a finished sequence drops the tokens after its last), then the computed count taken
-        back to the tokens that held."""
+        drafts has no later placeholders: a speculative step is read back before the next is
+        scheduled), each followed by the stop checks (a finished sequence drops the tokens after its
+        last), then the computed count taken back to the tokens that held."""
         index, drawn = chunk.draws_at, result.tokens[row]
         self.num_drafted += chunk.num_draft
         self.num_draft_kept += len(drawn) - 1

@@ -1,16 +1,21 @@
-"""Throughput-aware verification: how many of its drafts each speculating sequence verifies in a step.
+"""Throughput-aware verification: whether a step speculates, and how many of its drafts each sequence
+verifies.
 
 A draft is worth its row only if it is likely to hold and the row costs little: verifying j drafts of a
 sequence yields, in expectation, 1 + a_1 + ... + a_j tokens, where a_j (its survival) is the chance that
-drafts 1..j all hold, and the step's forward takes longer the more rows it has. `plan_verify` picks the
-lengths by greedy global admission over every sequence's drafts (most likely first, which keeps each
-sequence's admitted drafts a prefix of its own), stopping at the count that maximises expected tokens per
-second of the step; `StepCost` is the forward-time curve that decision reads (rows in a step -> seconds:
-recent steps' median per row bucket, linear between buckets), `HoldRates` a sequence's survivals, learnt
-from its own verifications (the chance that each draft position holds given the ones before it, as an
-exponential moving average). A new sequence starts from the drafter's rates over every sequence so far,
-and the first from an optimistic prior, so a drafter is tried before it is judged, and one whose drafts
-never hold stops costing new requests their rows.
+drafts 1..j all hold, and the step takes longer the more rows it has. Speculating also costs a step of
+its own kind: one that verifies drafts runs the drafter after it and is read back before the next is
+scheduled (the next drafts follow the tokens it keeps), while a plain step (no drafts, no drafter) runs
+under async scheduling, its host work hidden behind the device's. `plan_verify` picks the lengths by
+greedy global admission over every sequence's drafts (most likely first, which keeps each sequence's
+admitted drafts a prefix of its own), stopping at the count that maximises expected tokens per second,
+against a plain step's tokens per second: admitting none means the step runs plain. `StepCost` holds the
+two time curves it reads (rows in a step -> seconds: recent steps' median per row bucket, linear between
+buckets), `HoldRates` a sequence's survivals, learnt from its own verifications (the chance that each
+draft position holds given the ones before it, as an exponential moving average). A new sequence starts
+from the drafter's rates over every sequence so far, and the first from an optimistic prior, so a
+drafter is tried before it is judged, and one whose drafts never hold stops costing anything: its
+engine runs plain steps, as with speculation off.
 
 None of this changes outputs: a step yields the tokens the target samples, bitwise the same whatever
 it verifies (see `deepinfer.engine.drafter`). It changes only how many steps those tokens take, and
@@ -53,12 +58,12 @@ class HoldRates:
             self.rates[j] += HOLD_MEMORY * (held - self.rates[j])
 
 
-class StepCost:
-    """Seconds of a target forward of `rows` rows, from the steps actually run: per power-of-two row
-    bucket the median of its last COST_WINDOW steps, linear between the buckets measured, flat outside
-    them. So a size not measured yet costs what the nearest measured one does (before any step, every
-    size costs the same): optimistic, as in a GPU's small batches, where a forward's time is the reading
-    of its weights; drafts are tried, and the steps they make measure what they really cost."""
+class TimeCurve:
+    """Seconds of a step of `rows` rows, from the steps actually run: per power-of-two row bucket the
+    median of its last COST_WINDOW steps, linear between the buckets measured, flat outside them. So a
+    size not measured yet costs what the nearest measured one does (before any step, every size costs
+    the same): optimistic, as in a GPU's small batches, where a forward's time is the reading of its
+    weights; drafts are tried, and the steps they make measure what they really cost."""
 
     def __init__(self) -> None:
         self._steps: dict[int, deque[tuple[int, float]]] = {}
@@ -89,19 +94,31 @@ class StepCost:
         return points[-1][1]
 
 
+@dataclass
+class StepCost:
+    """The curves a plan reads: `speculating`, the wall time of a step that verifies drafts and runs the
+    drafter after it, read back before the next step is scheduled (what `EngineCore.step` times); `plain`,
+    what a step without them costs (its forward and sampling on the device's clock when async scheduling
+    hides the host's work, else its wall time without the drafter's)."""
+
+    speculating: TimeCurve = field(default_factory=TimeCurve)
+    plain: TimeCurve = field(default_factory=TimeCurve)
+
+
 def plan_verify(base_rows: int, base_tokens: int, survivals: list[list[float]],
-                seconds: Callable[[int], float]) -> list[int]:
-    """How many drafts each speculating sequence verifies: `survivals[i]` are sequence i's a_1 .. a_k
+                speculating: Callable[[int], float], plain: Callable[[int], float]) -> list[int]:
+    """How many drafts each sequence verifies: `survivals[i]` are sequence i's a_1 .. a_k
     (non-increasing), `base_rows` the step's rows without drafts, `base_tokens` the tokens it yields
-    without them (one per chunk that samples), `seconds(rows)` the forward's time. Admits drafts most
-    likely first and keeps the count whose expected tokens per second is highest (ties: fewer rows)."""
+    without them (one per chunk that samples), `speculating(rows)` and `plain(rows)` the two kinds of
+    step's time. Admits drafts most likely first and keeps the count whose expected tokens per second is
+    highest, a plain step's being the count 0 (ties: fewer rows)."""
     ranked = sorted(((a, i) for i, row in enumerate(survivals) for a in row), key=lambda item: -item[0])
     expected = float(base_tokens)
-    best_rate = expected / seconds(base_rows)
+    best_rate = expected / plain(base_rows)
     admitted = 0
     for count, (a, _) in enumerate(ranked, start=1):
         expected += a
-        rate = expected / seconds(base_rows + count)
+        rate = expected / speculating(base_rows + count)
         if rate > best_rate:
             best_rate, admitted = rate, count
     lengths = [0] * len(survivals)
