@@ -3,7 +3,8 @@ routed expert received, prompt and output tokens alike. `scale_sim.py` reads the
 
     python benchmarks/expert_loads.py --preset flash-4l --device cuda --dtype bfloat16 --out loads.json
 
-Steps run eagerly (no CUDA graphs) so that the counting hooks on the routers see every step.
+Steps run eagerly (no CUDA graphs) so that the counting hooks on the routers see every step; they count
+a step's tokens only, not the rows padding it to its bucket (as `LLM.expert_loads` does).
 """
 
 from __future__ import annotations
@@ -24,12 +25,22 @@ SUITES = ("smoke", "traces:harness/suites/traces/sample.jsonl")
 
 
 def count_loads(llm: LLM) -> list[torch.Tensor]:
-    """One counter per MoE layer (in forward order), added to by a hook on its router."""
+    """One counter per MoE layer (in forward order), added to by a hook on its router over the step's
+    first rows, its tokens (the scheduler's output says how many)."""
     layers = [module for module in llm.model.modules() if isinstance(module, MoE)]
     counters = [torch.zeros(llm.config.n_routed_experts, dtype=torch.int64, device=llm.device) for _ in layers]
+    step_rows = [0]
+    schedule = llm.core.scheduler.schedule
+
+    def scheduling():
+        scheduled = schedule()
+        step_rows[0] = sum(chunk.num_tokens for chunk in scheduled.chunks)
+        return scheduled
+
+    llm.core.scheduler.schedule = scheduling
     for moe, counter in zip(layers, counters):
         def count(_module, _inputs, output, counter=counter) -> None:
-            counter.add_(torch.bincount(output[0].reshape(-1), minlength=counter.shape[0]))
+            counter.add_(torch.bincount(output[0][:step_rows[0]].reshape(-1), minlength=counter.shape[0]))
 
         moe.gate.register_forward_hook(count)
     return counters

@@ -6,7 +6,9 @@ of a JSON spec, and (rank 0) write every case's output signatures to a pickle.
 A case with "cp" runs steps split over the ranks and counts how many were; "engine" adds engine
 settings; "model" names a checkpoint folder instead of the preset. A case with "replace"
 first serves the set, then re-places the experts by EPLB from the loads that
-serving measured (one more slot per rank, so the heaviest experts get copies), and serves it again.
+serving measured (one more slot per rank, so the heaviest experts get copies), and serves it again;
+it also records, per MoE layer, the slots those loads counted and top_k times the tokens the ranks'
+steps scheduled (each token dispatched by one rank of those sharing its requests).
 A case with "cli" runs `deepinfer ARGV` on every rank instead: its exit code and every rank's stdout.
 """
 
@@ -57,12 +59,20 @@ def main() -> None:
         if llm.model.context is not None:  # count the steps that were split
             split = llm.model.context.split
             llm.model.context.split = lambda *args: splits.append(split(*args)) or splits[-1]
+        scheduled = []
+        schedule = llm.core.scheduler.schedule
+        llm.core.scheduler.schedule = lambda: scheduled.append(schedule()) or scheduled[-1]
         results[case["name"]] = serve(llm, requests)
         results[case["name"] + "-splits"] = sum(s is not None for s in splits)
         if case.get("replace"):
             before = placement_digest([exchange.placement for exchange in llm.host.exchanges])
             per_rank = llm.host.exchanges[0].placement.per_rank + 1
-            placements = [balanced_placement(loads, llm.layout.world, per_rank) for loads in llm.expert_loads()]
+            loads = llm.expert_loads()
+            tokens = torch.tensor(sum(chunk.num_tokens for step in scheduled for chunk in step.chunks))
+            dist.all_reduce(tokens)
+            results[case["name"] + "-slots"] = ([sum(layer) for layer in loads], llm.config.num_experts_per_tok
+                                                * int(tokens) // llm.layout.attention_ranks)
+            placements = [balanced_placement(layer, llm.layout.world, per_rank) for layer in loads]
             llm.place_experts(placements)
             results[case["name"] + "-replaced"] = serve(llm, requests)
             results[case["name"] + "-digests"] = (before, placement_digest(placements))

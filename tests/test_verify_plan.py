@@ -6,6 +6,7 @@ engine whose drafts never hold runs plain steps (async scheduling, no drafter) o
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -82,9 +83,19 @@ def test_a_time_curve_is_the_median_of_what_ran_and_flat_where_nothing_did() -> 
     assert cost.seconds(64) == 0.020
 
 
+def _requests() -> list:
+    return standard_requests(vocab_size=1024, count=12)
+
+
 @pytest.fixture(scope="module")
 def requests():
-    return standard_requests(vocab_size=1024, count=12)
+    return _requests()
+
+
+@functools.cache
+def _plain(preset: str, count: int) -> list[tuple]:
+    """Plain decoding's signatures of the first `count` requests (served once per module)."""
+    return _serve(_requests()[:count], preset)[0]
 
 
 def _serve(requests, preset: str = "tiny", **settings) -> tuple[list[tuple], LLM]:
@@ -144,7 +155,7 @@ def test_drafts_that_never_hold_leave_the_engine_plain(requests, preset, specula
         monkeypatch.setattr(llm.core.runner.drafts, "run", lambda step: drafter_runs.append(1) or run(step))
     steps = _recording_steps(llm, monkeypatch)
     outputs = llm.generate([r.prompt for r in requests], [r.params for r in requests])
-    assert [signature(o) for o in outputs] == _serve(requests, preset)[0]
+    assert [signature(o) for o in outputs] == _plain(preset, len(requests))
     speculative = [s for s, _ in steps]
     assert speculative[0] and scheduler.num_drafted > 0 and scheduler.num_draft_kept <= scheduler.num_drafted // 10
     last = max(i for i, s in enumerate(speculative) if s)
@@ -161,7 +172,7 @@ def test_any_mix_of_plain_and_speculative_steps_keeps_the_outputs(requests, pres
     steps (its context rows there are never written: later drafts may suffer, outputs cannot), and every
     verify length is exercised."""
     requests = requests[:6]
-    plain = _serve(requests, preset)[0]
+    plain = _plain(preset, len(requests))
     llm = LLM(f"preset:{preset}", max_num_seqs=4, speculation=speculation, verify_policy="throughput")
     scheduler, rng = llm.core.scheduler, random.Random(11)
     if speculation == "ngram":  # drafts that often hold, so that kept and failed drafts both follow plain steps

@@ -181,6 +181,8 @@ class EngineCore:
         before, self.in_flight = self.in_flight, None
         current = None
         if scheduled.chunks:
+            for exchange in self.host.exchanges:  # expert loads count the step's tokens, not its padding
+                exchange.step_rows = sum(chunk.num_tokens for chunk in scheduled.chunks)
             try:
                 current = (scheduled, self.runner.execute(scheduled, before[1] if before else None))
             except BaseException:  # e.g. out of device memory: the step never ran, so a retry redoes it

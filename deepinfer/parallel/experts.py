@@ -27,7 +27,9 @@ from deepinfer.kernels.quant import QuantizedWeight
 class ExpertExchange:
     """One MoE layer's dispatch and combine. `attention` is the process group of the ranks that share
     this rank's requests (None when it serves its own); `loads` counts the slots each logical expert
-    received from this rank's tokens since the last `take_loads`."""
+    received from this rank's tokens since the last `take_loads`, the step's real tokens only:
+    `step_rows`, set by `EngineCore.step` before each step, is how many of the step's rows are
+    tokens (the rest pad the step to its bucket; None counts every row)."""
 
     def __init__(self, experts: nn.Module, layout: ParallelLayout, placement: ExpertPlacement, n_experts: int,
                  top_k: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
@@ -36,6 +38,7 @@ class ExpertExchange:
         self.layout, self.top_k, self.hidden_size, self.dtype = layout, top_k, hidden_size, dtype
         self.attention = attention
         self.loads = torch.zeros(n_experts, dtype=torch.int64, device=device)
+        self.step_rows: int | None = None
         self.place(placement)
 
     def place(self, placement: ExpertPlacement) -> None:
@@ -59,7 +62,8 @@ class ExpertExchange:
         tokens = x.shape[0]
         mine = torch.arange(tokens, device=x.device)[member::members]
         picked = indices[mine]
-        self.loads += torch.bincount(picked.reshape(-1), minlength=self.loads.shape[0])
+        counted = picked if self.step_rows is None else picked[mine < self.step_rows]
+        self.loads += torch.bincount(counted.reshape(-1), minlength=self.loads.shape[0])
         flat = picked.reshape(-1)
         rows = torch.arange(flat.shape[0], device=x.device) // self.top_k
         copy = mine[rows] % self.copy_count[flat]  # spreads one expert's slots over its copies
