@@ -12,7 +12,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from deepinfer.checkpoint import MODEL_HELP, PRESETS, create_checkpoint, inspect_checkpoint, parameter_counts
+from deepinfer.checkpoint import (
+    MODEL_HELP, PRESETS, checkpoint_config, create_checkpoint, inspect_checkpoint, parameter_counts,
+)
 from deepinfer.families.registry import family_of, load_config
 from deepinfer.families.v41.dspark_distill import RECORD_NAME, DistillSettings, distill
 from deepinfer.engine.config import add_engine_flags, config_from_flags
@@ -76,6 +78,7 @@ def build_parser(
     _add_generate(commands)
     _add_dspark(commands)
     _add_recipe(commands)
+    _add_plan(commands)
     for add in more_commands:
         add(commands)
     return parser
@@ -193,6 +196,54 @@ def _cmd_checkpoint_info(args: argparse.Namespace) -> int:
     ]
     print("\n".join(lines))
     return 0
+
+
+H200_BYTES = 143771 * 2**20  # an H200's memory as nvidia-smi reports it
+
+
+def _add_plan(commands: argparse._SubParsersAction) -> None:
+    plan = commands.add_parser(
+        "plan", help="how a model's memory falls on each GPU of a layout, before anything is loaded",
+        description="Print one rank's memory map for serving a model on --gpus cards (weights by part and "
+                    "format, Engram tables, draft model, caches at --max-model-len and --max-num-seqs, headroom) "
+                    "from its config alone; exit 2 with one line naming what overflows when a rank does not fit. "
+                    "Parallel degrees (--expert-parallel, --data-parallel, --context-parallel) are 1 or --gpus. "
+                    "An engine on a GPU checks the same plan before it loads the weights.",
+    )
+    plan.add_argument("--model", required=True,
+                      help="a checkpoint folder (its config.json is read, nothing else) or a preset (NAME or "
+                           f"preset:NAME: {', '.join(PRESETS)})")
+    plan.add_argument("--gpus", type=int, default=1, help="GPUs, one process each (default: 1)")
+    plan.add_argument("--gpu-memory", type=float, default=None,
+                      help="GiB per GPU (default: this machine's first GPU, else an H200's "
+                           f"{H200_BYTES / 2**30:.1f})")
+    add_engine_flags(plan, skip=("device",))
+    plan.set_defaults(run=_cmd_plan, dtype="bfloat16")
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from deepinfer.checkpoint import preset_config
+    from deepinfer.engine.memory_plan import check_fits, plan_memory
+
+    if args.gpus < 1:
+        raise DeepInferError(f"--gpus must be at least 1, got {args.gpus}")
+    if args.gpu_memory is not None and not args.gpu_memory > 0:
+        raise DeepInferError(f"--gpu-memory must be a positive number of GiB, got {args.gpu_memory}")
+    name = args.model.removeprefix("preset:")
+    config = preset_config(name) if name in PRESETS else checkpoint_config(args.model)
+    engine = config_from_flags(args, device="cuda")
+    plan = plan_memory(args.model, config, engine, args.gpus, _gpu_bytes(args.gpu_memory))
+    print("\n".join(plan.lines()))
+    check_fits(plan)
+    return 0
+
+
+def _gpu_bytes(gib: float | None) -> int:
+    if gib is not None:
+        return int(gib * 2**30)
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else H200_BYTES
 
 
 def _count(n: int) -> str:

@@ -43,6 +43,11 @@ class CheckpointInfo:
     tokenizer_path: Path | None
 
 
+def checkpoint_config(folder: str | Path):
+    """A checkpoint folder's validated config alone (nothing else is read)."""
+    return load_config(_existing(folder))
+
+
 def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu", *,
                     quantized_as: torch.dtype | None = None) -> Checkpoint:
     """The checkpoint's config and tensors on `device`, validated and hashed as stored. Quantized weights

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from deepinfer import kernels
-from deepinfer.checkpoint import CheckpointError, default_checkpoint, load_checkpoint, preset_config
+from deepinfer.checkpoint import CheckpointError, checkpoint_config, default_checkpoint, load_checkpoint, preset_config
 from deepinfer.checkpoint.layout import weight_dtype_name
 from deepinfer.families.registry import drafting_family, family_of
 from deepinfer.families.v41.layout import is_draft_tensor
@@ -23,6 +23,7 @@ from deepinfer.families.v4.config import ModelConfig
 from deepinfer.families.v41.config import V41Config
 from deepinfer.engine.cache import cache_memory, default_max_model_len
 from deepinfer.engine.config import DTYPES, EngineConfig, parse_device
+from deepinfer.engine.memory_plan import check_fits, machine_memory, plan_memory
 from deepinfer.engine.structured import StructuredCompiler
 from deepinfer.errors import DeepInferError
 from deepinfer.kernels.cpu_isa import CpuIsaError
@@ -70,8 +71,13 @@ class ModelHost:
         self._draft_models: dict[str, object] = {}  # by speculation: the family's draft model
         self._structured: StructuredCompiler | None = None
         self._protocol: Protocol | None = None
-        model_config, tensors, self.tokenizer, self.model_id, self.stored_formats = self._load(model, quantized_as,
-                                                                                                config.seed)
+        model_config = self._config_of(model)
+        # before anything loads: refuse a model whose weights and caches cannot fit this device (or machine)
+        check_fits(plan_memory(str(model) if model is not None else "the default checkpoint", model_config, config,
+                               self.layout.world, machine_memory(self.device), headroom_fraction=0.0,
+                               on_cpu=self.device.type == "cpu"))
+        tensors, self.tokenizer, self.model_id, self.stored_formats = self._load(model, model_config, quantized_as,
+                                                                                  config.seed)
         self.config: ModelConfig | V41Config = model_config
         self.family = family_of(model_config)
         self.check_max_model_len(config)  # before the weights load, so a bad setting fails fast
@@ -155,12 +161,19 @@ class ModelHost:
 
     # loading -----------------------------------------------------------------------------------
 
-    def _load(self, model: str | Path | None, quantized_as: torch.dtype | None, seed: int):
-        """(model config, tensors as `weights_in_memory` gives them, tokenizer, model id, stored formats);
-        a preset's weights are seeded with the engine's `seed` (under expert parallelism, only the
-        routed experts this rank holds are generated)."""
+    @staticmethod
+    def _config_of(model: str | Path | None) -> ModelConfig | V41Config:
+        """The model's config alone (a preset's, or a folder's config.json)."""
         if isinstance(model, str) and model.startswith(PRESET_PREFIX):
-            config = preset_config(model[len(PRESET_PREFIX):])
+            return preset_config(model[len(PRESET_PREFIX):])
+        return checkpoint_config(Path(model) if model is not None else default_checkpoint())
+
+    def _load(self, model: str | Path | None, config: ModelConfig | V41Config, quantized_as: torch.dtype | None,
+              seed: int):
+        """(tensors as `weights_in_memory` gives them, tokenizer, model id, stored formats) of `model`,
+        whose config is `config`; a preset's weights are seeded with the engine's `seed` (under expert
+        parallelism, only the routed experts this rank holds are generated)."""
+        if isinstance(model, str) and model.startswith(PRESET_PREFIX):
             # a quantized preset is generated as its checkpoint is written, in the checkpoint's dtype
             dtype = self.dtype if config.quantization_config is None else DTYPES[weight_dtype_name(config) or "float32"]
             stored = stored_random_tensors(config, seed, dtype, device=self.device, include_mtp=False)
@@ -170,11 +183,11 @@ class ModelHost:
             formats = stored_formats(config, str(dtype).removeprefix("torch."))
             tokenizer = preset_tokenizer(family_of(config).encoding, config.vocab_size)
             tensors = weights_in_memory(config, tensors, quantized_as)
-            return config, tensors, tokenizer, f"{model}:seed={seed}", formats
+            return tensors, tokenizer, f"{model}:seed={seed}", formats
         folder = Path(model) if model is not None else default_checkpoint()
         checkpoint = load_checkpoint(folder, device=self.device, quantized_as=quantized_as)
         tokenizer = TextTokenizer.from_folder(folder) if checkpoint.tokenizer_path else None
-        return checkpoint.config, checkpoint.tensors, tokenizer, checkpoint.content_hash, checkpoint.formats
+        return checkpoint.tensors, tokenizer, checkpoint.content_hash, checkpoint.formats
 
     def _new_draft(self, speculation: str, cache_qdq: bool):
         """The draft model `speculation` runs, its weights not loaded; refused for a checkpoint without it."""
