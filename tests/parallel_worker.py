@@ -4,7 +4,8 @@ of a JSON spec, and (rank 0) write every case's output signatures to a pickle.
     python -m torch.distributed.run --standalone --nproc-per-node N tests/parallel_worker.py SPEC OUT
 
 A case with "cp" runs steps split over the ranks and counts how many were; "engine" adds engine
-settings; "model" names a checkpoint folder instead of the preset. A case with "replace"
+settings; "model" names a checkpoint folder instead of the preset (every rank's count of the bytes it
+read from it is recorded, in rank order). A case with "replace"
 first serves the set, then re-places the experts by EPLB from the loads that
 serving measured (one more slot per rank, so the heaviest experts get copies), and serves it again;
 it also records, per MoE layer, the slots those loads counted and top_k times the tokens the ranks'
@@ -55,6 +56,10 @@ def main() -> None:
                   data_parallel=case["dp"], context_parallel=case.get("cp", 1), **case.get("engine", {}))
         requests = standard_requests(llm.config.vocab_size, count=spec["requests"])
         results[case["name"] + "-weights"] = sorted({type(e.experts.w13).__name__ for e in llm.host.exchanges})
+        if "model" in case:
+            read = [None] * dist.get_world_size()
+            dist.all_gather_object(read, llm.host.bytes_read)
+            results[case["name"] + "-read"] = read
         splits = []
         if llm.model.context is not None:  # count the steps that were split
             split = llm.model.context.split

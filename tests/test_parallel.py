@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import pickle
 import subprocess
@@ -21,6 +22,7 @@ import torch
 from deepinfer import kernels
 from deepinfer import LLM
 from deepinfer.checkpoint import preset_config
+from deepinfer.checkpoint.files import read_headers, weight_files
 from deepinfer.errors import DeepInferError
 from deepinfer.parallel import ExpertPlacement, ParallelError, PlacementError, balanced_placement, start_layout
 from deepinfer.parallel.context import zigzag_rows
@@ -115,6 +117,13 @@ def test_quantized_experts_move_between_ranks_as_stored(launched, v41_checkpoint
     reference = [signature(o) for o in llm.generate([r.prompt for r in requests], [r.params for r in requests])]
     assert results["v41-q-weights"] == ["QuantizedWeight"]
     assert results["v41-q"] == reference and results["v41-q-replaced"] == reference
+    # each rank read its share of the folder: the tensors every rank holds and its own experts' (the
+    # content hash came from the cache), by their offsets in the files
+    headers = read_headers(weight_files(v41_checkpoint))
+    sizes = {name: math.prod(shape) * getattr(torch, dtype).itemsize for name, (_, dtype, shape) in headers.items()}
+    shares = [sum(size for name, size in sizes.items() if held_tensors(llm.config.n_routed_experts, rank, 2)(name))
+              for rank in range(2)]
+    assert results["v41-q-read"] == shares and max(shares) < sum(sizes.values())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

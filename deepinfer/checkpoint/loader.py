@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import torch
 
 from deepinfer.checkpoint.errors import CheckpointError
 from deepinfer.checkpoint.files import INDEX_NAME, WeightReader, read_headers, weight_files
-from deepinfer.checkpoint.hashing import cached_hash, content_hash, hash_tensors, store_hash
+from deepinfer.checkpoint.hashing import TensorHasher, cached_hash, content_hash, store_hash
 from deepinfer.checkpoint.layout import expected_tensors, unchecked_tensor, unused_tensor, weight_dtype_name
 from deepinfer.families.v41.layout import is_draft_tensor
 from deepinfer.families.tensor_spec import FP4, FP8, FP32, INDEX, MTP_PREFIX, SCALE
@@ -28,6 +29,7 @@ class Checkpoint:
     content_hash: str
     tokenizer_path: Path | None
     formats: dict[str, str]  # `stored_formats`
+    bytes_read: int = 0  # tensor bytes read from the files (a rank's share, and every tensor when hashing)
 
 
 @dataclass
@@ -49,25 +51,41 @@ def checkpoint_config(folder: str | Path):
 
 
 def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu", *,
-                    quantized_as: torch.dtype | None = None) -> Checkpoint:
+                    quantized_as: torch.dtype | None = None, needed: Callable[[str], bool] | None = None
+                    ) -> Checkpoint:
     """The checkpoint's config and tensors on `device`, validated and hashed as stored. Quantized weights
     are decoded exactly to fp32, or, given `quantized_as` (V4.1 only; V4's may carry float32 scales),
-    kept as stored in `QuantizedWeight`s that decode to that dtype."""
+    kept as stored in `QuantizedWeight`s that decode to that dtype. Given `needed` (a rank's share of the
+    experts: `deepinfer.parallel.placement.held_tensors`), only the tensors it names are read, each
+    by its own offsets in its file; every header is still checked. The content hash comes from the
+    cache, or else from every tensor's bytes, read one at a time (those not needed are dropped as soon
+    as they are hashed)."""
     folder = _existing(folder)
     config = load_config(folder)
     files = weight_files(folder)
+    digest = cached_hash(files)
+    hasher = TensorHasher() if digest is None else None  # every tensor as stored, the unused ones included
+    tensors, bytes_read = {}, 0
     with WeightReader(files, device) as reader:
         has_mtp, weight_dtype, wider = check_tensors(config, reader.headers)
-        tensors = {name: reader.get(name) for name in sorted(reader.headers)}
+        for name in sorted(reader.headers):
+            keep = needed is None or needed(name)
+            if not keep and hasher is None:
+                continue
+            tensor = reader.get(name)
+            bytes_read += tensor.nbytes
+            if hasher is not None:
+                hasher.add(name, tensor)
+            if keep:
+                tensors[name] = tensor
     _check_routing_tables(config, tensors)
-    digest = cached_hash(files)
-    if digest is None:
-        digest = hash_tensors(tensors)  # every tensor as stored, the ones left unused included
+    if hasher is not None:
+        digest = hasher.hexdigest()
         store_hash(files, digest)
     tensors = {name: tensor for name, tensor in tensors.items() if not unused_tensor(config, name)}
     tensors = weights_in_memory(config, tensors, quantized_as)
     formats = stored_formats(config, weight_dtype, wider)
-    return Checkpoint(folder, config, tensors, has_mtp, digest, _tokenizer(folder), formats)
+    return Checkpoint(folder, config, tensors, has_mtp, digest, _tokenizer(folder), formats, bytes_read)
 
 
 def load_draft_tensors(folder: str | Path, device: str | torch.device = "cpu", *,

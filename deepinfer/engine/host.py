@@ -76,6 +76,7 @@ class ModelHost:
         check_fits(plan_memory(str(model) if model is not None else "the default checkpoint", model_config, config,
                                self.layout.world, machine_memory(self.device), headroom_fraction=0.0,
                                on_cpu=self.device.type == "cpu"))
+        self.bytes_read = 0  # checkpoint bytes this process read (a preset's weights are generated)
         tensors, self.tokenizer, self.model_id, self.stored_formats = self._load(model, model_config, quantized_as,
                                                                                   config.seed)
         self.config: ModelConfig | V41Config = model_config
@@ -177,17 +178,24 @@ class ModelHost:
             # a quantized preset is generated as its checkpoint is written, in the checkpoint's dtype
             dtype = self.dtype if config.quantization_config is None else DTYPES[weight_dtype_name(config) or "float32"]
             stored = stored_random_tensors(config, seed, dtype, device=self.device, include_mtp=False)
-            needed = (held_tensors(config.n_routed_experts, self.layout.rank, self.layout.world)
-                      if self.layout.expert_parallel > 1 else lambda name: True)
+            needed = self._needed(config) or (lambda name: True)
             tensors = {name: stored[name] for name in stored if needed(name)}  # generated here, a rank its share
             formats = stored_formats(config, str(dtype).removeprefix("torch."))
             tokenizer = preset_tokenizer(family_of(config).encoding, config.vocab_size)
             tensors = weights_in_memory(config, tensors, quantized_as)
             return tensors, tokenizer, f"{model}:seed={seed}", formats
         folder = Path(model) if model is not None else default_checkpoint()
-        checkpoint = load_checkpoint(folder, device=self.device, quantized_as=quantized_as)
+        checkpoint = load_checkpoint(folder, device=self.device, quantized_as=quantized_as,
+                                     needed=self._needed(config))
+        self.bytes_read = checkpoint.bytes_read
         tokenizer = TextTokenizer.from_folder(folder) if checkpoint.tokenizer_path else None
         return checkpoint.tensors, tokenizer, checkpoint.content_hash, checkpoint.formats
+
+    def _needed(self, config: ModelConfig | V41Config):
+        """Under expert parallelism, which tensors this rank holds (None: every one)."""
+        if self.layout.expert_parallel == 1:
+            return None
+        return held_tensors(config.n_routed_experts, self.layout.rank, self.layout.world)
 
     def _new_draft(self, speculation: str, cache_qdq: bool):
         """The draft model `speculation` runs, its weights not loaded; refused for a checkpoint without it."""
