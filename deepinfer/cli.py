@@ -208,7 +208,7 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
                     "format, Engram tables, draft model, caches at --max-model-len and --max-num-seqs, headroom) "
                     "from its config alone; exit 2 with one line naming what overflows when a rank does not fit. "
                     "Parallel degrees (--expert-parallel, --data-parallel, --context-parallel) are 1 or --gpus. "
-                    "An engine on a GPU checks the same plan before it loads the weights.",
+                    "An engine checks the same plan (without headroom) before it loads the weights.",
     )
     plan.add_argument("--model", required=True,
                       help="a checkpoint folder (its config.json is read, nothing else) or a preset (NAME or "

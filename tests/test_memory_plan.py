@@ -6,6 +6,7 @@ engine refuses such a model before loading anything."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from deepinfer import LLM, EngineConfig
 from deepinfer.checkpoint import preset_config
 from deepinfer.cli import main
 from deepinfer.engine.memory_plan import (
-    CACHES, DRAFT, ENGRAM, EXPERTS, HEADROOM, SHARED, PlanError, check_fits, plan_memory, with_degrees,
+    CACHES, DRAFT, ENGRAM, EXPERTS, HEADROOM, SHARED, PlanError, check_fits, plan_memory,
 )
 from deepinfer.errors import DeepInferError
 from deepinfer.kernels.quant import QuantizedWeight
@@ -65,7 +66,7 @@ def test_a_rank_of_expert_parallelism_holds_its_share_of_the_routed_experts() ->
     base = EngineConfig(device="cuda", dtype="bfloat16", max_model_len=4096)
     one = _parts(plan_memory("v41-flash", config, base, 1, H200))
     for gpus in (2, 4, 8):
-        share = _parts(plan_memory("v41-flash", config, with_degrees(base, gpus, True, False, False), gpus, H200))
+        share = _parts(plan_memory("v41-flash", config, replace(base, expert_parallel=gpus), gpus, H200))
         assert share[EXPERTS] == one[EXPERTS] // gpus  # 384 experts: every rank holds 384 / gpus
         assert share[SHARED] == one[SHARED] and share[ENGRAM] == one[ENGRAM] and share[CACHES] == one[CACHES]
 
@@ -75,21 +76,20 @@ def test_full_size_layouts_on_h200s() -> None:
     experts of 8 H200s; V4-Flash (bf16) fits 8 with expert parallelism, not 4."""
     v41, flash = preset_config("v41-flash"), preset_config("flash")
     engine = EngineConfig(device="cuda", dtype="bfloat16")
-    on_device = plan_memory("v41-flash", v41, with_degrees(engine, 8, True, False, False), 8, H200)
+    on_device = plan_memory("v41-flash", v41, replace(engine, expert_parallel=8), 8, H200)
     with pytest.raises(PlanError) as err:
         check_fits(on_device)
     assert str(err.value) == (
         "v41-flash on 8 GPUs of 140.4 GiB (EP 8): a rank needs 245.9 GiB, 105.5 GiB more than its card; the largest "
         "part is Engram tables (188.8 GiB): keep them in host memory (--engram-tables host)")
-    host = plan_memory("v41-flash", v41, with_degrees(EngineConfig(device="cuda", dtype="bfloat16",
-                                                                   engram_tables="host"), 8, True, False, False),
+    host = plan_memory("v41-flash", v41, replace(engine, expert_parallel=8, engram_tables="host"),
                        8, H200)
     check_fits(host)
     assert host.host_total == _parts(on_device)[ENGRAM] and host.max_model_len > 100_000
-    check_fits(plan_memory("flash", flash, with_degrees(engine, 8, True, False, False), 8, H200))
+    check_fits(plan_memory("flash", flash, replace(engine, expert_parallel=8), 8, H200))
     with pytest.raises(PlanError, match=r"^flash on 4 GPUs of 140\.4 GiB \(EP 4\): .* the largest part is routed "
                                         r"experts \(129\.0 GiB\): spread them over more processes"):
-        check_fits(plan_memory("flash", flash, with_degrees(engine, 4, True, False, False), 4, H200))
+        check_fits(plan_memory("flash", flash, replace(engine, expert_parallel=4), 4, H200))
 
 
 def test_caches_that_overflow_are_named() -> None:

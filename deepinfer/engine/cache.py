@@ -76,8 +76,13 @@ def cache_memory(device: torch.device, weight_bytes: int) -> int:
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         left = torch.cuda.mem_get_info(device)[0] + cached
     else:
-        left = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") - weight_bytes
+        left = physical_memory() - weight_bytes
     return int(max(left, 0) * CACHE_MEMORY_FRACTION)
+
+
+def physical_memory() -> int:
+    """This machine's RAM in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def default_max_model_len(specs: list[PoolSpec], max_position_embeddings: int, memory: int, *, max_num_seqs: int,

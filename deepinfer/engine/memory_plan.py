@@ -18,13 +18,12 @@ weights and headroom leave. A layout fits when a rank's parts and headroom stay 
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from deepinfer import kernels
-from deepinfer.engine.cache import CACHE_MEMORY_FRACTION, cache_bytes, default_max_model_len
+from deepinfer.engine.cache import CACHE_MEMORY_FRACTION, cache_bytes, default_max_model_len, physical_memory
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.drafter import DEVICE_SPECULATION
 from deepinfer.errors import DeepInferError
@@ -187,14 +186,14 @@ def plan_memory(model: str, config, engine: EngineConfig, gpus: int, gpu_bytes: 
     keep = engine.keeps_weights_quantized and config.quantization_config is not None
     drafting = engine.speculation in DEVICE_SPECULATION
     tensors = family.expected_tensors(config, include_mtp=drafting)
-    groups: dict[str, list[tuple[str, TensorSpec]]] = {}
+    groups: dict[str, list[TensorSpec]] = {}
     for name, spec in tensors.items():
-        groups.setdefault(_part_of(name), []).append((name, spec))
+        groups.setdefault(_part_of(name), []).append(spec)
     n_experts, ep = config.n_routed_experts, engine.expert_parallel
     held = math.ceil(n_experts / ep)
     parts = []
     for part in (SHARED, EXPERTS, ENGRAM, DRAFT):
-        specs = [spec for _, spec in groups.get(part, [])]
+        specs = groups.get(part, [])
         if not specs:
             continue
         widen = part == DRAFT  # the draft model is built in the engine's dtype
@@ -241,7 +240,7 @@ def machine_memory(device: torch.device) -> int:
     """What an engine on `device` has: the card's memory, or on the CPU the machine's."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return physical_memory()
 
 
 def check_fits(plan: MemoryPlan) -> None:
@@ -249,9 +248,3 @@ def check_fits(plan: MemoryPlan) -> None:
     problem = plan.overflow()
     if problem is not None:
         raise PlanError(problem)
-
-
-def with_degrees(engine: EngineConfig, gpus: int, expert: bool, data: bool, context: bool) -> EngineConfig:
-    """`engine` with each chosen parallel degree set to `gpus`."""
-    return replace(engine, expert_parallel=gpus if expert else 1, data_parallel=gpus if data else 1,
-                   context_parallel=gpus if context else 1)
