@@ -7,7 +7,7 @@
 Runs the standard request set (greedy and seeded sampling, logprobs) without speculation, then with
 drafts taken from those outputs (`harness.invariance.ReferenceDrafter`: every `--wrong-every`-th
 position wrong, so steps keep some drafts and reject others) at 1, 3 and 5 drafts per step, with
-prompt-lookup drafts, and for a V4.1 preset with its DSpark draft layers (random weights: they
+prompt-lookup drafts, and with the preset's own draft model (MTP or DSpark; random weights: they
 rarely hold); each configuration runs twice in one engine, so the second run takes its prompts
 from the prefix cache (cold, then hot). Per run: the requests whose token ids or logprob bits
 differ from plain decoding (there must be none), drafts made and kept, engine steps and wall time.
@@ -42,7 +42,6 @@ from deepinfer import LLM, EngineConfig, SamplingParams
 from deepinfer.checkpoint import preset_config
 from deepinfer.harness.invariance import ReferenceDrafter, signature, standard_requests
 from deepinfer.harness.sweep import checkpoint_drafter
-from deepinfer.engine.verify_plan import HoldRates, StepCost
 
 
 def synchronize(llm: LLM) -> None:
@@ -88,16 +87,16 @@ def main() -> None:
               "preset": args.preset, "dtype": args.dtype, "requests": 0 if args.speed_only else len(requests),
               "runs": []}
     if not args.speed_only:
-        bitwise(llm, requests, args.wrong_every, report)
+        bitwise(llm, f"preset:{args.preset}", requests, args.wrong_every, report)
     batches = [int(b) for b in args.speed_batches.split(",") if b]
     report["speed"] = [row for batch in batches
                        for row in speed(llm, f"preset:{args.preset}", batch, args.wrong_every, args.prompt_tokens)]
     Path(args.out).write_text(json.dumps(report, indent=1))
 
 
-def bitwise(llm: LLM, requests, wrong_every: int, report: dict) -> None:
-    """The standard requests without speculation, then under each drafter, cold and hot prefix cache:
-    the requests whose bits differ from plain decoding's go to `report`'s runs."""
+def bitwise(llm: LLM, model: str, requests, wrong_every: int, report: dict) -> None:
+    """The standard requests without speculation, then under each drafter (`model`'s own included),
+    cold and hot prefix cache: the requests whose bits differ from plain decoding's go to `report`'s runs."""
     cold, _, _ = run(llm, requests)  # warm-up: kernels compiled and decode graphs captured outside the timed runs
     reference, steps, seconds = run(llm, requests)
     streams = [r.prompt + list(sig[0]) for r, sig in zip(requests, reference)]
@@ -106,8 +105,8 @@ def bitwise(llm: LLM, requests, wrong_every: int, report: dict) -> None:
                        {"speculation": "off", "prefix_cache": "hot", "steps": steps, "seconds": round(seconds, 3)}]
     drafters = [(f"reference-{k}", "ngram", k, ReferenceDrafter(streams, wrong_every)) for k in (1, 3, 5)]
     drafters.append(("ngram-5", "ngram", 5, None))
-    if getattr(llm.config, "num_draft_layers", 0):
-        drafters += [(f"dspark-{k}", "dspark", k, None) for k in (1, 3, 5)]
+    drafters += [(f"{name}-{k}", name, k, None) for name in [checkpoint_drafter(model)] if name is not None
+                 for k in (1, 3, 5)]
     for name, speculation, k, drafter in drafters:
         spec = llm.with_engine(replace(llm.engine_config, speculation=speculation, draft_tokens=k))
         if drafter is not None:
@@ -133,19 +132,20 @@ COUNTERS = {"drafted": "num_drafted", "kept": "num_draft_kept", "declined": "num
 def timed(llm: LLM, requests, drafter: ReferenceDrafter | None, **changes) -> tuple[list, int, float, dict]:
     """`run` in a fresh engine over `llm`'s model with `changes` to its config (and `drafter` in place of its
     own), after two warm-up runs in it (kernels compiled, graphs captured, prompts cached); the scheduler's
-    counters over the timed run. A throughput-aware policy starts the timed run from nothing. The engine
-    is dropped on return, its cache freed before the next is made."""
+    counters over the timed run. A throughput-aware policy starts each run from nothing, so the warm-ups
+    meet the step shapes the timed run does. The engine is dropped on return, its cache freed before the
+    next is made."""
     gc.collect()
     if llm.device.type == "cuda":
         torch.cuda.empty_cache()
     spec = llm.with_engine(replace(llm.engine_config, **changes))
     if drafter is not None:
         spec.scheduler.drafter = drafter
-    for _ in range(2):  # warm-up, cold then hot prefix cache (the drafter's kernels compiled for both)
-        run(spec, requests)
     scheduler = spec.scheduler
-    if scheduler.step_cost is not None:
-        scheduler.step_cost, scheduler.drafter_holds = StepCost(), HoldRates()
+    for _ in range(2):  # warm-up, cold then hot prefix cache (the drafter's kernels compiled for both)
+        scheduler.forget_verification()
+        run(spec, requests)
+    scheduler.forget_verification()
     before = {name: getattr(scheduler, counter) for name, counter in COUNTERS.items()}
     got, steps, seconds = run(spec, requests)
     return got, steps, seconds, {name: getattr(scheduler, counter) - before[name] for name, counter in COUNTERS.items()}

@@ -48,7 +48,7 @@ class Recording(DeviceDrafter):
         self.seen.append((list(seq.token_ids), drafts))
         super().observe(seq, drafts)
 
-    def propose(self, seq: Sequence, limit: int) -> list[int]:
+    def propose(self, seq: Sequence, limit: int) -> list[int] | None:
         if self.streams is None:
             return super().propose(seq, limit)
         length = len(seq.token_ids)

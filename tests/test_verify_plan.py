@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from deepinfer import LLM, EngineConfig
 from deepinfer.errors import DeepInferError
-from deepinfer.engine.verify_plan import PRIOR_HOLD, HoldRates, TimeCurve, plan_verify
+from deepinfer.engine.verify_plan import DRAFTER_PRIOR, PRIOR_HOLD, HoldRates, TimeCurve, plan_verify
 from deepinfer.harness.invariance import ReferenceDrafter, signature, standard_requests
 
 
@@ -65,10 +65,41 @@ def test_hold_rates_learn_which_positions_hold() -> None:
     rates = HoldRates()
     assert rates.survivals(2) == [PRIOR_HOLD, PRIOR_HOLD**2]
     rates.observe(verified=3, kept=1)  # the first held, the second failed, the third was not reached
-    assert rates.rates[0] > PRIOR_HOLD > rates.rates[1] and len(rates.rates) == 2
+    assert rates.rate(0) == 1.0 and rates.rate(1) == 0.0 and rates.rate(2) == PRIOR_HOLD
     for _ in range(20):
         rates.observe(verified=2, kept=0)
-    assert rates.survivals(3)[0] < 0.01 and rates.survivals(3)[2] <= rates.survivals(3)[1] <= rates.survivals(3)[0]
+    survivals = rates.survivals(3)
+    assert survivals[0] < 0.01 and survivals[2] <= survivals[1] <= survivals[0]
+
+
+def test_a_drafter_learns_from_a_whole_batch_in_one_step() -> None:
+    """Sixteen sequences whose first drafts all fail: after one step the drafter's rate, and through it
+    each sequence's, is near nothing (a lone sequence's would still be 0.2); a step of drafts that held
+    brings it past even, and a few more near certainty."""
+    batch, lone = HoldRates(prior=DRAFTER_PRIOR), HoldRates(prior=DRAFTER_PRIOR)
+    batch.observe_step([(5, 0)] * 16)
+    lone.observe_step([(5, 0)])
+    seq = HoldRates()
+    seq.observe(5, 0)
+    assert seq.rate(0, batch) < 0.03 < 0.2 < seq.rate(0, lone)
+    assert HoldRates().rate(0, batch) == batch.rate(0) < 0.04  # a new sequence starts from its drafter's
+    batch.observe_step([(5, 5)] * 16)
+    assert batch.rate(0) > 0.5
+    for _ in range(3):
+        batch.observe_step([(5, 5)] * 16)
+    assert batch.rate(0) > 0.9 and batch.rate(4) > 0.9
+
+
+@given(steps=st.lists(st.lists(st.tuples(st.integers(1, 5), st.integers(0, 5)), max_size=8), max_size=12))
+def test_hold_rates_are_chances(steps) -> None:
+    drafter, seq = HoldRates(prior=DRAFTER_PRIOR), HoldRates()
+    for step in steps:
+        step = [(verified, min(kept, verified)) for verified, kept in step]
+        drafter.observe_step(step)
+        for verified, kept in step[:1]:
+            seq.observe(verified, kept)
+        survivals = seq.survivals(5, drafter)
+        assert all(0.0 <= a <= 1.0 for a in survivals) and survivals == sorted(survivals, reverse=True)
 
 
 def test_a_time_curve_is_the_median_of_what_ran_and_flat_where_nothing_did() -> None:
@@ -165,6 +196,26 @@ def test_drafts_that_never_hold_leave_the_engine_plain(requests, preset, specula
         assert len(drafter_runs) == scheduler.num_speculating_steps == last + 1 - speculative[:last + 1].count(False)
 
 
+def test_a_drafter_that_never_drafts_leaves_the_engine_plain(requests, monkeypatch) -> None:
+    """Prompt lookup that finds nothing: no draft is ever verified, so the hold rates never move, but the
+    chance that the drafter drafts at all falls in the steps that gave it the chance, and the engine
+    turns plain (async scheduling) as it does when drafts fail."""
+    requests = requests[:6]
+    llm = LLM("preset:tiny", max_num_seqs=4, speculation="ngram", verify_policy="throughput")
+    scheduler = llm.core.scheduler
+    monkeypatch.setattr(scheduler.step_cost.speculating, "seconds", lambda rows: 2.0 + 0.01 * rows)
+    monkeypatch.setattr(scheduler.step_cost.plain, "seconds", lambda rows: 1.0 + 0.01 * rows)
+    monkeypatch.setattr(scheduler.drafter, "propose", lambda seq, limit: [])
+    steps = _recording_steps(llm, monkeypatch)
+    outputs = llm.generate([r.prompt for r in requests], [r.params for r in requests])
+    assert [signature(o) for o in outputs] == _plain("tiny", len(requests))
+    speculative = [s for s, _ in steps]
+    last = max(i for i, s in enumerate(speculative) if s)
+    assert scheduler.num_drafted == 0 and last < len(steps) // 3 and not any(speculative[last:][1:])
+    assert sum(in_flight for _, in_flight in steps[last + 1:]) >= len(steps[last + 1:]) - 2
+    assert scheduler.drafter_proposes.rate(0) < PRIOR_HOLD / 4
+
+
 @pytest.mark.parametrize("preset, speculation", [("tiny", "ngram"), ("v41-tiny", "dspark")])
 def test_any_mix_of_plain_and_speculative_steps_keeps_the_outputs(requests, preset, speculation, monkeypatch) -> None:
     """Whatever the policy decides, step by step (here: at random), outputs are plain decoding's: plain steps
@@ -178,8 +229,8 @@ def test_any_mix_of_plain_and_speculative_steps_keeps_the_outputs(requests, pres
     if speculation == "ngram":  # drafts that often hold, so that kept and failed drafts both follow plain steps
         scheduler.drafter = ReferenceDrafter([r.prompt + list(s[0]) for r, s in zip(requests, plain)], wrong_every=4)
     monkeypatch.setattr(scheduler, "_drafting_pays", lambda chunks: rng.random() < 0.4)
-    monkeypatch.setattr(scheduler, "_plan", lambda chunks, rows, tokens, drafts:
-                        [rng.randint(0, n) if rng.random() < 0.5 else 0 for n in drafts])
+    monkeypatch.setattr(scheduler, "_plan", lambda rows, tokens, survivals:
+                        [rng.randint(0, len(row)) if rng.random() < 0.5 else 0 for row in survivals])
     steps = _recording_steps(llm, monkeypatch)
     outputs = llm.generate([r.prompt for r in requests], [r.params for r in requests])
     assert [signature(o) for o in outputs] == plain

@@ -21,9 +21,11 @@ DEVICE_SPECULATION = ("dspark", "mtp")  # drafted on the device by the checkpoin
 
 
 class Drafter(Protocol):
-    def propose(self, seq: Sequence, limit: int) -> list[int]:
-        """At most `limit` tokens to follow `seq.token_ids` (every one known: no placeholders). A
-        drafter may keep what it learns of a sequence in `seq.draft_state`, which nothing else touches."""
+    def propose(self, seq: Sequence, limit: int) -> list[int] | None:
+        """At most `limit` tokens to follow `seq.token_ids` (every one known: no placeholders); None
+        when the drafter had no chance to draft there (a device drafter that did not run after the
+        sequence's last step), where [] means it looked and had nothing. A drafter may keep what it
+        learns of a sequence in `seq.draft_state`, which nothing else touches."""
 
 
 class NgramIndex:
@@ -77,17 +79,18 @@ class DeviceDrafter:
     """The host half of drafting on the device (`dspark`, `mtp`): each step drafts after every sampling
     chunk (`deepinfer.engine.draft_runner`, which also picks how many to verify from the drafter's
     confidence); the next `schedule()` proposes those drafts if the sequence still ends where they were
-    made (it may have stopped, or been preempted and recomputed: then it has none, and decodes one token)."""
+    made (it may have stopped, or been preempted and recomputed, or its last step was plain: then it
+    has none, and decodes one token)."""
 
     def observe(self, seq: Sequence, drafts: list[int]) -> None:
         """Take the drafts the runner made on the device to follow `seq.token_ids` as they are now
         (`Scheduler.update` calls it once a step's tokens are applied)."""
         seq.draft_state = DeviceDraft(len(seq.token_ids), drafts)
 
-    def propose(self, seq: Sequence, limit: int) -> list[int]:
+    def propose(self, seq: Sequence, limit: int) -> list[int] | None:
         state = seq.draft_state
         if not isinstance(state, DeviceDraft) or state.length != len(seq.token_ids):
-            return []
+            return None
         return state.tokens[:limit]
 
 

@@ -56,7 +56,7 @@ from deepinfer.engine.cache import BlockTables, CacheManager
 from deepinfer.engine.drafter import Drafter
 from deepinfer.engine.prefix import PrefixCache
 from deepinfer.engine.sequence import Sequence, Status, is_placeholder, placeholder
-from deepinfer.engine.verify_plan import HoldRates, StepCost, plan_verify
+from deepinfer.engine.verify_plan import DRAFTER_PRIOR, HoldRates, StepCost, plan_verify
 
 if TYPE_CHECKING:  # produced by the runner, which imports this module
     from deepinfer.engine.runner import StepResult
@@ -147,10 +147,8 @@ class Scheduler:
         self.budget = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
         self.drafter, self.draft_tokens = drafter, draft_tokens
-        # with throughput-aware verification (`engine.verify_plan`): the time curves of the steps run, and
-        # the drafter's hold rates over every sequence, where a new sequence's own start
-        self.step_cost = StepCost() if plan_verification and drafter is not None else None
-        self.drafter_holds = HoldRates()
+        self.plans_verification = plan_verification and drafter is not None
+        self.forget_verification()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -166,6 +164,15 @@ class Scheduler:
         self.num_rollbacks = 0  # verify chunks with a draft that failed
         self.num_rollback_rows = 0  # cache rows those wrote past the kept tokens (rewritten later, never replayed)
 
+    def forget_verification(self) -> None:
+        """Start throughput-aware verification (`engine.verify_plan`) from nothing, as a new engine does:
+        no step times, and the drafter's rates over every sequence (which each sequence's own pool with)
+        at the prior; `drafter_proposes` holds at position 0 the chance that the drafter drafts at all
+        where it can."""
+        self.step_cost: StepCost | None = StepCost() if self.plans_verification else None
+        self.drafter_holds = HoldRates(prior=DRAFTER_PRIOR)
+        self.drafter_proposes = HoldRates(prior=DRAFTER_PRIOR)
+
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
@@ -175,6 +182,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.budget
         chunks: list[ScheduledChunk] = []
+        proposals: list[tuple[Sequence, bool]] = []  # sequences the drafter could draft for, and whether it did
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or budget == 0 or self.rules.full(seq, len(seq.token_ids)):
                 continue
@@ -182,6 +190,9 @@ class Scheduler:
             if n == 0:
                 continue
             drafts = self._drafts(seq, n, budget)
+            if drafts is not None:
+                proposals.append((seq, bool(drafts)))
+            drafts = drafts or []
             if not self._fits(seq.blocks, seq.num_computed + n + len(drafts)):
                 drafts = []  # drafts never cost another sequence its blocks
             while not self._fits(seq.blocks, seq.num_computed + n):
@@ -194,6 +205,7 @@ class Scheduler:
             chunks.append(self._chunk(seq, seq.num_computed, n, drafts))
             budget -= n + len(drafts)
         if self.step_cost is not None:
+            self._observe_proposals(proposals)
             budget += self._plan_verification(chunks)
         index = 0  # waiting sequences before it wait for a prefix a running sequence is computing
         while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -222,15 +234,15 @@ class Scheduler:
         self.num_speculating_steps += speculative
         return SchedulerOutput(chunks, speculative)
 
-    def _holds(self, seq: Sequence) -> HoldRates:
-        if seq.hold_rates is None:
-            seq.hold_rates = HoldRates(list(self.drafter_holds.rates))
-        return seq.hold_rates
-
-    def _plan(self, chunks: list[ScheduledChunk], base_rows: int, base_tokens: int, drafts: list[int]) -> list[int]:
-        survivals = [self._holds(chunk.seq).survivals(n) for chunk, n in zip(chunks, drafts)]
+    def _plan(self, base_rows: int, base_tokens: int, survivals: list[list[float]]) -> list[int]:
         return plan_verify(base_rows, base_tokens, survivals, self.step_cost.speculating.seconds,
                            self.step_cost.plain.seconds)
+
+    def _observe_proposals(self, proposals: list[tuple[Sequence, bool]]) -> None:
+        """Whether the drafter drafted anything where it could, per sequence and over the step."""
+        for seq, drafted in proposals:
+            seq.proposes.observe(1, int(drafted))
+        self.drafter_proposes.observe_step([(1, int(drafted)) for _, drafted in proposals])
 
     def _speculates(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether the step is speculative: it verifies drafts (it must then be read back before the next
@@ -242,18 +254,25 @@ class Scheduler:
     def _drafting_pays(self, chunks: list[ScheduledChunk]) -> bool:
         """Always under the fixed policy; under throughput-aware verification, while a decode step of the
         step's sequences, each with `draft_tokens` drafts, would verify some (the rates do not change in
-        plain steps, which verify nothing: an engine whose drafts stopped paying stays plain)."""
+        plain steps, which verify nothing: an engine whose drafts stopped paying stays plain). Each
+        sequence's survivals are weighed by the chance that its drafter drafts at all (prompt lookup
+        often finds nothing), which is also learnt only in steps that speculate."""
         if self.step_cost is None:
             return True
-        return any(self._plan(chunks, len(chunks), len(chunks), [self.draft_tokens] * len(chunks)))
+        survivals = [[chunk.seq.proposes.rate(0, self.drafter_proposes) * a
+                      for a in chunk.seq.hold_rates.survivals(self.draft_tokens, self.drafter_holds)]
+                     for chunk in chunks]
+        return any(self._plan(len(chunks), len(chunks), survivals))
 
     def _plan_verification(self, chunks: list[ScheduledChunk]) -> int:
         """Cut each chunk's drafts to the length `plan_verify` picks for the step; the budget freed."""
         speculating = [chunk for chunk in chunks if chunk.num_draft]
         if not speculating:
             return 0
-        lengths = self._plan(speculating, sum(chunk.num_tokens - chunk.num_draft for chunk in chunks),
-                             sum(chunk.samples for chunk in chunks), [chunk.num_draft for chunk in speculating])
+        lengths = self._plan(sum(chunk.num_tokens - chunk.num_draft for chunk in chunks),
+                             sum(chunk.samples for chunk in chunks),
+                             [chunk.seq.hold_rates.survivals(chunk.num_draft, self.drafter_holds)
+                              for chunk in speculating])
         freed = 0
         for chunk, length in zip(speculating, lengths):
             declined = chunk.num_draft - length
@@ -327,20 +346,24 @@ class Scheduler:
         return ScheduledChunk(seq, start, n + len(drafts), scored_positions(seq, start, end),
                               samples=end == len(seq.token_ids), draft_ids=drafts)
 
-    def _drafts(self, seq: Sequence, n: int, budget: int) -> list[int]:
+    def _drafts(self, seq: Sequence, n: int, budget: int) -> list[int] | None:
         """Draft tokens for a decoding sequence (its one uncomputed token known): as many as the
         drafter proposes up to `draft_tokens`, the step's budget, and the tokens the sequence may
         still have (a draft past max_tokens or the context would be computed for nothing), cut before
-        the first one its structured constraint forbids (it could not be kept)."""
+        the first one its structured constraint forbids (it could not be kept). None where the
+        drafter had no chance to draft (see `Drafter.propose`)."""
         length = len(seq.token_ids)
         if self.drafter is None or n != 1 or seq.num_uncomputed != 1 or is_placeholder(seq.token_ids[-1]):
-            return []
+            return None
         limit = 0
         while limit < min(self.draft_tokens, budget - 1) and not self.rules.full(seq, length + limit + 1):
             limit += 1
         if not limit:
-            return []
-        drafts = self.drafter.propose(seq, limit)[:limit]
+            return None
+        drafts = self.drafter.propose(seq, limit)
+        if drafts is None:
+            return None
+        drafts = drafts[:limit]
         return drafts[:seq.grammar.allows(drafts)] if seq.grammar is not None else drafts
 
     @staticmethod
@@ -393,6 +416,8 @@ class Scheduler:
         Returns the sequences that finished."""
         now = time.perf_counter()
         finished = []
+        self.drafter_holds.observe_step([(chunk.num_draft, len(result.tokens[row]) - 1) for row, chunk in
+                                         enumerate(scheduled.sampling) if chunk.num_draft])
         scoring = iter(zip(result.prompt_logprobs, result.prompt_top))
         sampled = iter(range(len(result.tokens)))
         for chunk in scheduled.chunks:
@@ -430,9 +455,7 @@ class Scheduler:
         self.num_verify_chunks += chunk.num_draft > 0
         if chunk.num_draft:
             self.verify_lengths[chunk.num_draft] = self.verify_lengths.get(chunk.num_draft, 0) + 1
-            if seq.hold_rates is not None:
-                seq.hold_rates.observe(chunk.num_draft, len(drawn) - 1)
-                self.drafter_holds.observe(chunk.num_draft, len(drawn) - 1)
+            seq.hold_rates.observe(chunk.num_draft, len(drawn) - 1)
         for j, token in enumerate(drawn):
             if not result.finite[row][j]:
                 del seq.token_ids[index + j:]

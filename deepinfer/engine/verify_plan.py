@@ -12,10 +12,10 @@ admitted drafts a prefix of its own), stopping at the count that maximises expec
 against a plain step's tokens per second: admitting none means the step runs plain. `StepCost` holds the
 two time curves it reads (rows in a step -> seconds: recent steps' median per row bucket, linear between
 buckets), `HoldRates` a sequence's survivals, learnt from its own verifications (the chance that each
-draft position holds given the ones before it, as an exponential moving average). A new sequence starts
-from the drafter's rates over every sequence so far, and the first from an optimistic prior, so a
-drafter is tried before it is judged, and one whose drafts never hold stops costing anything: its
-engine runs plain steps, as with speculation off.
+draft position holds given the ones before it, from recent counts) pooled with its drafter's over every
+sequence, which learns from a whole step's verifications at once. The drafter starts from an optimistic
+prior, so it is tried before it is judged, and one whose drafts never hold stops costing anything
+within a step or two: its engine runs plain steps, as with speculation off.
 
 None of this changes outputs: a step yields the tokens the target samples, bitwise the same whatever
 it verifies (see `deepinfer.engine.drafter`). It changes only how many steps those tokens take, and
@@ -29,33 +29,61 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-PRIOR_HOLD = 0.75  # a new sequence's chance that each draft holds, before its verifications say otherwise
-HOLD_MEMORY = 0.3  # weight of the latest verification in a position's moving average
+PRIOR_HOLD = 0.75  # the chance that each draft holds, before any verification says otherwise
+DRAFTER_PRIOR = 1.0  # how many verifications that prior counts as, for a drafter's rates
+HOLD_MEMORY = 0.3  # how much of its evidence a rate forgets at each new round of it
+POOL_WEIGHT = 2.0  # how many verifications of its own the drafter's rate counts as, for a sequence
 COST_WINDOW = 32  # steps per row bucket whose median the curve keeps
 
 
 @dataclass
 class HoldRates:
-    """Per draft position j (0-based), the chance that draft j holds given that drafts before it held."""
+    """Per draft position j (0-based), the chance that draft j holds given that drafts before it held,
+    from counts of the verifications that reached j (`tried`) and held there (`held`), older ones
+    forgotten at HOLD_MEMORY per round of evidence (so about 1 / HOLD_MEMORY rounds count once many
+    have come). A drafter's record (over every sequence) starts from `prior` verifications at
+    PRIOR_HOLD, forgotten like the rest, and takes a whole step's evidence as one round
+    (`observe_step`): a batch learns in one step what a lone sequence learns in several. A sequence's
+    own record has no prior: its rates pool its counts with its drafter's rates, weighed as POOL_WEIGHT
+    verifications, so a new sequence starts from the drafter's and one with a history mostly follows
+    its own."""
 
-    rates: list[float] = field(default_factory=list)
+    held: list[float] = field(default_factory=list)
+    tried: list[float] = field(default_factory=list)
+    prior: float = 0.0
 
-    def survivals(self, count: int) -> list[float]:
+    def rate(self, j: int, pool: "HoldRates | None" = None) -> float:
+        """The chance that draft j holds if the ones before it did: this record's counts, with `pool`'s
+        rate counted as POOL_WEIGHT more verifications; PRIOR_HOLD where nothing is known."""
+        held, tried = (self.held[j], self.tried[j]) if j < len(self.tried) else (self.prior * PRIOR_HOLD, self.prior)
+        if pool is not None:
+            return (held + POOL_WEIGHT * pool.rate(j)) / (tried + POOL_WEIGHT)
+        return held / tried if tried > 0 else PRIOR_HOLD
+
+    def survivals(self, count: int, pool: "HoldRates | None" = None) -> list[float]:
         """a_1 .. a_count: the chance that the first j drafts all hold."""
         out, survival = [], 1.0
         for j in range(count):
-            survival *= self.rates[j] if j < len(self.rates) else PRIOR_HOLD
+            survival *= self.rate(j, pool)
             out.append(survival)
         return out
 
     def observe(self, verified: int, kept: int) -> None:
         """A step verified `verified` drafts and `kept` of them held (the first `kept`): positions before
         `kept` held, position `kept` failed if it was verified, later ones were not tried."""
-        for j in range(min(kept + 1, verified)):
-            while len(self.rates) <= j:
-                self.rates.append(PRIOR_HOLD)
-            held = 1.0 if j < kept else 0.0
-            self.rates[j] += HOLD_MEMORY * (held - self.rates[j])
+        self.observe_step([(verified, kept)])
+
+    def observe_step(self, verifications: list[tuple[int, int]]) -> None:
+        """One step's (verified, kept), one per sequence that verified drafts, as one round of evidence:
+        each position reached forgets once, then counts every verification that reached it."""
+        reached = [min(kept + 1, verified) for verified, kept in verifications]
+        for j in range(max(reached, default=0)):
+            if j == len(self.tried):
+                self.held.append(self.prior * PRIOR_HOLD)
+                self.tried.append(self.prior)
+            outcomes = [1.0 if j < kept else 0.0 for (_, kept), n in zip(verifications, reached) if j < n]
+            self.held[j] = (1 - HOLD_MEMORY) * self.held[j] + sum(outcomes)
+            self.tried[j] = (1 - HOLD_MEMORY) * self.tried[j] + len(outcomes)
 
 
 class TimeCurve:
