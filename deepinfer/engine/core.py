@@ -89,7 +89,7 @@ class EngineCore:
         if draft is not None:
             drafts = host.family.draft_runner(draft, self.cache, config.draft_tokens, config.draft_confidence)
         self.runner = ModelRunner(host.model, self.cache, host.device, cuda_graphs=config.cuda_graphs, drafts=drafts,
-                                  timed=self.scheduler.step_cost is not None)
+                                  draft_tokens=config.draft_tokens, timed=self.scheduler.step_cost is not None)
         self.async_scheduling = config.async_scheduling
         self.in_flight: tuple[SchedulerOutput, RunnerOutput] | None = None
         self.next_id = 0

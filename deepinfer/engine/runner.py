@@ -34,7 +34,7 @@ import torch
 from deepinfer.families.v4.config import ModelConfig
 from deepinfer.engine.cache import CacheManager
 from deepinfer.engine.draft_runner import DeviceDrafts, DraftInputs
-from deepinfer.engine.graph import StepGraph
+from deepinfer.engine.graph import DraftGraph, StepGraph
 from deepinfer.engine.sampler import SamplingBatch, sample, top_logprobs
 from deepinfer.engine.scheduler import ScheduledChunk, SchedulerOutput
 from deepinfer.engine.structured import allowed_tokens, step_masks
@@ -123,7 +123,9 @@ class RunnerOutput:
 
     def result(self, scheduled: SchedulerOutput) -> StepResult:
         """What the host needs, sliced per chunk of `scheduled` (this step's): waits for the copy."""
-        host = {name: tensor.tolist() for name, tensor in self.download.wait().items()}
+        sampled = len(scheduled.sampling)  # a graphed drafter's step pads its sampling rows to a bucket
+        host = {name: tensor.tolist()[:sampled] if name in SAMPLING_ROWS else tensor.tolist()
+                for name, tensor in self.download.wait().items()}
         counts = host["num_accepted"]
         top = []
         for row, chunk in enumerate(scheduled.sampling):
@@ -156,20 +158,27 @@ class RunnerOutput:
         return result
 
 
+SAMPLING_ROWS = frozenset({"token_ids", "logprobs", "num_accepted", "finite", "top_ids", "top_logprobs", "drafts",
+                           "num_drafts"})  # the outputs with a row per sampling chunk
+
+
 class ModelRunner:
     def __init__(self, model: Decoder, cache: CacheManager, device: torch.device | str,
-                 cuda_graphs: bool = False, drafts: DeviceDrafts | None = None, timed: bool = False) -> None:
+                 cuda_graphs: bool = False, drafts: DeviceDrafts | None = None, draft_tokens: int = 0,
+                 timed: bool = False) -> None:
         self.model = model
-        self.drafts = drafts
+        self.drafts, self.draft_tokens = drafts, draft_tokens
         self.timed = timed
         self.ops = model.ops
         self.config: ModelConfig = model.config
         self.cache = cache
         self.device = torch.device(device)
         # decode steps replay graphs captured per step shape (and whether a drafter reads its streams),
-        # sharing one memory pool (one replay at a time); fast numerics cannot be captured: its expert
-        # routing reads counts on the host; a device drafter's own pass runs eagerly
+        # and a device drafter's pass after one the graph of its own shape, all sharing one memory pool
+        # (one replay at a time); fast numerics cannot be captured: its expert routing reads counts on
+        # the host
         self.graphs: dict[tuple, StepGraph] | None = None
+        self.draft_graphs: dict[tuple, DraftGraph] = {}
         self.compressed_ids: torch.Tensor | None = None  # Engram's compressed id of each token, on the device
         if cuda_graphs and self.device.type == "cuda" and self.ops.numerics == "batch_invariant":
             self.graphs, self.graph_pool = {}, torch.cuda.graph_pool_handle()
@@ -183,9 +192,13 @@ class ModelRunner:
         if clock is not None:
             clock.mark()
         drafting = self.drafts is not None and scheduled.speculative
-        # decode steps, and verify steps (a sequence's last token and its drafts), are graphed
-        graphed = self.graphs is not None and all(c.num_tokens == 1 + c.num_draft and not c.scored for c in chunks)
-        host_batch, rows = self.build_batch(chunks, graph_bucket if graphed else bucket)
+        # decode steps, and verify steps (a sequence's last token and its drafts), are graphed; a
+        # drafter's pass after one takes a row per bucketed sequence and every draft column (graphed or
+        # not: the same inputs either way)
+        shaped = all(c.num_tokens == 1 + c.num_draft and not c.scored for c in chunks)
+        graphed = self.graphs is not None and shaped
+        host_batch, rows = self.build_batch(chunks, graph_bucket if graphed else bucket,
+                                            self.draft_tokens if shaped and drafting else None)
         rows.update(SamplingBatch.host_tensors([(c.seq.params, c.seq.seed, c.draws_at + j)
                                                 for c in sampling for j in range(1 + c.num_draft)]))
         batch, rows = host_batch.to(self.device, rows)  # the step's one upload
@@ -197,8 +210,10 @@ class ModelRunner:
                 rows["next_ids"] = resolved(rows["next_ids"], in_flight.token_ids[:, 0])
         params = SamplingBatch.from_tensors(rows)
         streams_at: dict[int, torch.Tensor] = {}
+        graph = None
         if graphed:
-            hidden, streams_at = self._replay(batch, drafting)
+            graph = self._graph(batch, drafting)
+            hidden, streams_at = graph.replay(batch), graph.streams_at
         elif drafting:
             hidden = self.model(batch, self.cache.layer_views, streams_at=streams_at)
         else:
@@ -234,8 +249,9 @@ class ModelRunner:
             clock.mark()
         if drafting:
             next_ids = rows["next_ids"].index_put((batch.sample_index[rows["sample_rows"]],), drawn)
-            drafted = self.drafts.run(DraftInputs(batch, streams_at, next_ids, rows["sample_chunks"], rows["draws_at"],
-                                                  token_ids, out.num_accepted, params.rows(columns[:, 0]), greedy_only))
+            inputs = DraftInputs(batch if graph is None else graph.batch, streams_at, next_ids, rows["sample_chunks"],
+                                 rows["draws_at"], token_ids, out.num_accepted, params.rows(columns[:, 0]), greedy_only)
+            drafted = self.drafts.run(inputs) if graph is None else self._draft_graph(graph, inputs).replay(inputs)
             if drafted is not None:
                 out.drafts, out.num_drafts = drafted
             if clock is not None:
@@ -272,18 +288,23 @@ class ModelRunner:
             batch.engram_ids = resolved(batch.engram_ids, sampled, self.compressed_ids)
             batch.engram_lookback = resolved(batch.engram_lookback, sampled, self.compressed_ids)
 
-    def _replay(self, batch: StepBatch, tap_streams: bool) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """A decode step's forward replayed from the graph of its shape (captured on first sight): the
-        hidden states and, with `tap_streams`, the streams a device drafter reads, valid until the next
-        replay."""
+    def _graph(self, batch: StepBatch, tap_streams: bool) -> StepGraph:
+        """The graph of a decode step's forward shaped like `batch` (captured on first sight), with
+        `tap_streams` one that also hands out the streams a device drafter reads."""
         key = (tuple(sorted(batch.shapes().items())), tap_streams)
         if key not in self.graphs:
             self.graphs[key] = StepGraph(self.model, self.cache.layer_views, batch, self.graph_pool, tap_streams)
-        graph = self.graphs[key]
-        return graph.replay(batch), graph.streams_at
+        return self.graphs[key]
 
-    def build_batch(self, chunks: list[ScheduledChunk], table_bucket: Callable[[int], int] = bucket
-                    ) -> tuple[StepBatch, dict[str, torch.Tensor]]:
+    def _draft_graph(self, forward: StepGraph, step: DraftInputs) -> DraftGraph:
+        """The graph of the drafter's pass after `forward`'s steps, for inputs shaped like `step`."""
+        key = (id(forward), step.token_ids.shape, step.greedy_only)
+        if key not in self.draft_graphs:
+            self.draft_graphs[key] = DraftGraph(self.drafts, step, self.graph_pool)
+        return self.draft_graphs[key]
+
+    def build_batch(self, chunks: list[ScheduledChunk], table_bucket: Callable[[int], int] = bucket,
+                    draft_columns: int | None = None) -> tuple[StepBatch, dict[str, torch.Tensor]]:
         """The step's model input on the host, padded to its buckets (`deepinfer.model.batch`; block
         tables to `table_bucket` of the longest, `graph_bucket` for graphed steps), and
         the rows of the model's output that each sampling chunk samples from (`sample_rows`) and each
@@ -295,11 +316,13 @@ class ModelRunner:
         each sampling chunk's row in the batch and the index of the first token it draws; `next_ids`
         [T] the token after each of the step's tokens where the host knows it (-1 at sampled rows, 0
         for padding, placeholders resolved on the device like the input ids; a model drafter's input,
-        made only for one)."""
+        made only for one). With `draft_columns`, the sampling rows are padded to one per bucketed
+        sequence row and to that many draft columns (padding repeats the first sampling chunk, with no
+        drafts), so that a graphed drafter's inputs have the step bucket's shapes."""
         num_tokens = sum(chunk.num_tokens for chunk in chunks)
         ids, positions, query_start = [], [], []
         sample_index, sample_rows, score_rows, score_targets = [], [], [], []
-        width = max((chunk.num_draft for chunk in chunks), default=0)
+        width = max([chunk.num_draft for chunk in chunks] + [draft_columns or 0])
         verify_columns, drafts, sample_chunks, draws_at, next_ids = [], [], [], [], []
         for index, chunk in enumerate(chunks):  # Python lists, one tensor each at the end: a step has hundreds
             seq = chunk.seq
@@ -322,6 +345,12 @@ class ModelRunner:
                 sample_chunks.append(index)
                 draws_at.append(chunk.draws_at)
         seq_rows = bucket(len(chunks))
+        if draft_columns is not None and sample_chunks:
+            extra = seq_rows - len(sample_chunks)
+            verify_columns += [[0] * (width + 1)] * extra
+            drafts += [[-1] * width] * extra
+            sample_chunks += [sample_chunks[0]] * extra
+            draws_at += [draws_at[0]] * extra
         padding = [0] * (bucket(num_tokens) - num_tokens)
         query_start += [num_tokens] * (seq_rows + 1 - len(chunks))
         padded_index = sample_index + [0] * (bucket(len(sample_index)) - len(sample_index))
