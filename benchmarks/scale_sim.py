@@ -3,7 +3,7 @@ expert load (busiest rank over the mean) with experts placed in order and with t
 (`deepinfer.parallel.balanced_placement`, one spare slot per rank), all-to-all bytes per rank per
 decode step, and weight memory per rank. A simulation from counts, not a run.
 
-    python benchmarks/scale_sim.py --loads benchmarks/results/expert_loads_flash-4l_h200.json \
+    python benchmarks/scale_sim.py --loads benchmarks/results/expert_loads_flash-4l_h100.json \
         --out benchmarks/results/scale_sim_flash.json
 
 Each measured layer's loads stand for the layers of its kind; the EPLB placement is fitted on one
