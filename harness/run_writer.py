@@ -8,7 +8,8 @@ and `DeepInferLM` (the requests lm-eval sends, harness/lm_eval_model.py) both go
     RUN/stats.json        with `stats`: engine statistics summed over the sessions that wrote the run
                           (sessions, wall_s, preemptions, speculation's drafts and how many chunks
                           verified each number of them, prompt tokens the prefix cache was asked for
-                          and supplied; timing is never hashed)
+                          and supplied, steps a fixed-capacity expert exchange ran again; timing is
+                          never hashed)
 
 A resumed run (`open_run(..., resume=True)`) must have the same manifest, except the fields that may
 differ between sessions (the checkpoint's path); a damaged stats.json stops it before any work. Its rows
@@ -48,6 +49,9 @@ _SPECULATION_KEYS = {"drafted": "num_drafted", "drafts_kept": "num_draft_kept", 
                      "drafts_declined": "num_drafts_declined", "speculating_steps": "num_speculating_steps"}
 # the prefix cache's counters (stats key: `engine.scheduler.Scheduler` attribute); older runs read as 0
 _PREFIX_KEYS = {"prefix_hit_tokens": "num_prefix_hit_tokens", "prefix_query_tokens": "num_prefix_query_tokens"}
+# a fixed-capacity expert exchange's redone steps (stats key: `engine.core.EngineCore` attribute); older runs read as 0
+_EXCHANGE_KEYS = {"exchange_redos": "num_exchange_redos", "exchange_overflow_slots": "num_exchange_overflow_slots"}
+_COUNTED = (*_SPECULATION_KEYS, *_PREFIX_KEYS, *_EXCHANGE_KEYS)  # counters a run's sessions add up
 _RESUMED_SECTIONS = ("checkpoint", "suite", "variant", "engine", "seeds")  # what a resumed run must share
 
 
@@ -174,6 +178,8 @@ class RunWriter:
             counters = {"preemptions": "num_preemptions", **_PREFIX_KEYS, **_SPECULATION_KEYS}
             for key, counter in counters.items():
                 stats[key] += sum(getattr(llm.scheduler, counter) for llm in self.engines)
+            for key, counter in _EXCHANGE_KEYS.items():
+                stats[key] += sum(getattr(llm.core, counter) for llm in self.engines)
             lengths = {int(length): count for length, count in stats["verify_lengths"].items()}
             for llm in self.engines:
                 for length, count in llm.scheduler.verify_lengths.items():
@@ -187,8 +193,7 @@ def read_stats(run_dir: Path) -> dict:
     """The engine statistics of earlier sessions of the run; a damaged file is a one-line AuditError."""
     path = Path(run_dir) / STATS_FILE
     if not path.exists():
-        return {"sessions": 0, "wall_s": 0.0, "preemptions": 0,
-                **dict.fromkeys((*_SPECULATION_KEYS, *_PREFIX_KEYS), 0), "verify_lengths": {}}
+        return {"sessions": 0, "wall_s": 0.0, "preemptions": 0, **dict.fromkeys(_COUNTED, 0), "verify_lengths": {}}
     try:
         stats = json.loads(path.read_bytes())
     except (OSError, ValueError):
@@ -201,7 +206,7 @@ def read_stats(run_dir: Path) -> dict:
             for key, n in lengths.items()):
         raise AuditError(f"{path}: not the run's statistics (a JSON object with sessions, wall_s and preemptions, "
                          "verify_lengths mapping draft counts to chunks); delete it to resume")
-    return {**dict.fromkeys((*_SPECULATION_KEYS, *_PREFIX_KEYS), 0), "verify_lengths": {}, **stats}
+    return {**dict.fromkeys(_COUNTED, 0), "verify_lengths": {}, **stats}
 
 
 def _check_same_run(run_dir: Path, stored: dict, wanted: dict) -> None:

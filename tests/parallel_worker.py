@@ -11,6 +11,10 @@ serving measured (one more slot per rank, so the heaviest experts get copies), a
 it also records, per MoE layer, the slots those loads counted and top_k times the tokens the ranks'
 steps scheduled (each token dispatched by one rank of those sharing its requests).
 A case with "cli" runs `deepinfer ARGV` on every rank instead: its exit code and every rank's stdout.
+Every case records the steps its engine ran again after a fixed-capacity expert exchange overflowed
+and the slots left out, and how many times the exchanges read a tensor back to the host (`tolist`,
+`item`) on rank 0; a case with "repeat" serves the set again from a new engine of the same settings
+over the same model, and records its outputs and redone steps.
 """
 
 from __future__ import annotations
@@ -32,6 +36,36 @@ from deepinfer.harness.invariance import signature, standard_requests
 
 def serve(llm: LLM, requests) -> list[tuple]:
     return [signature(o) for o in llm.generate([r.prompt for r in requests], [r.params for r in requests])]
+
+
+def count_host_reads(llm: LLM) -> list[int]:
+    """A counter of the `Tensor.tolist` / `Tensor.item` calls made inside `llm`'s expert exchanges, but
+    not inside the experts they run (the CPU's expert kernel groups rows on the host; CUDA's does not)."""
+    reads, inside = [0], [False]
+    for name in ("tolist", "item"):
+        method = getattr(torch.Tensor, name)
+
+        def counted(tensor, *args, method=method):
+            reads[0] += inside[0]
+            return method(tensor, *args)
+        setattr(torch.Tensor, name, counted)
+    def within(call, flag: bool):
+        def run(*args):
+            was, inside[0] = inside[0], flag
+            try:
+                return call(*args)
+            finally:
+                inside[0] = was
+        return run
+
+    for exchange in llm.host.exchanges:
+        exchange.routed = within(exchange.routed, True)
+        exchange.experts.outputs = within(exchange.experts.outputs, False)
+    return reads
+
+
+def redos(llm: LLM) -> tuple[int, int]:
+    return llm.core.num_exchange_redos, llm.core.num_exchange_overflow_slots
 
 
 def run_cli(argv: list[str]) -> tuple[int, list[str]]:
@@ -67,8 +101,14 @@ def main() -> None:
         scheduled = []
         schedule = llm.core.scheduler.schedule
         llm.core.scheduler.schedule = lambda: scheduled.append(schedule()) or scheduled[-1]
+        reads = count_host_reads(llm)
         results[case["name"]] = serve(llm, requests)
         results[case["name"] + "-splits"] = sum(s is not None for s in splits)
+        results[case["name"] + "-redos"], results[case["name"] + "-reads"] = redos(llm), reads[0]
+        if case.get("repeat"):  # a second engine of the same settings over the model: the same steps
+            again = llm.with_engine(llm.engine_config)
+            results[case["name"] + "-again"] = serve(again, requests)
+            results[case["name"] + "-redos-again"] = redos(again)
         if case.get("replace"):
             before = placement_digest([exchange.placement for exchange in llm.host.exchanges])
             per_rank = llm.host.exchanges[0].placement.per_rank + 1

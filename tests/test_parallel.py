@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from deepinfer import kernels
-from deepinfer import LLM
+from deepinfer import LLM, EngineConfig
 from deepinfer.checkpoint import preset_config
 from deepinfer.checkpoint.files import read_headers, weight_files
 from deepinfer.errors import DeepInferError
@@ -59,9 +59,13 @@ LAYOUTS = {
     4: [{"name": "tiny-ep4-dp4", "preset": "tiny", "dtype": "float32", "ep": 4, "dp": 4, "replace": True},
          {"name": "tiny-ep4-dp1", "preset": "tiny", "dtype": "float32", "ep": 4, "dp": 1},
          {"name": "v41-ep4-dp4", "preset": "v41-tiny", "dtype": "bfloat16", "ep": 4, "dp": 4},
-         {"name": "tiny-cp4", "preset": "tiny", "dtype": "bfloat16", "ep": 1, "dp": 1, "cp": 4}],
+         {"name": "tiny-cp4", "preset": "tiny", "dtype": "bfloat16", "ep": 1, "dp": 1, "cp": 4},
+         {"name": "tiny-ep4-dp1-overflow", "preset": "tiny", "dtype": "bfloat16", "ep": 4, "dp": 1,
+          "engine": {"expert_capacity": 0.5}, "repeat": True}],
     2: [{"name": "tiny-ep2-dp2", "preset": "tiny", "dtype": "bfloat16", "ep": 2, "dp": 2},
          {"name": "tiny-ep1-dp2", "preset": "tiny", "dtype": "float32", "ep": 1, "dp": 2},
+         {"name": "tiny-ep2-dp2-capped", "preset": "tiny", "dtype": "bfloat16", "ep": 2, "dp": 2,
+          "engine": {"expert_capacity": 4.0}},
          {"name": "v41-ep2-dp1", "preset": "v41-tiny", "dtype": "float32", "ep": 2, "dp": 1, "replace": True},
          {"name": "tiny-cp2", "preset": "tiny", "dtype": "float32", "ep": 1, "dp": 1, "cp": 2},
          {"name": "v41-cp2-dspark-host", "preset": "v41-tiny", "dtype": "bfloat16", "ep": 1, "dp": 1, "cp": 2,
@@ -95,7 +99,8 @@ def test_every_layout_gives_the_bits_of_one_process(launched, processes):
     results = launched[1][processes]
     for case in LAYOUTS[processes]:
         reference = _reference(case["preset"], case["dtype"])
-        names = [case["name"]] + ([case["name"] + "-replaced"] if case.get("replace") else [])
+        names = [case["name"]] + ([case["name"] + "-replaced"] if case.get("replace") else []) + (
+            [case["name"] + "-again"] if case.get("repeat") else [])
         for name in names:
             diverged = [i for i, (a, b) in enumerate(zip(reference, results[name])) if a != b]
             assert len(results[name]) == REQUESTS and diverged == [], name
@@ -106,6 +111,32 @@ def test_every_layout_gives_the_bits_of_one_process(launched, processes):
             assert counted == [slots] * len(counted) and slots > 0
         if case.get("cp"):  # the prefill steps of the standard set (up to 512 tokens) were split
             assert results[case["name"] + "-splits"] > 0
+
+
+def test_a_fixed_capacity_exchange_reads_nothing_back_and_runs_an_overflowing_step_again(launched):
+    """With `expert_capacity` the MoE layers exchange fixed sizes: nothing is read back to the host inside
+    them (the sized exchange reads its counts in every layer), and outputs are one process's bits
+    (test_every_layout_gives_the_bits_of_one_process) with no slot overflowing (4 times the even share)
+    and with many (half of it): each step that overflowed on any rank ran again on every rank with
+    exact sizes, counted, and a new engine of the same settings serving the same set redoes the same
+    number of steps for the same number of slots."""
+    two, four = launched[1][2], launched[1][4]
+    assert two["tiny-ep2-dp2-reads"] > 0 and two["tiny-ep2-dp2-capped-reads"] == 0
+    assert two["tiny-ep2-dp2-capped-redos"] == (0, 0) and two["tiny-ep2-dp2-redos"] == (0, 0)
+    redone, slots = four["tiny-ep4-dp1-overflow-redos"]
+    assert redone > 0 and slots > redone
+    assert four["tiny-ep4-dp1-overflow-redos-again"] == (redone, slots)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"expert_capacity": 2.0}, "expert_capacity sizes the exchange of expert parallelism: set expert_parallel too"),
+    ({"expert_capacity": 0, "expert_parallel": 2}, "expert_capacity must be a positive number, got 0"),
+    ({"expert_capacity": True, "expert_parallel": 2}, "expert_capacity must be a positive number, got True"),
+])
+def test_a_bad_expert_capacity_is_refused_in_one_line(settings, message):
+    with pytest.raises(DeepInferError) as err:
+        EngineConfig(**settings)
+    assert str(err.value) == message
 
 
 def test_quantized_experts_move_between_ranks_as_stored(launched, v41_checkpoint):

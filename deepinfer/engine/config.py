@@ -97,6 +97,12 @@ class EngineConfig:
                                     "process of a torchrun launch (tokens go to their experts' process and back, "
                                     "combined in the order one process uses: the same bits); steps run eagerly "
                                     "(no CUDA graphs)")
+    expert_capacity: float | None = _setting(
+        None, "with expert_parallel: each MoE layer sends each process a fixed number of rows, this many times "
+        "its even share of the step's (token, expert) slots (the step's size agreed by every process first), so no "
+        "layer reads sizes back to the host; a step whose slots overflow a capacity anywhere runs again with its own "
+        "sizes on every process (the same bits; counted in stats as exchange_redos), and steps run synchronously; "
+        "unset: every layer exchanges the step's own sizes, read on the host")
     data_parallel: int = _setting(1, "with several processes: 1 (every process runs every request, for "
                                   "expert_parallel) or every process (each runs its own share of a generate() "
                                   "batch, its attention and cache; the MoE layers exchange tokens across them); "
@@ -132,6 +138,12 @@ class EngineConfig:
             raise DeepInferError("verify_policy=throughput decides from this process's own step times, which the "
                                  "other processes of a parallel layout do not share: use fixed with expert, data or "
                                  "context parallelism")
+        if self.expert_capacity is not None:
+            if isinstance(self.expert_capacity, bool) or not isinstance(self.expert_capacity, (int, float)) \
+                    or not self.expert_capacity > 0:
+                raise DeepInferError(f"expert_capacity must be a positive number, got {self.expert_capacity!r}")
+            if self.expert_parallel == 1:
+                raise DeepInferError("expert_capacity sizes the exchange of expert parallelism: set expert_parallel too")
         if self.draft_tokens > MAX_DRAFT_TOKENS:
             raise DeepInferError(f"draft_tokens must be from 1 to {MAX_DRAFT_TOKENS} (a step verifies at most that many "
                                  f"drafts per sequence), got {self.draft_tokens}")

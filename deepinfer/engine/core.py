@@ -9,8 +9,11 @@ follow the tokens it keeps.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
+
+import torch.distributed as dist
 
 from deepinfer.engine.cache import CacheManager, step_budget
 from deepinfer.engine.config import EngineConfig
@@ -23,6 +26,7 @@ from deepinfer.engine.scheduler import Scheduler, SchedulerOutput
 from deepinfer.engine.sequence import Sequence
 from deepinfer.engine.structured import StructuredCompiler
 from deepinfer.errors import DeepInferError
+from deepinfer.model import bucket
 from deepinfer.outputs import RequestOutput
 from deepinfer.parallel import agree
 from deepinfer.sampling_params import CONTENT_SEEDS, TOOL_CALL, SamplingParams, derive_seed, request_content_hash
@@ -40,9 +44,9 @@ class PromptTooLongError(RequestError):
 
 class EngineCore:
     """An engine over `host`'s model, run as `config` says; it resolves the config (`max_model_len`
-    and `weight_storage` filled in, `async_scheduling` off where the Engram tables are in host memory
-    or every step drafts (speculation under the fixed verify policy), CUDA graphs off where ranks step in
-    lockstep) and keeps it as `engine_config`."""
+    and `weight_storage` filled in, `async_scheduling` off where the Engram tables are in host memory,
+    every step drafts (speculation under the fixed verify policy) or the expert exchange has a fixed
+    capacity, CUDA graphs off where ranks step in lockstep) and keeps it as `engine_config`."""
 
     def __init__(self, host: ModelHost, config: EngineConfig) -> None:
         self.host = host
@@ -55,6 +59,9 @@ class EngineCore:
             config = replace(config, async_scheduling=False)
         if config.speculation != "off" and config.verify_policy == "fixed":
             # a sequence's drafts follow its last token, which must be known: every step is read back
+            config = replace(config, async_scheduling=False)
+        if config.expert_capacity is not None:
+            # a step that overflows the exchange runs again before its results apply: none may be queued behind it
             config = replace(config, async_scheduling=False)
         if host.layout.lockstep:  # MoE exchanges read their sizes on the host, splits upload rows: no graphs
             config = replace(config, cuda_graphs=False)
@@ -93,6 +100,8 @@ class EngineCore:
         self.async_scheduling = config.async_scheduling
         self.in_flight: tuple[SchedulerOutput, RunnerOutput] | None = None
         self.next_id = 0
+        self.num_exchange_redos = 0  # steps run again after a fixed-capacity exchange overflowed (on any rank)
+        self.num_exchange_overflow_slots = 0  # the slots those steps left out, over every rank
 
     # requests in -------------------------------------------------------------------------------
 
@@ -180,6 +189,9 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         before, self.in_flight = self.in_flight, None
         current = None
+        capped = self.engine_config.expert_capacity is not None
+        if capped:
+            self._size_exchanges(scheduled)
         if scheduled.chunks:
             for exchange in self.host.exchanges:  # expert loads count the step's tokens, not its padding
                 exchange.step_rows = sum(chunk.num_tokens for chunk in scheduled.chunks)
@@ -192,12 +204,43 @@ class EngineCore:
         elif self.host.layout.lockstep:  # the other ranks' MoE layers exchange tokens with this one's
             for exchange in self.host.exchanges:
                 exchange.idle()
+        if capped:
+            current = self._redone_if_overflowed(scheduled, current)
         finished = self._read(before) if before is not None else []
         if current is not None and self.async_scheduling and not scheduled.speculative:
             self.in_flight = current
         elif current is not None:
             finished += self._read(current, started)
         return [self.output.request_output(seq) for seq in finished]
+
+    def _size_exchanges(self, scheduled: SchedulerOutput) -> None:
+        """Give every MoE layer's exchange the step's capacity: `expert_capacity` times a rank's even share
+        of the slots the largest rank's step dispatches (its rows padded to their bucket; agreed by every
+        rank, so every rank sends and receives the same sizes)."""
+        rows = bucket(sum(chunk.num_tokens for chunk in scheduled.chunks)) if scheduled.chunks else 0
+        layout, top_k = self.host.layout, self.host.config.num_experts_per_tok
+        dispatched = math.ceil(agree(rows, dist.ReduceOp.MAX) / layout.attention_ranks)
+        capacity = max(1, math.ceil(self.engine_config.expert_capacity * dispatched * top_k / layout.world))
+        for exchange in self.host.exchanges:
+            exchange.capacity = capacity
+
+    def _redone_if_overflowed(self, scheduled: SchedulerOutput, current: tuple | None) -> tuple | None:
+        """The step as run, or, if a capacity left slots out on any rank (agreed by every rank), the step
+        run again by every rank with its own sizes (before anything reads its results: its cache rows
+        are rewritten, its tokens drawn again from the same logits); the redo counts no expert loads,
+        the first run did."""
+        overflow = agree(sum(exchange.take_overflow() for exchange in self.host.exchanges), dist.ReduceOp.SUM)
+        if overflow == 0:
+            return current
+        self.num_exchange_redos += 1
+        self.num_exchange_overflow_slots += overflow
+        for exchange in self.host.exchanges:
+            exchange.capacity, exchange.step_rows = None, 0
+        if scheduled.chunks:
+            return scheduled, self.runner.execute(scheduled)
+        for exchange in self.host.exchanges:
+            exchange.idle()
+        return current
 
     def _read(self, step: tuple[SchedulerOutput, RunnerOutput], started: float | None = None) -> list[Sequence]:
         """Apply a step's results (waiting for them); the sequences that finished. `started`: when the

@@ -8,6 +8,13 @@ There each slot runs through its expert alone (`ops.expert_outputs`: a slot's ou
 row and its expert only), the outputs come back in the order they were sent, and the token's owner
 weights and sums its slots in top-k order (`ops.weighted_combine`), the combine one rank runs: the
 same bits for any number of ranks and any placement. The shared expert stays where the token is.
+
+The exchange's sizes are either the step's own (each rank tells the others how many slots it sends,
+read on the host in every layer), or, with a `capacity`, fixed: every rank sends every rank exactly
+`capacity` rows per layer (its slots for that rank in the same order, then empty rows, whose expert
+slot is -1), so a layer reads nothing back to the host. Slots past a destination's capacity are not
+sent (their outputs are zero) and counted in `overflow`, on the device: the engine runs such a step
+again with the step's own sizes (`deepinfer.engine.core`), so outputs keep their bits either way.
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ class ExpertExchange:
     this rank's requests (None when it serves its own); `loads` counts the slots each logical expert
     received from this rank's tokens since the last `take_loads`, the step's real tokens only:
     `step_rows`, set by `EngineCore.step` before each step, is how many of the step's rows are
-    tokens (the rest pad the step to its bucket; None counts every row)."""
+    tokens (the rest pad the step to its bucket; None counts every row). `capacity`, also set per step
+    by the engine (the same on every rank), fixes the rows sent to each rank (None: the step's own
+    sizes); `overflow` counts the slots a capacity left out since the last `take_overflow`."""
 
     def __init__(self, experts: nn.Module, layout: ParallelLayout, placement: ExpertPlacement, n_experts: int,
                  top_k: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
@@ -39,6 +48,8 @@ class ExpertExchange:
         self.attention = attention
         self.loads = torch.zeros(n_experts, dtype=torch.int64, device=device)
         self.step_rows: int | None = None
+        self.capacity: int | None = None
+        self.overflow = torch.zeros((), dtype=torch.int64, device=device)
         self.place(placement)
 
     def place(self, placement: ExpertPlacement) -> None:
@@ -62,26 +73,58 @@ class ExpertExchange:
         tokens = x.shape[0]
         mine = torch.arange(tokens, device=x.device)[member::members]
         picked = indices[mine]
-        counted = picked if self.step_rows is None else picked[mine < self.step_rows]
-        self.loads += torch.bincount(counted.reshape(-1), minlength=self.loads.shape[0])
+        real = torch.ones_like(mine) if self.step_rows is None else (mine < self.step_rows).long()
+        self.loads.index_add_(0, picked.reshape(-1), real.repeat_interleave(self.top_k))  # no sizes read back
         flat = picked.reshape(-1)
         rows = torch.arange(flat.shape[0], device=x.device) // self.top_k
         copy = mine[rows] % self.copy_count[flat]  # spreads one expert's slots over its copies
         dest, slot = self.copy_rank[flat, copy], self.copy_slot[flat, copy]
         order = torch.sort(dest, stable=True).indices
-        send = torch.bincount(dest, minlength=self.layout.world)
-        receive = torch.empty_like(send)
-        dist.all_to_all_single(receive, send)
-        send_counts, receive_counts = send.tolist(), receive.tolist()
-        inputs = all_to_all(x[mine][rows[order]], send_counts, receive_counts)
-        slots_in = all_to_all(slot[order], send_counts, receive_counts)
-        outputs = self.experts.outputs(inputs, slots_in)
-        returned = all_to_all(outputs, receive_counts, send_counts)
+        exchange = self._sized if self.capacity is None else self._fixed
+        returned = exchange(x[mine][rows[order]], dest[order], slot[order])
         slots = torch.empty_like(returned)
         slots[order] = returned
         combined = self.experts.ops.weighted_combine(slots.view(mine.shape[0], self.top_k, self.hidden_size),
                                                      weights[mine])
         return combined if members == 1 else self._gather(combined, tokens)
+
+    def _sized(self, rows: torch.Tensor, dest: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The expert outputs of slots `rows` [S, H] (sorted by destination rank `dest`, each for its
+        expert slot there), in that order, over exchanges of the step's own sizes."""
+        send = torch.bincount(dest, minlength=self.layout.world)
+        receive = torch.empty_like(send)
+        dist.all_to_all_single(receive, send)
+        send_counts, receive_counts = send.tolist(), receive.tolist()
+        inputs = all_to_all(rows, send_counts, receive_counts)
+        slots_in = all_to_all(slots, send_counts, receive_counts)
+        return all_to_all(self.experts.outputs(inputs, slots_in), receive_counts, send_counts)
+
+    def _fixed(self, rows: torch.Tensor, dest: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """As `_sized`, over exchanges of `capacity` rows per rank pair: no host read. A slot past its
+        destination's capacity is not sent; its output is zero, and it is counted in `overflow`."""
+        world, capacity = self.layout.world, self.capacity
+        counts = torch.zeros(world, dtype=torch.int64, device=dest.device).index_add_(0, dest, torch.ones_like(dest))
+        place = torch.arange(dest.shape[0], device=dest.device) - (torch.cumsum(counts, 0) - counts)[dest]
+        sent = place < capacity
+        self.overflow += (~sent).sum()
+        spare = world * capacity  # one more row, where the slots not sent go (dropped before sending)
+        at = torch.where(sent, dest * capacity + place, spare)
+        buffer = rows.new_zeros(spare + 1, rows.shape[1])
+        buffer[at] = rows
+        expert = slots.new_full((spare + 1,), -1)
+        expert[at] = slots
+        sizes = [capacity] * world
+        inputs = all_to_all(buffer[:spare], sizes, sizes)
+        slots_in = all_to_all(expert[:spare], sizes, sizes)
+        outputs = self.experts.outputs(inputs, slots_in.clamp(min=0))  # an empty row runs slot 0; dropped
+        returned = all_to_all(outputs, sizes, sizes)
+        return torch.cat([returned, returned.new_zeros(1, returned.shape[1])])[at]
+
+    def take_overflow(self) -> int:
+        """Slots a capacity left out since the last call (reads the device)."""
+        count = int(self.overflow)
+        self.overflow.zero_()
+        return count
 
     def idle(self) -> None:
         """Take part in the layer with no tokens: other ranks' slots may still come here."""
