@@ -15,9 +15,10 @@ from deepinfer import LLM, EngineConfig
 from deepinfer.checkpoint import preset_config
 from deepinfer.cli import main
 from deepinfer.engine.memory_plan import (
-    CACHES, DRAFT, ENGRAM, EXPERTS, HEADROOM, SHARED, PlanError, check_fits, plan_memory,
+    CACHES, DRAFT, ENGRAM, EXCHANGE, EXPERTS, HEADROOM, SHARED, PlanError, check_fits, plan_memory,
 )
 from deepinfer.errors import DeepInferError
+from deepinfer.parallel.experts import exchange_capacity
 from deepinfer.kernels.quant import QuantizedWeight
 
 GIB = 2**30
@@ -90,6 +91,27 @@ def test_full_size_layouts_on_h200s() -> None:
     with pytest.raises(PlanError, match=r"^flash on 4 GPUs of 140\.4 GiB \(EP 4\): .* the largest part is routed "
                                         r"experts \(129\.0 GiB\): spread them over more processes"):
         check_fits(plan_memory("flash", flash, replace(engine, expert_parallel=4), 4, H200))
+
+
+def test_a_fixed_capacity_exchange_is_planned_at_the_largest_step() -> None:
+    """With expert_capacity a rank also holds the exchange's buffers for one MoE layer of a step of the
+    whole budget: ranks x capacity rows (the capacity the engine gives its exchanges) of five hidden-wide
+    rows (sent, received, through the experts, returned, laid back) and three intermediate-wide ones,
+    and two expert-slot lists; a factor whose buffers do not fit is refused, named."""
+    config = preset_config("v41-flash")
+    engine = EngineConfig(device="cuda", dtype="bfloat16", max_model_len=4096, max_num_batched_tokens=2048,
+                          expert_parallel=8, data_parallel=8, engram_tables="host")
+    assert EXCHANGE not in _parts(plan_memory("v41-flash", config, engine, 8, H200))
+    plan = plan_memory("v41-flash", config, replace(engine, expert_capacity=2.0), 8, H200)
+    capacity = 2 * 2048 * 6 // 8  # twice a rank's even share: 2,048 rows of 6 slots, an eighth to each rank
+    assert capacity == exchange_capacity(2.0, 2048, 1, 6, 8)
+    rows = 8 * capacity
+    assert _parts(plan)[EXCHANGE] == rows * (5 * 5120 + 3 * 2304) * 2 + 16 * rows
+    assert next(p.detail for p in plan.parts if p.name == EXCHANGE) == (
+        "3072 rows per rank pair and MoE layer at a 2048-token step")
+    with pytest.raises(PlanError, match=r"the largest part is expert exchange \([\d.]+ GiB\): lower --expert-capacity "
+                                        r"or --max-num-batched-tokens$"):
+        check_fits(plan_memory("v41-flash", config, replace(engine, expert_capacity=256.0), 8, H200))
 
 
 def test_caches_that_overflow_are_named() -> None:

@@ -9,7 +9,6 @@ follow the tokens it keeps.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import replace
 
@@ -29,6 +28,7 @@ from deepinfer.errors import DeepInferError
 from deepinfer.model import bucket
 from deepinfer.outputs import RequestOutput
 from deepinfer.parallel import agree
+from deepinfer.parallel.experts import exchange_capacity
 from deepinfer.sampling_params import CONTENT_SEEDS, TOOL_CALL, SamplingParams, derive_seed, request_content_hash
 
 
@@ -218,9 +218,9 @@ class EngineCore:
         of the slots the largest rank's step dispatches (its rows padded to their bucket; agreed by every
         rank, so every rank sends and receives the same sizes)."""
         rows = bucket(sum(chunk.num_tokens for chunk in scheduled.chunks)) if scheduled.chunks else 0
-        layout, top_k = self.host.layout, self.host.config.num_experts_per_tok
-        dispatched = math.ceil(agree(rows, dist.ReduceOp.MAX) / layout.attention_ranks)
-        capacity = max(1, math.ceil(self.engine_config.expert_capacity * dispatched * top_k / layout.world))
+        layout = self.host.layout
+        capacity = exchange_capacity(self.engine_config.expert_capacity, agree(rows, dist.ReduceOp.MAX),
+                                     layout.attention_ranks, self.host.config.num_experts_per_tok, layout.world)
         for exchange in self.host.exchanges:
             exchange.capacity = capacity
 

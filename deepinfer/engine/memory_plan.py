@@ -9,8 +9,10 @@ tables (on the device or in host memory, `engram_tables`) and the draft model sp
 weights widened to the engine's dtype, as the engine keeps them); the cache pools sized for
 max_num_seqs sequences of max_model_len (`engine.cache.cache_bytes`, the engine's own rule: under data
 parallelism each rank caches its own requests, otherwise every request it runs, and under context
-parallelism every rank holds every cache); and headroom for what the plan does not model (activations,
-CUDA graph pools, the allocator's slack), `HEADROOM_FRACTION` of the card. Without a max_model_len the
+parallelism every rank holds every cache); with a fixed-capacity expert exchange (`expert_capacity`), its
+buffers in one MoE layer of the largest step (rows sent and received, through the experts and back, at
+`parallel.experts.exchange_capacity` per rank pair); and headroom for what the plan does not model
+(other activations, CUDA graph pools, the allocator's slack), `HEADROOM_FRACTION` of the card. Without a max_model_len the
 plan takes the engine's default rule (`engine.cache.default_max_model_len`) over the memory the
 weights and headroom leave. A layout fits when a rank's parts and headroom stay within the card.
 """
@@ -23,17 +25,21 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer import kernels
-from deepinfer.engine.cache import CACHE_MEMORY_FRACTION, cache_bytes, default_max_model_len, physical_memory
+from deepinfer.engine.cache import (CACHE_MEMORY_FRACTION, cache_bytes, default_max_model_len, physical_memory,
+                                    step_budget)
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.drafter import DEVICE_SPECULATION
 from deepinfer.errors import DeepInferError
 from deepinfer.families.registry import family_of
 from deepinfer.families.tensor_spec import FP4, FP8, FP32, INDEX, MTP_PREFIX, SCALE, TensorSpec
+from deepinfer.model import bucket
+from deepinfer.parallel.experts import exchange_capacity
 
 HEADROOM_FRACTION = 0.10  # of the card: activations, graph pools and the allocator's slack, not modelled
 GIB = 2**30
-SHARED, EXPERTS, ENGRAM, DRAFT, CACHES, HEADROOM = ("weights every rank holds", "routed experts", "Engram tables",
-                                                    "draft model", "caches", "headroom")
+SHARED, EXPERTS, ENGRAM, DRAFT, CACHES, EXCHANGE, HEADROOM = (
+    "weights every rank holds", "routed experts", "Engram tables", "draft model", "caches", "expert exchange",
+    "headroom")
 
 
 class PlanError(DeepInferError):
@@ -128,6 +134,8 @@ def _remedy(part: str, engine: EngineConfig) -> str:
         return "lower --max-model-len or --max-num-seqs"
     if part == DRAFT:
         return "run without the draft model (--speculation off or ngram)"
+    if part == EXCHANGE:
+        return "lower --expert-capacity or --max-num-batched-tokens"
     if not engine.keeps_weights_quantized:
         return "keep the weights as stored (--weight-storage quantized) or use a card with more memory"
     return "use a card with more memory"
@@ -219,10 +227,25 @@ def plan_memory(model: str, config, engine: EngineConfig, gpus: int, gpu_bytes: 
     caches = cache_bytes(pools, max_model_len=max_model_len, **sizing)
     parts.append(Part(CACHES, f"{len(pools)} pools, {engine.max_num_seqs} sequences of {max_model_len} tokens{note}",
                       caches))
+    if engine.expert_capacity is not None:
+        parts.append(_exchange_part(config, engine, max_model_len))
     if headroom:
         parts.append(Part(HEADROOM, f"{headroom_fraction:.0%} of the card: activations, graph pools, allocator",
                           headroom))
     return MemoryPlan(model, gpus, gpu_bytes, engine, max_model_len, parts, on_cpu)
+
+
+def _exchange_part(config, engine: EngineConfig, max_model_len: int) -> Part:
+    """The fixed-capacity exchange's buffers in one MoE layer of the largest step: R = ranks x capacity
+    rows sent, received, the experts' outputs, returned and laid back (each [R, hidden]), the experts'
+    intermediate (gate and up, then their product: [R, 3 x intermediate]), and two expert-slot lists."""
+    step = bucket(step_budget(engine.max_num_batched_tokens, max_model_len, engine.enable_chunked_prefill))
+    world = engine.expert_parallel
+    capacity = exchange_capacity(engine.expert_capacity, step, world // engine.data_parallel,
+                                 config.num_experts_per_tok, world)
+    rows = world * capacity
+    total = rows * (5 * config.hidden_size + 3 * config.moe_intermediate_size) * engine.torch_dtype.itemsize + 16 * rows
+    return Part(EXCHANGE, f"{capacity} rows per rank pair and MoE layer at a {step}-token step", total)
 
 
 def _pools(family, config, engine: EngineConfig, drafting: bool) -> list:

@@ -19,6 +19,7 @@ again with the step's own sizes (`deepinfer.engine.core`), so outputs keep their
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -29,6 +30,13 @@ from deepinfer.model.moe import MoE
 from deepinfer.parallel.layout import ParallelLayout, all_gather_rows, all_to_all
 from deepinfer.parallel.placement import ExpertPlacement, PlacementError
 from deepinfer.kernels.quant import QuantizedWeight
+
+
+def exchange_capacity(factor: float, step_rows: int, attention_ranks: int, top_k: int, world: int) -> int:
+    """Rows each rank sends each rank per MoE layer under a fixed capacity: `factor` times a rank's even
+    share of the slots dispatched from a step of `step_rows` padded rows (each rank of those sharing
+    requests dispatches 1/attention_ranks of them), at least one."""
+    return max(1, math.ceil(factor * math.ceil(step_rows / attention_ranks) * top_k / world))
 
 
 class ExpertExchange:
