@@ -36,7 +36,8 @@ def test_batch_invariant_mode_is_bitwise_invariant(tiny_checkpoint, requests, dt
 
 
 def test_fast_mode_diverges_somewhere_in_bf16(tiny_checkpoint, requests):
-    """The matrix can fail: plain library kernels change bits with the batch shape."""
+    """The matrix can fail: plain library kernels change bits with the batch shape. Over the bf16 matrix's
+    half of the set, as V4.1's control does (batch-1 already diverges there; the whole set took twice as long)."""
     variants = (Variant.of("all-at-once"), Variant.of("batch-1", max_num_seqs=1), Variant.of("chunk-16", max_num_batched_tokens=16))
-    result = run_matrix(tiny_checkpoint, requests, variants, dtype="bfloat16", numerics="fast", stop_at_first=True)
+    result = run_matrix(tiny_checkpoint, requests[:12], variants, dtype="bfloat16", numerics="fast", stop_at_first=True)
     assert not result.invariant
