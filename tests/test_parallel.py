@@ -60,6 +60,8 @@ LAYOUTS = {
          {"name": "tiny-ep4-dp1", "preset": "tiny", "dtype": "float32", "ep": 4, "dp": 1},
          {"name": "v41-ep4-dp4", "preset": "v41-tiny", "dtype": "bfloat16", "ep": 4, "dp": 4},
          {"name": "tiny-cp4", "preset": "tiny", "dtype": "bfloat16", "ep": 1, "dp": 1, "cp": 4},
+         {"name": "v41-cp4-ep4-capped", "preset": "v41-tiny", "dtype": "float32", "ep": 4, "dp": 1, "cp": 4,
+          "engine": {"expert_capacity": 1.0}},
          {"name": "tiny-ep4-dp1-overflow", "preset": "tiny", "dtype": "bfloat16", "ep": 4, "dp": 1,
           "engine": {"expert_capacity": 0.5}, "repeat": True}],
     2: [{"name": "tiny-ep2-dp2", "preset": "tiny", "dtype": "bfloat16", "ep": 2, "dp": 2},
@@ -68,6 +70,8 @@ LAYOUTS = {
           "engine": {"expert_capacity": 4.0}},
          {"name": "v41-ep2-dp1", "preset": "v41-tiny", "dtype": "float32", "ep": 2, "dp": 1, "replace": True},
          {"name": "tiny-cp2", "preset": "tiny", "dtype": "float32", "ep": 1, "dp": 1, "cp": 2},
+         {"name": "tiny-cp2-ep2", "preset": "tiny", "dtype": "bfloat16", "ep": 2, "dp": 1, "cp": 2,
+          "replace": True},
          {"name": "v41-cp2-dspark-host", "preset": "v41-tiny", "dtype": "bfloat16", "ep": 1, "dp": 1, "cp": 2,
           "engine": {"speculation": "dspark", "engram_tables": "host"}}],
 }
@@ -260,12 +264,11 @@ def test_a_certification_over_two_processes_has_the_roots_of_one(launched, tmp_p
         assert run.manifest["engine"]["parallel"]["world"] == 2
 
 
-def test_context_parallelism_runs_alone(monkeypatch):
+def test_context_parallelism_runs_every_request_on_every_rank(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ParallelError) as err:
-        start_layout(expert_parallel=2, data_parallel=1, context_parallel=2, device=torch.device("cpu"))
-    assert str(err.value) == ("context_parallel runs with expert_parallel=1 and data_parallel=1 (every rank runs "
-                              "every request, with every expert)")
+        start_layout(expert_parallel=2, data_parallel=2, context_parallel=2, device=torch.device("cpu"))
+    assert str(err.value) == "context_parallel runs with data_parallel=1 (every rank runs every request)"
 
 
 @pytest.mark.parametrize("tokens, ranks", [(256, 2), (1000, 4), (257, 3)])

@@ -110,7 +110,7 @@ class EngineConfig:
     context_parallel: int = _setting(1, "with several processes: split each step of at least 256 tokens (long "
                                      "prefill) over every process of the torchrun launch, balanced for causal "
                                      "attention, each attending for its own rows over caches every process holds "
-                                     "in full (the same bits); with expert_parallel=1 and data_parallel=1")
+                                     "in full (the same bits); with data_parallel=1 (expert_parallel may be the same)")
     seed: int = _setting(0, "seed from which unseeded requests derive theirs")
     unseeded_seeds: str = _setting("request_order", "how unseeded requests get a seed: request_order (the engine's "
                                    "request counter) or content (a hash of the request)", choices=UNSEEDED_SEEDS)

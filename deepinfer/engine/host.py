@@ -87,6 +87,8 @@ class ModelHost:
         self.exchanges = spread_experts(self.model, self.layout, self.device) if self.layout.expert_parallel > 1 else []
         if self.layout.context_parallel > 1:
             self.model.context = ContextGroup(self.layout.rank, self.layout.world)
+            for exchange in self.exchanges:  # expert parallelism beside it: split steps dispatch their own rows
+                exchange.context = self.model.context
         self.model.load_tensors(tensors, self.device)
         self.family.use_tokenizer(self.model, self.tokenizer)
 

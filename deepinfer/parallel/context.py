@@ -42,13 +42,16 @@ class ContextSplit:
 
 
 class ContextGroup:
-    """What a model needs to split its steps (`Decoder.context`): this rank's place in the launch."""
+    """What a model needs to split its steps (`Decoder.context`): this rank's place in the launch, and
+    `current`, the split of the step being run (None while it runs whole), which the expert exchange
+    reads under expert parallelism: a split step's MoE rows are already this rank's own."""
 
     def __init__(self, rank: int, ranks: int) -> None:
         self.rank, self.ranks = rank, ranks
+        self.current: ContextSplit | None = None
 
     def split(self, tokens: int, device: torch.device) -> ContextSplit | None:
-        """The split of a step of `tokens` rows, or None for a step too small to split."""
-        if tokens < max(SPLIT_MIN_TOKENS, 2 * self.ranks):
-            return None
-        return ContextSplit(tokens, self.rank, self.ranks, device)
+        """The split of a step of `tokens` rows, or None for a step too small to split (kept as `current`)."""
+        self.current = None if tokens < max(SPLIT_MIN_TOKENS, 2 * self.ranks) else ContextSplit(
+            tokens, self.rank, self.ranks, device)
+        return self.current

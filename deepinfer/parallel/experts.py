@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from deepinfer.model.moe import MoE
+from deepinfer.parallel.context import ContextGroup
 from deepinfer.parallel.layout import ParallelLayout, all_gather_rows, all_to_all
 from deepinfer.parallel.placement import ExpertPlacement, PlacementError
 from deepinfer.kernels.quant import QuantizedWeight
@@ -46,7 +47,10 @@ class ExpertExchange:
     `step_rows`, set by `EngineCore.step` before each step, is how many of the step's rows are
     tokens (the rest pad the step to its bucket; None counts every row). `capacity`, also set per step
     by the engine (the same on every rank), fixes the rows sent to each rank (None: the step's own
-    sizes); `overflow` counts the slots a capacity left out since the last `take_overflow`."""
+    sizes); `overflow` counts the slots a capacity left out since the last `take_overflow`. With
+    context parallelism beside it (`context`, the model's `ContextGroup`), a step split over the ranks
+    brings each rank's own rows: it dispatches all of them and gathers nothing (the model gathers the
+    rows at its end); a step run whole on every rank is shared out as under data_parallel=1."""
 
     def __init__(self, experts: nn.Module, layout: ParallelLayout, placement: ExpertPlacement, n_experts: int,
                  top_k: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
@@ -56,6 +60,7 @@ class ExpertExchange:
         self.attention = attention
         self.loads = torch.zeros(n_experts, dtype=torch.int64, device=device)
         self.step_rows: int | None = None
+        self.context: ContextGroup | None = None
         self.capacity: int | None = None
         self.overflow = torch.zeros((), dtype=torch.int64, device=device)
         self.place(placement)
@@ -77,11 +82,14 @@ class ExpertExchange:
     def routed(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The routed experts' combined output [T, H] for this rank's tokens x [T, H] routed to
         `indices` / `weights` [T, k]."""
-        members, member = self.layout.attention_ranks, self.layout.rank % self.layout.attention_ranks
+        split = None if self.context is None else self.context.current
+        members = 1 if split is not None else self.layout.attention_ranks
+        member = self.layout.rank % members
         tokens = x.shape[0]
         mine = torch.arange(tokens, device=x.device)[member::members]
         picked = indices[mine]
-        real = torch.ones_like(mine) if self.step_rows is None else (mine < self.step_rows).long()
+        step_index = mine if split is None else split.own  # each row's place in the step, padding last
+        real = torch.ones_like(mine) if self.step_rows is None else (step_index < self.step_rows).long()
         self.loads.index_add_(0, picked.reshape(-1), real.repeat_interleave(self.top_k))  # no sizes read back
         flat = picked.reshape(-1)
         rows = torch.arange(flat.shape[0], device=x.device) // self.top_k

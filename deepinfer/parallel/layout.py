@@ -61,16 +61,15 @@ def start_layout(expert_parallel: int, data_parallel: int, context_parallel: int
     """This process's layout: the world of an initialised process group, else of torchrun's
     environment (initialising the group: NCCL for CUDA, gloo for CPU; on CUDA each process takes the
     GPU of its local rank), else one process. Degrees other than 1 or the world size are refused, and
-    context parallelism beside the other two (each rank must run every request, with all experts)."""
+    context parallelism beside data parallelism (each rank must run every request)."""
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     degrees = {"expert_parallel": expert_parallel, "data_parallel": data_parallel, "context_parallel": context_parallel}
     for name, degree in degrees.items():
         if degree not in (1, world):
             raise ParallelError(f"{name}={degree} needs {degree} processes (torchrun --nproc-per-node {degree}); "
                                 f"this run has {world}")
-    if context_parallel > 1 and (expert_parallel > 1 or data_parallel > 1):
-        raise ParallelError("context_parallel runs with expert_parallel=1 and data_parallel=1 (every rank runs "
-                            "every request, with every expert)")
+    if context_parallel > 1 and data_parallel > 1:
+        raise ParallelError("context_parallel runs with data_parallel=1 (every rank runs every request)")
     if world == 1:
         return ParallelLayout()
     if not dist.is_initialized():
