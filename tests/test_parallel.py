@@ -60,9 +60,7 @@ LAYOUTS = {
          {"name": "tiny-ep4-dp1", "preset": "tiny", "dtype": "float32", "ep": 4, "dp": 1},
          {"name": "v41-ep4-dp4", "preset": "v41-tiny", "dtype": "bfloat16", "ep": 4, "dp": 4},
          {"name": "tiny-cp4", "preset": "tiny", "dtype": "bfloat16", "ep": 1, "dp": 1, "cp": 4},
-         {"name": "v41-cp4-ep4-capped", "preset": "v41-tiny", "dtype": "float32", "ep": 4, "dp": 1, "cp": 4,
-          "engine": {"expert_capacity": 1.0}},
-         {"name": "tiny-ep4-dp1-overflow", "preset": "tiny", "dtype": "bfloat16", "ep": 4, "dp": 1,
+         {"name": "v41-cp4-ep4-overflow", "preset": "v41-tiny", "dtype": "float32", "ep": 4, "dp": 1, "cp": 4,
           "engine": {"expert_capacity": 0.5}, "repeat": True}],
     2: [{"name": "tiny-ep2-dp2", "preset": "tiny", "dtype": "bfloat16", "ep": 2, "dp": 2},
          {"name": "tiny-ep1-dp2", "preset": "tiny", "dtype": "float32", "ep": 1, "dp": 2},
@@ -121,15 +119,15 @@ def test_a_fixed_capacity_exchange_reads_nothing_back_and_runs_an_overflowing_st
     """With `expert_capacity` the MoE layers exchange fixed sizes: nothing is read back to the host inside
     them (the sized exchange reads its counts in every layer), and outputs are one process's bits
     (test_every_layout_gives_the_bits_of_one_process) with no slot overflowing (4 times the even share)
-    and with many (half of it): each step that overflowed on any rank ran again on every rank with
-    exact sizes, counted, and a new engine of the same settings serving the same set redoes the same
-    number of steps for the same number of slots."""
+    and with many (half of it, V4.1 at CP 4 / EP 4: split steps and whole ones): each step that
+    overflowed on any rank ran again on every rank with exact sizes, counted, and a new engine of the
+    same settings serving the same set redoes the same number of steps for the same number of slots."""
     two, four = launched[1][2], launched[1][4]
     assert two["tiny-ep2-dp2-reads"] > 0 and two["tiny-ep2-dp2-capped-reads"] == 0
     assert two["tiny-ep2-dp2-capped-redos"] == (0, 0) and two["tiny-ep2-dp2-redos"] == (0, 0)
-    redone, slots = four["tiny-ep4-dp1-overflow-redos"]
+    redone, slots = four["v41-cp4-ep4-overflow-redos"]
     assert redone > 0 and slots > redone
-    assert four["tiny-ep4-dp1-overflow-redos-again"] == (redone, slots)
+    assert four["v41-cp4-ep4-overflow-redos-again"] == (redone, slots)
 
 
 @pytest.mark.parametrize("settings, message", [
