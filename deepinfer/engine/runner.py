@@ -87,8 +87,9 @@ class StepClock:
 
 @dataclass
 class RunnerOutput:
-    """One step's results on the device. Rows [S] follow the sampling chunks in order; prompt rows
-    [P] follow the scoring chunks' `scored` positions in order.
+    """One step's results on the device. Rows [S] follow the sampling chunks in order (then, where the
+    drafter takes bucket-shaped inputs, copies of the first up to the bucket: `result` drops them);
+    prompt rows [P] follow the scoring chunks' `scored` positions in order.
 
     token_ids / logprobs [S, 1 + k] (k: the most drafts of a chunk this step): the token drawn after
     the chunk's last token, then after each of its drafts; num_accepted [S]: how many of those

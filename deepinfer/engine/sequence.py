@@ -57,7 +57,7 @@ class Sequence:
     first_token_time: float | None = None
     draft_state: object | None = None  # the scheduler's drafter's memory of this sequence (`engine.drafter`)
     hold_rates: HoldRates = field(default_factory=HoldRates)  # how often its drafts held (`engine.verify_plan`)
-    proposes: HoldRates = field(default_factory=HoldRates)  # how often its drafter drafted at all, where it could
+    proposes: HoldRates = field(default_factory=HoldRates)  # how often its drafter drafted at all
     prefix_keys: list[bytes] = field(default_factory=list)  # its token blocks' keys, as far as computed (`engine.prefix`)
     num_cached: int = 0  # leading tokens whose rows it took from or offered to the prefix cache
     grammar: Matcher | None = None  # its `structured` constraint after its known tokens (`engine.structured`)
