@@ -7,6 +7,7 @@ package of the dev install): over random schedules, ours rejects exactly what Ne
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import warnings
@@ -157,6 +158,15 @@ def test_schedules_are_accepted_exactly_when_nemo_accepts_them(text):
     except ConfigError:
         ours = False
     assert ours == nemo_accepts(text)
+
+
+def test_the_ep8_rank_preset_is_flash_with_a_ranks_experts() -> None:
+    """`v41-flash-ep8-rank` (one rank's compute under EP 8, measured on one GPU) is the release's shape but
+    for its routed experts (an eighth) and its Engram tables (smaller, the same gathers per token)."""
+    flash, rank = v41_preset_config("v41-flash"), v41_preset_config("v41-flash-ep8-rank")
+    differ = {f.name for f in dataclasses.fields(flash) if getattr(flash, f.name) != getattr(rank, f.name)}
+    assert differ == {"n_routed_experts", "engram_vocab_size", "engram_num_embeddings"}
+    assert rank.n_routed_experts * 8 == flash.n_routed_experts and rank.num_hidden_layers == 40
 
 
 @pytest.mark.parametrize("preset", V41_PRESETS)

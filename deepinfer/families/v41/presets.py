@@ -2,7 +2,10 @@
 
 `v41-tiny` and `v41-small` are for CPU work; `v41-flash-5l` has Flash's widths in five layers (an
 H200 holds it in the release's formats, ~40 GiB; decoded to bf16 it would not fit); `v41-flash` is
-the release's shape, config only. The Flash-width presets declare the release's quantization, the
+the release's shape, config only; `v41-flash-ep8-rank` is what one rank of expert parallelism over 8
+computes of it: every layer, attention and shared experts whole, the 48 routed experts a rank holds
+(routed among themselves, so a step's tokens give the rank the slots it gets at a balanced load), and
+Engram tables of `v41-flash-5l`'s size (a step gathers the same rows from a smaller table). The Flash-width presets declare the release's quantization, the
 small ones are plain unless written with `--quantized`.
 
 Each preset below Flash size has every CSA2 role (window-only, Full at ratio 2 and a Reuse after it, Full at
@@ -20,7 +23,7 @@ from deepinfer.families.v41.config import MODEL_TYPE, TEXT_MODEL_TYPE, V41Config
 from deepinfer.families.v41.engram import engram_layouts, vocabulary_map
 from deepinfer.recipe.tokenizer import BOS, EOS, PAD, V4_VOCAB_SIZE, preset_tokenizer
 
-V41_PRESETS = ("v41-tiny", "v41-small", "v41-flash-5l", "v41-flash")
+V41_PRESETS = ("v41-tiny", "v41-small", "v41-flash-5l", "v41-flash", "v41-flash-ep8-rank")
 V41_CONFIG_ONLY = ("v41-flash",)
 RELEASE_NOISE_TOKEN_ID = 128799  # the release's DSpark mask token, a placeholder of V4's vocabulary (V41 notes, section 2)
 # every role in six layers; the three draft layers (not built yet) are window-only
@@ -44,6 +47,12 @@ _FLASH_WIDTHS = dict(
     candidate_block_size=8, engram_n_heads=8, engram_head_dim=256, engram_max_ngram_size=4,
     dspark_n_routed_experts=128, dspark_num_experts_per_tok=3, dspark_markov_rank=256, quantized=True,
 )
+# the release's 40 layers (V41 notes, section 2)
+_FLASH_SCHEDULE = dict(
+    num_hidden_layers=40, num_nextn_predict_layers=3, compress_ratios=[0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0],
+    kv_source_layer_ids=[2, 8, 14, 20], index_source_layer_ids=[2, 8, 14, 20, 24, 28, 32, 36],
+    candidate_source_layer_id=20, engram_layer_ids=[1, 14], dspark_target_layer_ids=[37, 38, 39],
+)
 
 
 def v41_preset_config(name: str) -> V41Config:
@@ -66,11 +75,9 @@ def v41_preset_config(name: str) -> V41Config:
             **_FLASH_WIDTHS, engram_vocab_size=200003, num_hidden_layers=5, num_nextn_predict_layers=3,
             compress_ratios=[0, 2, 2, 1, 1, 0, 0, 0], kv_source_layer_ids=[1, 3], index_source_layer_ids=[1, 3, 4],
             candidate_source_layer_id=3, engram_layer_ids=[0, 4], dspark_target_layer_ids=[2, 3, 4]),
-        "v41-flash": dict(  # the release's shape (V41 notes, section 2)
-            **_FLASH_WIDTHS, engram_vocab_size=16000000, num_hidden_layers=40, num_nextn_predict_layers=3,
-            compress_ratios=[0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0], kv_source_layer_ids=[2, 8, 14, 20],
-            index_source_layer_ids=[2, 8, 14, 20, 24, 28, 32, 36], candidate_source_layer_id=20,
-            engram_layer_ids=[1, 14], dspark_target_layer_ids=[37, 38, 39]),
+        "v41-flash": dict(**_FLASH_WIDTHS, engram_vocab_size=16000000, **_FLASH_SCHEDULE),  # the release's shape
+        "v41-flash-ep8-rank": dict(**{**_FLASH_WIDTHS, "n_routed_experts": 384 // 8}, engram_vocab_size=200003,
+                                   **_FLASH_SCHEDULE),
     }
     if name not in shapes:
         raise ValueError(f"unknown V4.1 preset {name!r}")
