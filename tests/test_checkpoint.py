@@ -177,7 +177,8 @@ def test_create_into_empty_folder_and_unknown_preset(tmp_path):
     create_checkpoint("tiny", tmp_path / "empty", seed=0)
     assert (tmp_path / "empty" / "model.safetensors").is_file()
     assert _error(create_checkpoint, "huge", tmp_path / "y", 0) == (
-        "unknown preset 'huge'; choose one of tiny, small, flash-4l, flash, v41-tiny, v41-small, v41-flash-5l, v41-flash")
+        "unknown preset 'huge'; choose one of tiny, small, flash-4l, flash, v41-tiny, v41-small, v41-flash-5l, v41-flash, "
+        "v41-flash-ep8-rank")
 
 
 def test_interrupted_create_leaves_nothing(tmp_path, monkeypatch):

@@ -14,7 +14,9 @@ from safetensors.torch import load_file, save_file
 from checkpoint_edits import copy_with
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.checkpoint import CheckpointError, load_checkpoint
+from deepinfer.checkpoint import CheckpointError, files, load_checkpoint
+from deepinfer.checkpoint.random_init import stored_random_tensors
+from deepinfer.engine import host
 from deepinfer.families.v41.layout import footprint
 from deepinfer.families.v41.presets import v41_preset_config
 from deepinfer.cli import main
@@ -132,6 +134,49 @@ def test_weights_kept_quantized_serve_the_bits_of_decoded_weights(tmp_path, devi
         assert (table.data if storage == "quantized" else table).device.type == ("cpu" if tables == "host" else device)
         runs[storage, tables] = [(o.token_ids, o.logprobs, o.prompt_logprobs) for o in llm.generate(prompts, params)]
     assert all(run == runs["decoded", "device"] for run in runs.values())
+
+
+def test_host_engram_tables_never_pass_the_device(v41_checkpoint, monkeypatch):
+    """With engram_tables="host" the Engram tables (weights and scales) are read from the checkpoint, or
+    generated for a preset, straight into host memory; every other tensor onto the device. (On a GPU,
+    V4.1-Flash's 188.8 GiB of tables could not be loaded there first.) The device here is a stand-in
+    name: the recorded reads say where each tensor was asked for."""
+    reads, real_open, real_load = {}, files._open, host.load_checkpoint
+
+    class Recording:  # a safetensors handle on the CPU that records the device it was opened for
+        def __init__(self, path, device="cpu"):
+            self.handle, self.device = real_open(path, "cpu"), str(device)
+
+        def get_tensor(self, name):
+            reads[name] = self.device
+            return self.handle.get_tensor(name)
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.__exit__(*exc)
+
+    def load(folder, device, placement, **settings):  # the engine's device read as "gpu"
+        return real_load(folder, device, placement=lambda name: "gpu" if placement(name) == device else
+                         placement(name), **settings)
+
+    monkeypatch.setattr(files, "_open", Recording)
+    monkeypatch.setattr(host, "load_checkpoint", load)
+    LLM(v41_checkpoint, engram_tables="host", weight_storage="quantized")
+    tables = {name for name in reads if ".engram.embed." in name}
+    assert len(tables) == 4 and {reads[name] for name in tables} == {"cpu"}  # two layers, weight and scale
+    assert {device for name, device in reads.items() if name not in tables} == {"gpu"}
+    config = v41_preset_config("v41-tiny")  # a preset's: the tables made in host memory, the rest on the device
+    split = stored_random_tensors(config, 3, torch.float32, device="meta", include_mtp=False,
+                                  placement=lambda name: "cpu" if ".engram.embed." in name else "meta")
+    table = split["layers.0.engram.embed.weight"]
+    assert table.device.type == "cpu" and split["layers.0.attn.wkv.weight"].device.type == "meta"
+    whole = stored_random_tensors(config, 3, torch.float32, include_mtp=False)  # the same values as made whole
+    assert torch.equal(table, whole["layers.0.engram.embed.weight"])
 
 
 def test_a_quantized_checkpoint_missing_a_scale_fails_in_one_line(tmp_path):

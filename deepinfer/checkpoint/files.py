@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -60,16 +61,23 @@ def read_headers(files: list[Path]) -> dict[str, tuple[Path, str, tuple[int, ...
 
 
 class WeightReader:
-    """All weight files held open at once; tensors fetched by name, in any order."""
+    """All weight files held open at once; tensors fetched by name, in any order, each onto `device`,
+    or where `placement(name)` says (a model may keep some tensors in host memory: they are read
+    there, never through the device)."""
 
-    def __init__(self, files: list[Path], device: str | torch.device = "cpu"):
+    def __init__(self, files: list[Path], device: str | torch.device = "cpu",
+                 placement: Callable[[str], str | torch.device] | None = None):
         self.headers = read_headers(files)
-        self._handles = {path: _open(path, device) for path in files}
+        self.device, self.placement = device, placement
+        self._handles = {(path, str(device)): _open(path, device) for path in files}
 
     def get(self, name: str) -> torch.Tensor:
         path = self.headers[name][0]
+        device = str(self.device if self.placement is None else self.placement(name))
+        if (path, device) not in self._handles:
+            self._handles[path, device] = _open(path, device)
         try:
-            return self._handles[path].get_tensor(name)
+            return self._handles[path, device].get_tensor(name)
         except SafetensorError as err:
             raise _corrupt(path, err) from None
 

@@ -51,22 +51,23 @@ def checkpoint_config(folder: str | Path):
 
 
 def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu", *,
-                    quantized_as: torch.dtype | None = None, needed: Callable[[str], bool] | None = None
-                    ) -> Checkpoint:
+                    quantized_as: torch.dtype | None = None, needed: Callable[[str], bool] | None = None,
+                    placement: Callable[[str], str | torch.device] | None = None) -> Checkpoint:
     """The checkpoint's config and tensors on `device`, validated and hashed as stored. Quantized weights
     are decoded exactly to fp32, or, given `quantized_as` (V4.1 only; V4's may carry float32 scales),
     kept as stored in `QuantizedWeight`s that decode to that dtype. Given `needed` (a rank's share of the
     experts: `deepinfer.parallel.placement.held_tensors`), only the tensors it names are read, each
     by its own offsets in its file; every header is still checked. The content hash comes from the
     cache, or else from every tensor's bytes, read one at a time (those not needed are dropped as soon
-    as they are hashed)."""
+    as they are hashed). Given `placement`, each tensor is read onto the device it names instead (a
+    model's host-resident tensors, e.g. V4.1's Engram tables in host memory, never pass the GPU)."""
     folder = _existing(folder)
     config = load_config(folder)
     files = weight_files(folder)
     digest = cached_hash(files)
     hasher = TensorHasher() if digest is None else None  # every tensor as stored, the unused ones included
     tensors, bytes_read = {}, 0
-    with WeightReader(files, device) as reader:
+    with WeightReader(files, device, placement) as reader:
         has_mtp, weight_dtype, wider = check_tensors(config, reader.headers)
         for name in sorted(reader.headers):
             keep = needed is None or needed(name)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 
 import torch
@@ -52,29 +52,33 @@ def random_tensors(config: ModelConfig, seed: int, dtype: torch.dtype, device: s
 
 
 def stored_random_tensors(config: ModelConfig | V41Config, seed: int, dtype: torch.dtype,
-                          device: str | torch.device = "cpu", include_mtp: bool = True) -> Mapping[str, torch.Tensor]:
+                          device: str | torch.device = "cpu", include_mtp: bool = True,
+                          placement: Callable[[str], str | torch.device] | None = None) -> Mapping[str, torch.Tensor]:
     """The seeded tensors as a checkpoint of `config` stores them: `RandomTensors` of the plain model,
     encoded in the release's formats when the config declares V4.1's quantization (the plain tensors
     are generated one at a time, so only the encoded model is ever held whole)."""
     if config.quantization_config is None:
-        return RandomTensors(config, seed, dtype, device, include_mtp)
+        return RandomTensors(config, seed, dtype, device, include_mtp, placement)
     plain = replace(config, quantization_config=None)
-    encoded = family_of(config).encode_random(config, RandomTensors(plain, seed, dtype, device, include_mtp))
-    return encoded if encoded is not None else RandomTensors(config, seed, dtype, device, include_mtp)
+    encoded = family_of(config).encode_random(config, RandomTensors(plain, seed, dtype, device, include_mtp,
+                                                                    placement))
+    return encoded if encoded is not None else RandomTensors(config, seed, dtype, device, include_mtp, placement)
 
 
 class RandomTensors(Mapping[str, torch.Tensor]):
     """`random_tensors` made lazy: a tensor is generated when looked up, so a writer can stream a
-    big preset tensor by tensor."""
+    big preset tensor by tensor; on `device`, or where `placement(name)` says (the values do not
+    depend on the device: counter-based)."""
 
     def __init__(self, config: ModelConfig, seed: int, dtype: torch.dtype, device: str | torch.device = "cpu",
-                 include_mtp: bool = True):
+                 include_mtp: bool = True, placement: Callable[[str], str | torch.device] | None = None):
         self._args = (config, seed)
-        self._dtype, self._device = dtype, device
+        self._dtype, self._device, self._placement = dtype, device, placement
         self._specs = expected_tensors(config, include_mtp)
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return random_tensor(*self._args, name, self._specs[name], self._dtype, self._device)
+        device = self._device if self._placement is None else self._placement(name)
+        return random_tensor(*self._args, name, self._specs[name], self._dtype, device)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._specs)

@@ -8,6 +8,7 @@ other scheduling and cache settings over the same host.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -77,8 +78,6 @@ class ModelHost:
                                self.layout.world, machine_memory(self.device), headroom_fraction=0.0,
                                on_cpu=self.device.type == "cpu"))
         self.bytes_read = 0  # checkpoint bytes this process read (a preset's weights are generated)
-        tensors, self.tokenizer, self.model_id, self.stored_formats = self._load(model, model_config, quantized_as,
-                                                                                  config.seed)
         self.config: ModelConfig | V41Config = model_config
         self.family = family_of(model_config)
         self.check_max_model_len(config)  # before the weights load, so a bad setting fails fast
@@ -89,6 +88,9 @@ class ModelHost:
             self.model.context = ContextGroup(self.layout.rank, self.layout.world)
             for exchange in self.exchanges:  # expert parallelism beside it: split steps dispatch their own rows
                 exchange.context = self.model.context
+        # each tensor is read (or generated) where the model keeps it: host-resident ones never pass the GPU
+        tensors, self.tokenizer, self.model_id, self.stored_formats = self._load(
+            model, model_config, quantized_as, config.seed, lambda name: self.model.placement(name, self.device))
         self.model.load_tensors(tensors, self.device)
         self.family.use_tokenizer(self.model, self.tokenizer)
 
@@ -172,14 +174,15 @@ class ModelHost:
         return checkpoint_config(Path(model) if model is not None else default_checkpoint())
 
     def _load(self, model: str | Path | None, config: ModelConfig | V41Config, quantized_as: torch.dtype | None,
-              seed: int):
+              seed: int, placement: Callable[[str], str | torch.device]):
         """(tensors as `weights_in_memory` gives them, tokenizer, model id, stored formats) of `model`,
         whose config is `config`; a preset's weights are seeded with the engine's `seed` (under expert
         parallelism, only the routed experts this rank holds are generated)."""
         if isinstance(model, str) and model.startswith(PRESET_PREFIX):
             # a quantized preset is generated as its checkpoint is written, in the checkpoint's dtype
             dtype = self.dtype if config.quantization_config is None else DTYPES[weight_dtype_name(config) or "float32"]
-            stored = stored_random_tensors(config, seed, dtype, device=self.device, include_mtp=False)
+            stored = stored_random_tensors(config, seed, dtype, device=self.device, include_mtp=False,
+                                           placement=placement)
             needed = self._needed(config) or (lambda name: True)
             tensors = {name: stored[name] for name in stored if needed(name)}  # generated here, a rank its share
             formats = stored_formats(config, str(dtype).removeprefix("torch."))
@@ -188,7 +191,7 @@ class ModelHost:
             return tensors, tokenizer, f"{model}:seed={seed}", formats
         folder = Path(model) if model is not None else default_checkpoint()
         checkpoint = load_checkpoint(folder, device=self.device, quantized_as=quantized_as,
-                                     needed=self._needed(config))
+                                     needed=self._needed(config), placement=placement)
         self.bytes_read = checkpoint.bytes_read
         tokenizer = TextTokenizer.from_folder(folder) if checkpoint.tokenizer_path else None
         return checkpoint.tensors, tokenizer, checkpoint.content_hash, checkpoint.formats

@@ -100,7 +100,8 @@ class DeepseekV41(Decoder):
             self.engram_tokens = EngramTokens(compressed, pad, self.config.engram_max_ngram_size - 1)
 
     def placement(self, name: str, device: torch.device | str) -> torch.device | str:
-        return "cpu" if self.engram_on_host and name.endswith(".engram.embed.weight") else device
+        """The Engram tables (their stored scales too) in host memory with `engram_on_host`."""
+        return "cpu" if self.engram_on_host and ".engram.embed." in name else device
 
     def load_tensors(self, tensors: dict[str, torch.Tensor], device: torch.device | str) -> None:
         super().load_tensors(tensors, device)
