@@ -109,7 +109,8 @@ def test_batch_size_auto_is_one_error_line(runs):
                                               "(--device, default cuda:0); give it once"),
     ({"pretrained": "gpt2"}, {}, "unknown model_args pretrained (known: async_scheduling, batch_size, block_size, cache_qdq, "
                                  "context_parallel, cuda_graphs, data_parallel, device, draft_confidence, draft_tokens, "
-                                 "dtype, enable_chunked_prefill, engram_tables, expert_parallel, max_model_len, "
+                                 "dtype, enable_chunked_prefill, engram_tables, expert_capacity, expert_parallel, "
+                                 "max_model_len, "
                                  "max_num_batched_tokens, model, num_cache_blocks, numerics, prefix_caching, run_dir, "
                                  "run_seed, speculation, suite, unseeded_seeds, verify_policy, weight_storage)"),
 ])
