@@ -64,6 +64,9 @@ class BigramModel(nn.Module):
                                                        requires_grad=False))
         self.pools = [PoolSpec("window", "window", (0,), config.hidden_size, window=8)]
 
+    def placement(self, name: str, device):
+        return device  # every tensor on the engine's device
+
     def load_tensors(self, tensors: dict, device) -> None:
         for name in list(self._parameters):
             value = tensors.pop(name).to(device)

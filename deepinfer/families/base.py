@@ -67,6 +67,9 @@ class Family:
 
     def build_model(self, config, ops: Ops, dtype: torch.dtype, device: torch.device | str = "meta",
                     cache_qdq: bool = True, engram_on_host: bool = False):
+        """The model, its weights not loaded, with `deepinfer.model.Decoder`'s interface: `pools`,
+        `placement(name, device)` (where each tensor is read to and kept), `load_tensors`, the forward
+        and `logits`."""
         raise NotImplementedError
 
     def use_tokenizer(self, model, tokenizer) -> None:
