@@ -229,7 +229,8 @@ class EngineCore:
         run again by every rank with its own sizes (before anything reads its results: its cache rows
         are rewritten, its tokens drawn again from the same logits); the redo counts no expert loads,
         the first run did."""
-        overflow = agree(sum(exchange.take_overflow() for exchange in self.host.exchanges), dist.ReduceOp.SUM)
+        counted = sum(exchange.take_overflow() for exchange in self.host.exchanges)  # summed on the device
+        overflow = agree(int(counted), dist.ReduceOp.SUM)  # the step's one read of them
         if overflow == 0:
             return current
         self.num_exchange_redos += 1

@@ -136,9 +136,9 @@ class ExpertExchange:
         returned = all_to_all(outputs, sizes, sizes)
         return torch.cat([returned, returned.new_zeros(1, returned.shape[1])])[at]
 
-    def take_overflow(self) -> int:
-        """Slots a capacity left out since the last call (reads the device)."""
-        count = int(self.overflow)
+    def take_overflow(self) -> torch.Tensor:
+        """Slots a capacity left out since the last call (a device scalar: the caller reads it)."""
+        count = self.overflow.clone()
         self.overflow.zero_()
         return count
 
