@@ -197,14 +197,17 @@ def fitting(run: Callable[[int], T], step_tokens: int, what: str) -> tuple[T, in
 
 
 def decode(model: LLM, batches: list[int], contexts: list[int], context_tokens: int, steps: int,
-           step_tokens: int, rows: list[dict], save: Callable[[], None]) -> None:
-    """ms per decode step of `model` (its numerics) at each batch size and context, under each setup
-    (prompts prefilled in steps of at most `step_tokens`), appended to `rows` (and `save`d) one by one."""
+           step_tokens: int, setups: list[str] | None, rows: list[dict], save: Callable[[], None]) -> None:
+    """ms per decode step of `model` (its numerics) at each batch size and context, under each setup (of
+    `setups`, or all; prompts prefilled in steps of at most `step_tokens`), appended to `rows` (and
+    `save`d) one by one."""
     for context in contexts:
         for batch in batches:
             if context != contexts[0] and batch * context > context_tokens:
                 continue
             for setup, settings in SETUPS[model.numerics].items():
+                if setups and setup not in setups:
+                    continue
                 llm, prefilled_in = fitting(
                     lambda budget: decoding_engine(model, batch, 2 * steps + 16, prompt_tokens=context,
                                                    max_num_batched_tokens=budget, **settings),
@@ -269,6 +272,8 @@ def main() -> None:
                         help="step budget of every prefill, timed or before decode (halved where it runs out of memory)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["kernels", "decode", "prefill", "transformers"])
     parser.add_argument("--modes", nargs="+", default=list(NUMERICS), choices=NUMERICS)
+    parser.add_argument("--setups", nargs="+", choices=sorted({s for mode in SETUPS.values() for s in mode}),
+                        help="decode only under these engine setups (default: every one of SETUPS)")
     parser.add_argument("--merge", nargs="+", metavar="REPORT", help="merge these reports instead of measuring")
     args = parser.parse_args()
     out = Path(args.out)
@@ -291,7 +296,7 @@ def main() -> None:
                 print(json.dumps(report["prefill"][-1]), flush=True)
         if "decode" not in args.skip:
             decode(model, args.batches, args.contexts, args.context_tokens, args.steps, args.prefill_step_tokens,
-                   report.setdefault("decode", []), lambda: out.write_text(json.dumps(report, indent=1)))
+                   args.setups, report.setdefault("decode", []), lambda: out.write_text(json.dumps(report, indent=1)))
         if numerics == "batch_invariant":
             step_bytes = decode_bytes(model.model, 1, args.contexts[0])
             report["roofline_batch1"] = {"bytes_per_step": step_bytes,

@@ -12,11 +12,11 @@ Why a row's bits cannot depend on the batch, kernel by kernel:
   weight with `tl.dot` over BLOCK_K slices in increasing k, each dot adding its slice into the
   accumulator in k order (16-wide steps of the matrix instructions in bf16, one k at a time in
   fp32 FMA). So an output element is a fold over k in increasing order that depends on its own
-  row and column only: the tile shape (`matmul_tiles`, chosen from the row count for speed), the
+  row and column only: the tile shape (`matmul_tiles` and `expert_tiles`, chosen for speed), the
   warps, the pipeline depth and the instruction family (wgmma or mma) leave its bits unchanged
   (on the H200 BLOCK_K does not matter either, but the interpreter's dot does depend on it, so it
   is one constant). That is a property of the compiled code, not a promise of Triton's, so the
-  CUDA tests check every tile shape `matmul_tiles` can pick bit for bit against one another;
+  CUDA tests check every tile shape those can pick bit for bit against one another;
 - products of more than 512 rows of a plain weight run `_persistent_matmul_kernel`: one program per
   SM walks the output tiles, its operands brought in by tensor descriptors (TMA) instead of masked
   pointer loads; a tile's arithmetic is the same `tl.dot` fold over the same BLOCK_K slices, and
@@ -83,6 +83,7 @@ KV_BLOCK = 64  # keys per indexer program
 ATTENTION_HEADS = 16  # heads per attention program (each key block is read once for all of them)
 ATTENTION_KEYS = 32  # keys per attention block (with 16 heads and head_dim 512 the operands fit shared memory)
 PERSISTENT_BAND = 8  # row tiles the persistent matmul sweeps together over the weight's column tiles
+EXPERT_ROWS = 8  # slots an expert gets on average up to which its rows run in 16-row tiles (`expert_tiles`)
 
 
 @triton.jit
@@ -100,22 +101,29 @@ def _weight_rows(w_ptr, s_ptr, matrix, rows, N, K, FORMAT: tl.constexpr, TILE_N:
 
 @triton.jit
 def _e4m3(byte):
-    """fp32 values of E4M3 bytes: signed zeros, subnormals m * 2^-9, NaN for 0x7F and 0xFF."""
+    """fp32 values of E4M3 bytes: signed zeros, subnormals m * 2^-9, NaN for 0x7F and 0xFF.
+
+    The byte's seven magnitude bits, moved to the top of an fp32's exponent and mantissa fields,
+    are the fp32 of value * 2^-120 (both formats' subnormals included, the fp32 ones for the E4M3
+    subnormals), and the product with 2^120 is exact: five integer operations and one multiply a
+    code, where decoding exponent and mantissa apart took twice that and an int-to-float conversion."""
     bits = byte.to(tl.int32)
-    exponent, mantissa = (bits >> 3) & 15, bits & 7
-    subnormal = (mantissa.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)
-    magnitude = tl.where(exponent == 0, subnormal, ((exponent + 120) << 23) | (mantissa << 20))
-    magnitude = tl.where((bits & 0x7F) == 0x7F, 0x7FC00000, magnitude)
-    return (magnitude | ((bits & 0x80) << 24)).to(tl.float32, bitcast=True)
+    magnitude = tl.where((bits & 0x7F) == 0x7F, 0x7FC00000, (bits & 0x7F) << 20)
+    return (magnitude | ((bits & 0x80) << 24)).to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2^120
 
 
 @triton.jit
-def _e2m1(code):
-    """fp32 values of E2M1 codes 0..15 (int32) as `quant.mxfp4_decode` gives them: magnitudes in
-    quarters, code 8 (negative zero) +0.0."""
-    exponent, mantissa = (code >> 1) & 3, code & 1
-    magnitude = tl.where(exponent == 0, 2 * mantissa, (2 + mantissa) << exponent).to(tl.float32) * 0.25
-    return tl.where(code >= 8, 0.0 - magnitude, magnitude)
+def _e2m1(packed, SHIFT: tl.constexpr):
+    """fp32 values of the E2M1 codes in bits SHIFT .. SHIFT + 3 of `packed` (int32), as
+    `quant.mxfp4_decode` gives them (magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6), but -0.0 for code 8 where it
+    gives +0.0: a B element's zero sign never shows in a product, whose accumulator starts at +0.0.
+
+    As in `_e4m3`, the three magnitude bits at the top of the fp32 fields are value * 2^-126 (0.5 the
+    fp32 subnormal 2^-127, which the multiply keeps: Triton does not flush fp32 subnormals), and the sign
+    bit goes to the sign."""
+    magnitude = (packed << (22 - SHIFT)) & 0x01C00000
+    sign = (packed << (28 - SHIFT)) & -0x80000000
+    return (magnitude | sign).to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
 
 
 @triton.jit
@@ -148,7 +156,7 @@ def _b_tile(w_rows, s_rows, start, K, col_ok, FORMAT: tl.constexpr, TILE_K: tl.c
             half = start // 2 + tl.arange(0, BLOCK_K // 2)
             packed = tl.load(w_rows + half[:, None], mask=(2 * half < K)[:, None] & col_ok[None, :], other=0)
             packed = packed.to(tl.int32)
-            pairs = tl.join(_e2m1(packed & 15), _e2m1(packed >> 4))  # [BLOCK_K / 2, BLOCK_N, 2]
+            pairs = tl.join(_e2m1(packed, 0), _e2m1(packed, 4))  # [BLOCK_K / 2, BLOCK_N, 2]
             values = tl.reshape(tl.permute(pairs, (0, 2, 1)), (BLOCK_K, BLOCK_N))
         if BLOCK_K % TILE_K == 0:
             groups = start // TILE_K + tl.arange(0, BLOCK_K // TILE_K)
@@ -311,6 +319,16 @@ def matmul_tiles(rows: int, width: int, dtype: torch.dtype) -> Tiles:
     return Tiles(128, 128, 8, 4, persistent=True)
 
 
+def expert_tiles(slots: int, experts: int, width: int, dtype: torch.dtype) -> Tiles:
+    """The launch shape for `slots` rows spread over `experts` [width, K] weights. Each expert's rows run
+    in row tiles that decode its weight once each, so a tile's rows should be about what an expert gets:
+    up to EXPERT_ROWS slots an expert on average (decode batches), 16-row tiles, which the smaller
+    matrix instructions compute at a quarter of the 64-row tiles' work; more, `matmul_tiles`'s shapes."""
+    if slots <= EXPERT_ROWS * experts:
+        return Tiles(16, 64, 4, 3)
+    return matmul_tiles(slots, width, dtype)
+
+
 def k_splits(width: int, depth: int) -> int:
     """How many K chunks of K_CHUNK a product with `width` output columns and K = `depth` sums, in chunk
     order: from the weight's shape alone, so a row's bits never depend on the batch."""
@@ -447,7 +465,7 @@ def expert_matmul(
         return out
     experts = active_experts(offsets, count) if experts is None else experts
     w, s, layout = _b_operands(weight)
-    tiles = matmul_tiles(count, width, weight.dtype)
+    tiles = expert_tiles(count, weight.shape[0], width, weight.dtype)
     _expert_matmul_kernel[(triton.cdiv(width, tiles.block_n), experts.shape[0])](
         x, offsets if rows is None else rows, offsets if dest is None else dest, offsets, experts, w, s, out, width,
         depth, x.stride(0), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=BLOCK_K, **layout,

@@ -201,9 +201,10 @@ def test_active_experts_come_first_and_cover_every_slot(counts: list[int]) -> No
 
 
 def _all_tiles(dtype: torch.dtype) -> list[triton_ops.Tiles]:
-    """Every launch shape `matmul_tiles` can pick for weights of `dtype`."""
+    """Every launch shape `matmul_tiles` and `expert_tiles` can pick for weights of `dtype`."""
     picks = {triton_ops.matmul_tiles(rows, width, dtype) for rows in (1, 64, 65, 512, 513, 4096)
              for width in (100, 4096, 8192, 16384, 65536)}
+    picks.add(triton_ops.expert_tiles(1, 1, 100, dtype))
     return sorted(picks, key=lambda tiles: tuple(vars(tiles).values()))
 
 
@@ -214,8 +215,8 @@ def test_every_launch_shape_gives_the_same_bits(monkeypatch, dtype: torch.dtype)
     x, weight = _randn(70, 96, seed=7, dtype=dtype), _randn(80, 96, seed=8, dtype=dtype)
     skinny_x, skinny = _randn(5, SKINNY_K, seed=9), _randn(24, SKINNY_K, seed=10, dtype=dtype)
     experts = _randn(3, 40, 96, seed=11, dtype=dtype)
-    order = torch.tensor([5, 0, 69, 3, 4, 1, 2], device=DEVICE)
-    offsets = torch.tensor([0, 3, 3, 7], device=DEVICE)
+    order = torch.tensor([5, 0, 69, 3, 4, 1, 2, *range(50, 64)], device=DEVICE)
+    offsets = torch.tensor([0, 3, 3, 21], device=DEVICE)  # an expert with more slots than a 16-row tile
 
     def products() -> list[torch.Tensor]:
         return [triton_ops.linear(x, weight), triton_ops.grouped_linear(x.view(70, 2, 48), weight.view(160, 48), 2),
@@ -224,6 +225,7 @@ def test_every_launch_shape_gives_the_same_bits(monkeypatch, dtype: torch.dtype)
     reference = products()
     for tiles in _all_tiles(dtype):
         monkeypatch.setattr(triton_ops, "matmul_tiles", lambda *args, tiles=tiles: tiles)
+        monkeypatch.setattr(triton_ops, "expert_tiles", lambda *args, tiles=tiles: tiles)
         for out, expected in zip(products(), reference):
             _assert_same_bits(out, expected)
 
