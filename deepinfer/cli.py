@@ -232,7 +232,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     name = args.model.removeprefix("preset:")
     config = preset_config(name) if name in PRESETS else checkpoint_config(args.model)
     engine = config_from_flags(args, device="cuda")
-    plan = plan_memory(args.model, config, engine, args.gpus, _gpu_bytes(args.gpu_memory))
+    plan = plan_memory(args.model, config, engine, args.gpus, _gpu_bytes(args.gpu_memory),
+                       from_files=name not in PRESETS)
     print("\n".join(plan.lines()))
     check_fits(plan)
     return 0

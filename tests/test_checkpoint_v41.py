@@ -6,6 +6,7 @@ router biases a released checkpoint also carries are accepted and left unused by
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -177,6 +178,33 @@ def test_host_engram_tables_never_pass_the_device(v41_checkpoint, monkeypatch):
     assert table.device.type == "cpu" and split["layers.0.attn.wkv.weight"].device.type == "meta"
     whole = stored_random_tensors(config, 3, torch.float32, include_mtp=False)  # the same values as made whole
     assert torch.equal(table, whole["layers.0.engram.embed.weight"])
+
+
+def _file_mappings(folder) -> list[tuple[int, int]]:
+    """The address ranges this process maps from `folder`'s files (Linux's /proc/self/maps)."""
+    ranges = []
+    for line in open("/proc/self/maps"):
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].strip().startswith(str(folder.resolve())):
+            start, end = (int(bound, 16) for bound in fields[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux's /proc/self/maps")
+def test_host_engram_tables_kept_as_stored_are_the_checkpoint_files_pages(v41_checkpoint):
+    """Engram tables kept in host memory as stored are the checkpoint file's own pages, mapped, never
+    copied: every process of a machine that loads the folder (the ranks of expert parallelism) shares
+    one copy in the page cache, and only the rows steps read are ever brought in from disk."""
+    llm = LLM(v41_checkpoint, engram_tables="host", weight_storage="quantized", max_model_len=128)
+    mapped = _file_mappings(v41_checkpoint)
+    tables = [llm.model.layers[layer].engram.embed.weight for layer in (0, 4)]
+    for table in tables:
+        for part in (table.data, table.scale):
+            first, last = part.data_ptr(), part.data_ptr() + part.numel() * part.element_size()
+            assert any(start <= first and last <= end for start, end in mapped)
+    experts = llm.model.layers[1].ffn.experts.w13.data  # stacked across experts: memory of the process's own
+    assert not any(start <= experts.data_ptr() < end for start, end in mapped)
 
 
 def test_a_quantized_checkpoint_missing_a_scale_fails_in_one_line(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, EngineConfig
-from deepinfer.checkpoint import preset_config
+from deepinfer.checkpoint import checkpoint_config, preset_config
 from deepinfer.cli import main
 from deepinfer.engine.memory_plan import (
     CACHES, DRAFT, ENGRAM, EXCHANGE, EXPERTS, HEADROOM, SHARED, PlanError, check_fits, plan_memory,
@@ -114,6 +114,27 @@ def test_a_fixed_capacity_exchange_is_planned_at_the_largest_step() -> None:
         check_fits(plan_memory("v41-flash", config, replace(engine, expert_capacity=256.0), 8, H200))
 
 
+def test_host_engram_tables_read_from_files_as_stored_are_one_copy_a_machine(v41_checkpoint, capsys) -> None:
+    """Engram tables a checkpoint folder holds, kept in host memory as stored, are the file's mapped pages
+    (tests/test_checkpoint_v41.py checks it): the plan counts them once for a machine's ranks; a
+    preset's (generated in each process) or widened ones once per rank."""
+    engine = EngineConfig(device="cuda", dtype="bfloat16", max_model_len=256, engram_tables="host",
+                          expert_parallel=4)
+    config = checkpoint_config(v41_checkpoint)  # the release's formats: FP8 tables with their scales
+    table = {p.name: p for p in plan_memory("v41-tiny", config, engine, 4, H200).parts}[ENGRAM]
+    shared = plan_memory(str(v41_checkpoint), config, engine, 4, H200, from_files=True)
+    widened = plan_memory(str(v41_checkpoint), config, replace(engine, weight_storage="decoded"), 4, H200,
+                          from_files=True)
+    generated = plan_memory("v41-tiny", config, engine, 4, H200)
+    assert shared.machine_host_total == table.bytes and generated.machine_host_total == 4 * table.bytes
+    assert widened.machine_host_total == 4 * widened.host_total
+    assert main(["plan", "--model", str(v41_checkpoint), "--gpus", "4", "--expert-parallel", "4",
+                 "--engram-tables", "host"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert next(line for line in out if line.split()[:2] == ["Engram", "tables"]).endswith(
+        "(host memory, the checkpoint file's pages: one copy a machine)")
+
+
 def test_caches_that_overflow_are_named() -> None:
     engine = EngineConfig(device="cuda", dtype="bfloat16", max_model_len=65536, max_num_seqs=256)
     plan = plan_memory("v41-tiny", preset_config("v41-tiny"), engine, 1, GIB)
@@ -142,7 +163,9 @@ def test_plan_command(capsys) -> None:
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("v41-flash on 8 GPUs of 140.4 GiB (EP 8, weights as stored, bfloat16, max_model_len ")
     assert any(line.split()[:2] == ["routed", "experts"] and "48 of 384 per MoE layer" in line for line in out)
-    assert any("(host memory)" in line for line in out) and out[-1].startswith("fits: ")
+    engram = next(line for line in out if line.split()[:2] == ["Engram", "tables"])
+    assert engram.endswith("(host memory, a copy per rank)") and out[-1].startswith("fits: ")  # a preset's: generated
+    assert next(line for line in out if "host total" in line).endswith("1510.7 for the 8 ranks of one machine")
     assert main(["plan", "--model", "preset:flash", "--gpus", "2", "--expert-parallel", "2",
                  "--gpu-memory", "140.4"]) == 2
     captured = capsys.readouterr()

@@ -76,7 +76,8 @@ class ModelHost:
         # before anything loads: refuse a model whose weights and caches cannot fit this device (or machine)
         check_fits(plan_memory(str(model) if model is not None else "the default checkpoint", model_config, config,
                                self.layout.world, machine_memory(self.device), headroom_fraction=0.0,
-                               on_cpu=self.device.type == "cpu"))
+                               on_cpu=self.device.type == "cpu",
+                               from_files=not (isinstance(model, str) and model.startswith(PRESET_PREFIX))))
         self.bytes_read = 0  # checkpoint bytes this process read (a preset's weights are generated)
         self.config: ModelConfig | V41Config = model_config
         self.family = family_of(model_config)

@@ -5,7 +5,8 @@ Per rank: the weights in the formats the engine keeps them in (`weight_storage`:
 MXFP4 with their scales, or widened to the engine's dtype), in four parts: what every rank holds
 (attention, norms, routers, shared experts, embedding, head), the routed experts it holds (its
 1/expert_parallel share of each MoE layer's, rounded up: the contiguous placement), V4.1's Engram
-tables (on the device or in host memory, `engram_tables`) and the draft model speculation loads (its
+tables (on the device or in host memory, `engram_tables`: read from a checkpoint as stored, the file's
+mapped pages, which a machine's ranks share) and the draft model speculation loads (its
 weights widened to the engine's dtype, as the engine keeps them); the cache pools sized for
 max_num_seqs sequences of max_model_len (`engine.cache.cache_bytes`, the engine's own rule: under data
 parallelism each rank caches its own requests, otherwise every request it runs, and under context
@@ -55,6 +56,7 @@ class Part:
     detail: str
     bytes: int
     on_gpu: bool = True
+    per_machine: bool = False  # in host memory once for all the ranks of a machine (a checkpoint file's pages)
 
 
 @dataclass
@@ -78,6 +80,11 @@ class MemoryPlan:
     @property
     def host_total(self) -> int:
         return sum(part.bytes for part in self.parts if not part.on_gpu)
+
+    @property
+    def machine_host_total(self) -> int:
+        """Host memory the `gpus` ranks of one machine need together."""
+        return sum(part.bytes * (1 if part.per_machine else self.gpus) for part in self.parts if not part.on_gpu)
 
     def where(self) -> str:
         if self.on_cpu:
@@ -108,11 +115,12 @@ class MemoryPlan:
                f"{self.engine.dtype}, max_model_len {self.max_model_len}, max_num_seqs {self.engine.max_num_seqs}): "
                f"per rank"]
         for part in self.parts:
-            where = "" if part.on_gpu else "  (host memory)"
+            where = "" if part.on_gpu else "  (host memory, the checkpoint file's pages: one copy a machine)" \
+                if part.per_machine else "  (host memory, a copy per rank)"
             out.append(f"  {part.name:<{width}}  {gib(part.bytes):>9} GiB  {part.detail}{where}")
         out.append(f"  {'GPU total':<{width}}  {gib(self.gpu_total):>9} GiB  of {gib(self.gpu_bytes)}")
-        if self.host_total:  # every rank of a machine holds its own
-            out.append(f"  {'host total':<{width}}  {gib(self.host_total):>9} GiB  {gib(self.host_total * self.gpus)} "
+        if self.host_total:
+            out.append(f"  {'host total':<{width}}  {gib(self.host_total):>9} GiB  {gib(self.machine_host_total)} "
                        f"for the {self.gpus} rank{'s' if self.gpus > 1 else ''} of one machine")
         spare = self.gpu_bytes - self.gpu_total
         out.append(f"fits: {gib(spare)} GiB to spare per GPU" if spare >= 0 else
@@ -181,11 +189,14 @@ def _formats(specs: list[TensorSpec], keep_quantized: bool, dtype: str) -> str:
 
 
 def plan_memory(model: str, config, engine: EngineConfig, gpus: int, gpu_bytes: int,
-                headroom_fraction: float = HEADROOM_FRACTION, on_cpu: bool = False) -> MemoryPlan:
+                headroom_fraction: float = HEADROOM_FRACTION, on_cpu: bool = False,
+                from_files: bool = False) -> MemoryPlan:
     """The per-rank memory of `config`'s model (named `model` in the lines) served under `engine` on
     `gpus` cards of `gpu_bytes` each (the engine's parallel degrees are 1 or `gpus`), keeping
     `headroom_fraction` of each card for what the plan does not model; `on_cpu`: the engine runs on
-    the CPU and `gpu_bytes` is the machine's memory, which holds every part."""
+    the CPU and `gpu_bytes` is the machine's memory, which holds every part. `from_files`: the weights
+    are read from a checkpoint folder (a preset's are generated in each process), so Engram tables kept
+    in host memory as stored are the files' mapped pages, one copy for a machine's ranks."""
     for name in ("expert_parallel", "data_parallel", "context_parallel"):
         if getattr(engine, name) not in (1, gpus):
             raise DeepInferError(f"{name}={getattr(engine, name)}: a degree is 1 or the number of GPUs ({gpus})")
@@ -210,8 +221,8 @@ def plan_memory(model: str, config, engine: EngineConfig, gpus: int, gpu_bytes: 
         if part == EXPERTS:
             total = total * held // n_experts
             detail += f", {held} of {n_experts} per MoE layer"
-        parts.append(Part(part, detail, total,
-                          on_gpu=on_cpu or not (part == ENGRAM and engine.engram_tables == "host")))
+        on_host = not on_cpu and part == ENGRAM and engine.engram_tables == "host"
+        parts.append(Part(part, detail, total, on_gpu=not on_host, per_machine=on_host and from_files and keep))
     headroom = int(gpu_bytes * headroom_fraction)
     pools = _pools(family, config, engine, drafting)
     sizing = dict(max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens,
