@@ -1,7 +1,7 @@
 """How fast one launch of expert parallelism serves: prefill and decode tokens per second at each batch
 size, in each numerics mode, and the share of a decode step spent in the expert exchange's all-to-alls
 with the bytes a rank sends in them; rank 0 writes one JSON (command, device, layout, per-rank peak
-memory).
+GPU memory and peak host resident memory).
 
     torchrun --nproc-per-node 8 benchmarks/ep_throughput.py --preset flash --device cuda --dtype bfloat16 \
         --batches 64 256 1024 --out ep_throughput_flash_ep8_dp8.json
@@ -26,6 +26,7 @@ import argparse
 import itertools
 import json
 import os
+import resource
 import sys
 import time
 from dataclasses import replace
@@ -139,6 +140,7 @@ def main() -> None:
         weight_storage = llm.engine_config.weight_storage
         del llm
     peaks = gather_objects(torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None)
+    host_peaks = gather_objects(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)  # KiB on Linux
     if layout.rank == 0:
         invariant = {r["batch"]: r for r in rows if r["numerics"] == "batch_invariant"}
         ratios = {str(r["batch"]): round(r["decode_tokens_per_s"] / invariant[r["batch"]]["decode_tokens_per_s"], 3)
@@ -150,7 +152,8 @@ def main() -> None:
                   "context": args.context, "steps": args.steps, "engram_tables": args.engram_tables,
                   "weight_storage": weight_storage, "rows": rows,
                   "decode_fast_over_invariant": ratios,
-                  "peak_gib_per_rank": [None if p is None else round(p, 2) for p in peaks]}
+                  "peak_gib_per_rank": [None if p is None else round(p, 2) for p in peaks],
+                  "host_peak_rss_gib_per_rank": [round(p, 2) for p in host_peaks]}
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     dist.destroy_process_group()
 
