@@ -10,8 +10,9 @@ one JSON (with the command and the device).
 - decode: ms per decode step at each batch size after prompts of each `--contexts` length (larger
   contexts at the batch sizes whose prompts total at most `--context-tokens`), `--steps` steps run
   back to back as in serving, under each engine setup of `SETUPS` (batch-invariant with CUDA graphs
-  and async scheduling, without async, eager; fast), with the fraction of that time the GPU sat idle
-  between steps (CUDA events: from the end of a step's queued work to the first copy of the next),
+  and async scheduling, without async, eager; fast with graphs and async, and eager), with the fraction
+  of that time the GPU sat idle between steps (CUDA events: from the end of a step's queued work to the
+  first copy of the next),
   and, from one more step, the kernels, launches and host syncs per step; at batch 1 the HBM
   roofline: the bytes a step must read (every weight but the embedding table and the routed
   experts, the embedding rows, the expected routed experts, the caches) over the measured copy
@@ -53,11 +54,11 @@ from deepinfer.kernels.quant import QuantizedWeight
 
 PREFILLS = ((8, 2048), (1, 32768))
 T = TypeVar("T")
-# engine setups timed per numerics mode: name -> settings (fast numerics cannot be captured in graphs)
+# engine setups timed per numerics mode: name -> settings
 SETUPS = {
     "batch_invariant": {"graphs+async": {}, "graphs": {"async_scheduling": False},
                         "eager+async": {"cuda_graphs": False}},
-    "fast": {"async": {}},
+    "fast": {"graphs+async": {}, "eager+async": {"cuda_graphs": False}},
 }
 
 
@@ -336,22 +337,22 @@ def merged(reports: list[dict]) -> dict:
 def summarize(report: dict) -> None:
     """Ratios the issue asks for: invariant vs fast, async and graphs vs without, batch 1 against the
     roofline, per context."""
-    steps = {(r["setup"], r["batch"], r["context"]): r for r in report.get("decode", [])}
+    steps = {(r["numerics"], r["setup"], r["batch"], r["context"]): r for r in report.get("decode", [])}
     summary = {}
-    for (setup, batch, context), row in steps.items():
-        if setup != "graphs+async":
+    for (numerics, setup, batch, context), row in steps.items():
+        if (numerics, setup) != ("batch_invariant", "graphs+async"):
             continue
         ms = row["step_ms"]
         entry = {"invariant_ms": ms, "gpu_idle_between_steps": row["gpu_idle_between_steps"]}
-        for other, key in (("async", "invariant_over_fast"), ("graphs", "sync_over_async"),
-                           ("eager+async", "eager_over_graphs")):
-            if (other, batch, context) in steps:
-                theirs = steps[(other, batch, context)]["step_ms"]
-                entry[key] = round(ms / theirs, 3) if other == "async" else round(theirs / ms, 3)
-        if other_idle := steps.get(("graphs", batch, context)):
+        if fast := steps.get(("fast", "graphs+async", batch, context)):
+            entry.update(fast_ms=fast["step_ms"], invariant_over_fast=round(ms / fast["step_ms"], 3))
+        for other, key in (("graphs", "sync_over_async"), ("eager+async", "eager_over_graphs")):
+            if theirs := steps.get(("batch_invariant", other, batch, context)):
+                entry[key] = round(theirs["step_ms"] / ms, 3)
+        if other_idle := steps.get(("batch_invariant", "graphs", batch, context)):
             entry["gpu_idle_between_steps_sync"] = other_idle["gpu_idle_between_steps"]
         summary[f"batch {batch}, context {context}"] = entry
-    first = f"batch 1, context {min((c for _, _, c in steps), default=0)}"
+    first = f"batch 1, context {min((key[3] for key in steps), default=0)}"
     if "roofline_batch1" in report and first in summary:
         summary[first]["of_roofline"] = round(report["roofline_batch1"]["ms"] / summary[first]["invariant_ms"], 3)
     rates = {(r["numerics"], r["prompts"], r["prompt_tokens"]): r["tokens_per_s"] for r in report.get("prefill", [])}
@@ -362,7 +363,7 @@ def summarize(report: dict) -> None:
     theirs = report.get("transformers")
     if theirs:
         for row in theirs["decode"]:
-            ours = steps.get(("graphs+async", row["batch"], theirs["context"]))
+            ours = steps.get(("batch_invariant", "graphs+async", row["batch"], theirs["context"]))
             if ours:
                 summary[f"batch {row['batch']}, context {theirs['context']}"]["speedup_over_transformers"] = round(
                     row["step_ms"] / ours["step_ms"], 2)

@@ -8,7 +8,9 @@ without touching the model and no call pays for a lookup. Modes:
 - `batch_invariant` (default): a row's result never depends on the rest of the batch
   (`kernels/invariant.py` in PyTorch; on CUDA, the Triton kernels of `kernels/triton_ops.py` and
   the fused ones of `kernels/triton_fused.py` replace the ops they cover);
-- `fast`: plain PyTorch ops, whose bits may change with batch shape (`kernels/fast.py`).
+- `fast`: plain PyTorch ops, whose bits may change with batch shape (`kernels/fast.py`); on CUDA,
+  grouped GEMMs for the routed experts and in-place decoding kernels for stored weights
+  (`kernels/fast_cuda.py`), so that nothing reads the host and steps are captured in CUDA graphs.
 
 The cache formats (`fp8_ue8m0_qdq`, `nvfp4_qdq`, `mxfp4_qdq`: kernels/quant.py) are one implementation
 shared by every table; they are ops so that what a model does to its caches is seen where its other
@@ -93,6 +95,10 @@ def _table(numerics: str, device_type: str, row_tiles: invariant.RowTiles) -> di
 
         table.update(triton_ops.OPS, **triton_fused.OPS, moe_experts=triton_ops.moe_experts,
                      expert_outputs=triton_ops.expert_outputs, weighted_combine=triton_fused.weighted_combine)
+    elif device_type == "cuda":
+        from deepinfer.kernels import fast_cuda
+
+        table.update(fast_cuda.OPS)
     return _complete(table)
 
 

@@ -195,6 +195,27 @@ def expert_outputs(
     return out
 
 
+def grouped_expert_outputs(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float,
+    swiglu: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor],
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`expert_outputs` without reading group sizes on the host: the slots sorted by expert on the
+    device go through each matrix in one grouped GEMM (`torch._grouped_mm`, the groups' ends as its
+    offsets), so a step that runs it can be captured in a CUDA graph. Plain weights."""
+    order, offsets = sort_by_expert(experts.unsqueeze(-1), w13.shape[0])
+    source = order if rows is None else rows[order]
+    ends = offsets[1:].to(torch.int32)
+    hidden = torch._grouped_mm(x[source].to(w13.dtype), w13.transpose(1, 2), offs=ends)
+    gate, up = hidden.chunk(2, dim=-1)
+    out = torch._grouped_mm(swiglu(gate, up, limit).contiguous(), w2.transpose(1, 2), offs=ends)
+    return torch.empty_like(out).index_copy_(0, order, out)
+
+
 def weighted_combine(slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """slots [T, k, H] times their weights [T, k] (in the slots' dtype), summed over k in rank order."""
     return combine_ranks(slots * weights.unsqueeze(-1).to(slots.dtype))

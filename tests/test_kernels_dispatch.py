@@ -28,7 +28,37 @@ def test_composites_use_the_tables_own_primitives():
         assert ops.hyper_coefficients.keywords == {"sigmoid": module.sigmoid, "sinkhorn": module.sinkhorn}
         assert ops.hyper_expand.keywords["mix_streams"] is module.mix_streams
         assert ops.rotary_table.keywords["cos_sin"] is module.cos_sin
-    assert kernels.bind("fast", "cuda").linear is fast.linear
+
+
+def test_cuda_fast_table_reads_nothing_on_the_host():
+    """On CUDA the fast table's matmuls and experts are `kernels/fast_cuda.py`'s (grouped GEMMs, and the
+    Triton kernels for stored weights), so fast steps are captured in CUDA graphs; the rest is PyTorch's."""
+    fast_cuda = pytest.importorskip("deepinfer.kernels.fast_cuda")
+    cuda = kernels.bind("fast", "cuda")
+    for name, op in fast_cuda.OPS.items():
+        assert getattr(cuda, name) is op
+    assert cuda.sink_attention is fast.sink_attention and cuda.weighted_combine is fast.weighted_combine
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_fast_experts_compute_the_per_expert_loop_without_host_reads(monkeypatch, dtype):
+    """`fast.grouped_expert_outputs` (one grouped GEMM per matrix over the slots sorted on the device) gives
+    what the per-expert loop gives, some experts empty, slots through `rows`, and never reads a tensor
+    back to the host (a read is what keeps a step out of a CUDA graph)."""
+    gen = torch.Generator().manual_seed(5)
+    experts, hidden, inter, tokens, top_k = 6, 32, 24, 9, 2
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / 4).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) / 4).to(dtype)
+    indices = torch.stack([torch.randperm(4, generator=gen)[:top_k] for _ in range(tokens)])  # experts 4, 5 idle
+    rows = fast.slot_rows(indices)
+    loop = fast.expert_outputs(x, indices.reshape(-1), w13, w2, 7.0, fast.linear, fast.clamped_swiglu, rows=rows)
+    for name in ("tolist", "item", "__bool__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, lambda *args, name=name: pytest.fail(f"Tensor.{name} read the host"))
+    grouped = fast.grouped_expert_outputs(x, indices.reshape(-1), w13, w2, 7.0, fast.clamped_swiglu, rows=rows)
+    monkeypatch.undo()
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(grouped.float(), loop.float(), rtol=tol, atol=tol)
 
 
 def test_cuda_batch_invariant_table_takes_the_triton_kernels():

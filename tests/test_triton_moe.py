@@ -61,3 +61,22 @@ def test_a_share_of_the_experts_gives_each_slot_the_bits_of_all_of_them(dtype):
         local = torch.searchsorted(held, flat[mine])
         slots[mine] = triton_ops.expert_outputs(x[mine // TOP_K], local, w13[held], w2[held], 7.0)
     assert torch.equal(triton_fused.weighted_combine(slots.view(tokens, TOP_K, HIDDEN), weights), whole)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_cuda_experts_sync_nothing_and_compute_the_experts(dtype):
+    """The fast table's CUDA experts (`kernels/fast_cuda.py`: grouped GEMMs for bf16, the Triton kernel
+    otherwise) read nothing back to the host, and compute the experts (close to the invariant kernel)."""
+    from deepinfer.kernels import fast_cuda
+
+    tokens = 70
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(tokens, HIDDEN, generator=gen).to("cuda", dtype)
+    w13 = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen) / 16).to("cuda", dtype)
+    w2 = (torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) / 16).to("cuda", dtype)
+    indices, weights = _routing(tokens, 9)
+    outputs = []
+    assert synchronisations(lambda: outputs.append(fast_cuda.moe_experts(x, indices, weights, w13, w2, 7.0))) == []
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(outputs[0].float(), triton_ops.moe_experts(x, indices, weights, w13, w2, 7.0).float(),
+                               rtol=tol, atol=tol)

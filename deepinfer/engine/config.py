@@ -65,9 +65,9 @@ class EngineConfig:
     engram_tables: str = _setting("device", "V4.1: where the Engram tables live: on the device, or in host memory, "
                                   "where the runner reads each step's rows (Flash's are 183 GiB); the same rows "
                                   "either way", choices=ENGRAM_TABLES)
-    cuda_graphs: bool = _setting(True, "CUDA with batch_invariant numerics: replay decode steps from CUDA graphs "
-                                       "captured once per step shape (the same bits as running them eagerly); "
-                                       "CPU and fast numerics run every step eagerly", off=(
+    cuda_graphs: bool = _setting(True, "CUDA: replay decode steps from CUDA graphs captured once per step shape "
+                                       "(with batch_invariant numerics the same bits as running them eagerly); "
+                                       "the CPU runs every step eagerly", off=(
         "--no-cuda-graphs", "CUDA: run every step eagerly instead of replaying decode steps from graphs"))
     async_scheduling: bool = _setting(True, "schedule and prepare each step while the device runs the one before, "
                                             "reading a step's tokens one step late (the same bits; a request that "

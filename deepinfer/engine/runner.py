@@ -176,12 +176,11 @@ class ModelRunner:
         self.device = torch.device(device)
         # decode steps replay graphs captured per step shape (and whether a drafter reads its streams),
         # and a device drafter's pass after one the graph of its own shape, all sharing one memory pool
-        # (one replay at a time); fast numerics cannot be captured: its expert routing reads counts on
-        # the host
+        # (one replay at a time)
         self.graphs: dict[tuple, StepGraph] | None = None
         self.draft_graphs: dict[tuple, DraftGraph] = {}
         self.compressed_ids: torch.Tensor | None = None  # Engram's compressed id of each token, on the device
-        if cuda_graphs and self.device.type == "cuda" and self.ops.numerics == "batch_invariant":
+        if cuda_graphs and self.device.type == "cuda":
             self.graphs, self.graph_pool = {}, torch.cuda.graph_pool_handle()
 
     def execute(self, scheduled: SchedulerOutput, in_flight: RunnerOutput | None = None) -> RunnerOutput:
