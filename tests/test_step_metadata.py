@@ -213,6 +213,19 @@ def test_engine_graphs_serve_the_bits_of_eager_steps(preset):
         return sorted((o.request_id, o.token_ids, o.logprobs, o.top_logprobs) for o in outputs)
 
     assert run(graphed) == run(eager)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("preset", ["tiny", "v41-tiny"])
+def test_fast_numerics_decode_steps_replay_graphs(preset):
+    """Fast numerics reads nothing on the host in a step (`kernels/fast_cuda.py`), so its decode steps are
+    captured and replayed too (its bits are not promised, graphed or not)."""
+    from deepinfer import EngineConfig
+
+    llm = LLM(f"preset:{preset}", EngineConfig(device="cuda", dtype="bfloat16", numerics="fast", max_model_len=256))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate([[2 + i for i in range(n)] for n in (10, 37)], params)
+    assert llm.runner.graphs and [len(o.token_ids) for o in outputs] == [12, 12]
     assert len(graphed.runner.graphs) >= 4  # several shapes were captured and replayed
 
 
