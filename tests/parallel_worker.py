@@ -1,5 +1,6 @@
-"""Run by torchrun for tests/test_parallel.py: serve the standard request set under each engine layout
-of a JSON spec, and (rank 0) write every case's output signatures to a pickle.
+"""Run by torchrun for tests/test_parallel.py: serve the standard request set (its first `requests`, each
+generating `max_tokens`) under each engine layout of a JSON spec, and (rank 0) write every case's output
+signatures to a pickle.
 
     python -m torch.distributed.run --standalone --nproc-per-node N tests/parallel_worker.py SPEC OUT
 
@@ -88,7 +89,7 @@ def main() -> None:
             continue
         llm = LLM(case.get("model") or f"preset:{case['preset']}", dtype=case["dtype"], expert_parallel=case["ep"],
                   data_parallel=case["dp"], context_parallel=case.get("cp", 1), **case.get("engine", {}))
-        requests = standard_requests(llm.config.vocab_size, count=spec["requests"])
+        requests = standard_requests(llm.config.vocab_size, count=spec["requests"], max_tokens=spec["max_tokens"])
         results[case["name"] + "-weights"] = sorted({type(e.experts.w13).__name__ for e in llm.host.exchanges})
         if "model" in case:
             read = [None] * dist.get_world_size()

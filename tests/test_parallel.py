@@ -35,11 +35,14 @@ from deepinfer.harness.sweep import Variant
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUESTS = 12
+# tokens each request generates: every layout still runs split prefills, mixed and decode-only steps and
+# overflowing exchanges; 24 (the standard set's default) doubled the 4-rank launch's cost on 2 cores
+MAX_TOKENS = 12
 
 
 def _launch(processes: int, cases: list[dict], tmp_path: Path) -> dict:
     out = tmp_path / f"results-{processes}.pkl"
-    spec = json.dumps({"requests": REQUESTS, "cases": cases})
+    spec = json.dumps({"requests": REQUESTS, "max_tokens": MAX_TOKENS, "cases": cases})
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
                            str(ROOT / "tests" / "parallel_worker.py"), spec, str(out)],
@@ -50,7 +53,7 @@ def _launch(processes: int, cases: list[dict], tmp_path: Path) -> dict:
 
 @functools.cache
 def _reference(preset: str, dtype: str) -> list[tuple]:
-    requests = standard_requests(preset_config(preset).vocab_size, count=REQUESTS)
+    requests = standard_requests(preset_config(preset).vocab_size, count=REQUESTS, max_tokens=MAX_TOKENS)
     llm = LLM(f"preset:{preset}", dtype=dtype)
     return [signature(o) for o in llm.generate([r.prompt for r in requests], [r.params for r in requests])]
 
@@ -146,7 +149,7 @@ def test_quantized_experts_move_between_ranks_as_stored(launched, v41_checkpoint
     EP 2 / DP 2 and after an EPLB re-placement moved them between the ranks: one process's bits."""
     results = launched[1][2]
     llm = LLM(v41_checkpoint, weight_storage="quantized")
-    requests = standard_requests(llm.config.vocab_size, count=REQUESTS)
+    requests = standard_requests(llm.config.vocab_size, count=REQUESTS, max_tokens=MAX_TOKENS)
     reference = [signature(o) for o in llm.generate([r.prompt for r in requests], [r.params for r in requests])]
     assert results["v41-q-weights"] == ["QuantizedWeight"]
     assert results["v41-q"] == reference and results["v41-q-replaced"] == reference
