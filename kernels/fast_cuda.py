@@ -28,9 +28,9 @@ def expert_outputs(
     x: torch.Tensor, experts: torch.Tensor, w13: torch.Tensor | QuantizedWeight, w2: torch.Tensor | QuantizedWeight,
     limit: float, rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Grouped GEMMs for bf16 weights (the grouped GEMM's CUDA kernels take bf16 only), the Triton
-    grouped kernel for stored and fp32 ones."""
-    if isinstance(w13, QuantizedWeight) or w13.dtype != torch.bfloat16:
+    """Grouped GEMMs for bf16 weights whose rows are whole 16-byte units (what the grouped GEMM's CUDA
+    kernels take), the Triton grouped kernel for the others (stored, fp32 or oddly shaped)."""
+    if isinstance(w13, QuantizedWeight) or w13.dtype != torch.bfloat16 or w2.shape[1] % 8 or w2.shape[2] % 8:
         return triton_ops.expert_outputs(x, experts, w13, w2, limit, rows=rows)
     return fast.grouped_expert_outputs(x, experts, w13, w2, limit, fast.clamped_swiglu, rows=rows)
 
