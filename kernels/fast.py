@@ -207,6 +207,8 @@ def grouped_expert_outputs(
     """`expert_outputs` without reading group sizes on the host: the slots sorted by expert on the
     device go through each matrix in one grouped GEMM (`torch._grouped_mm`, the groups' ends as its
     offsets), so a step that runs it can be captured in a CUDA graph. Plain weights."""
+    if experts.numel() == 0:  # a rank the exchange sent nothing (shapes are known on the host)
+        return x.new_empty(0, w2.shape[1], dtype=w2.dtype)
     order, offsets = sort_by_expert(experts.unsqueeze(-1), w13.shape[0])
     source = order if rows is None else rows[order]
     ends = offsets[1:].to(torch.int32)

@@ -59,6 +59,8 @@ def test_grouped_fast_experts_compute_the_per_expert_loop_without_host_reads(mon
     monkeypatch.undo()
     tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(grouped.float(), loop.float(), rtol=tol, atol=tol)
+    none = fast.grouped_expert_outputs(x, indices.reshape(-1)[:0], w13, w2, 7.0, fast.clamped_swiglu)
+    assert none.shape == (0, hidden) and none.dtype == dtype  # a rank the exchange sent nothing
 
 
 def test_cuda_batch_invariant_table_takes_the_triton_kernels():
