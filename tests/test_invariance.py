@@ -12,15 +12,11 @@ from deepinfer.harness.invariance import model_variants, run_matrix, standard_re
 from deepinfer.harness.sweep import Variant
 
 DRAFT_MODEL = {"draft-k1", "draft-k3", "draft-k5", "draft-k5-confidence"}  # the checkpoint's own drafter (MTP, DSpark)
-# tokens each request generates: every variant still forces preemption, verifies held and rejected drafts and
-# decodes across compression windows, and the fast-mode control still diverges over the same set; the
-# standard 24 cost 1.7x as much (decode steps dominate, batch-1 most)
-MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
 def requests():
-    return standard_requests(vocab_size=1024, count=24, max_tokens=MAX_TOKENS)
+    return standard_requests(vocab_size=1024, count=24)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -9,14 +9,14 @@ import pytest
 from cpu_paths import bf16_refusal
 from deepinfer.harness.invariance import model_variants, run_matrix, standard_requests
 from deepinfer.harness.sweep import Variant
-from test_invariance import DRAFT_MODEL, MAX_TOKENS
+from test_invariance import DRAFT_MODEL
 
 
 @pytest.fixture(scope="module")
 def v41_requests():
     """Half the standard set (each prompt length once), to keep V4.1's six layers within the CI budget:
     the first half; the fp32 matrix serves the second (its structured rows are the llguidance ones)."""
-    return standard_requests(vocab_size=1024, count=12, max_tokens=MAX_TOKENS)
+    return standard_requests(vocab_size=1024, count=12)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -26,7 +26,7 @@ def test_v41_is_bitwise_invariant(v41_requests, dtype):
         pytest.skip(f"the engine refuses bf16 on this CPU code path: {refusal}")
     variants = model_variants("preset:v41-tiny")
     assert DRAFT_MODEL <= {v.name for v in variants}
-    served = standard_requests(vocab_size=1024, count=24, max_tokens=MAX_TOKENS)[12:] if dtype == "float32" else v41_requests
+    served = standard_requests(vocab_size=1024, count=24)[12:] if dtype == "float32" else v41_requests
     result = run_matrix("preset:v41-tiny", served, variants, dtype=dtype, numerics="batch_invariant")
     assert set(result.diverged) == {v.name for v in variants[1:]}
     assert result.invariant, f"{dtype}: requests diverged from {result.reference}: {result.diverged}"
