@@ -36,7 +36,7 @@ from deepinfer.harness.sweep import Variant
 ROOT = Path(__file__).resolve().parent.parent
 REQUESTS = 12
 # tokens each request generates: every layout still runs split prefills, mixed and decode-only steps and
-# overflowing exchanges; 24 (the standard set's default) doubled the 4-rank launch's cost on 2 cores
+# overflowing exchanges; 24 (the standard set's default) made the 4-rank launch 1.6x as long on 2 cores
 MAX_TOKENS = 12
 
 
