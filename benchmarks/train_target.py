@@ -1,8 +1,8 @@
 """Train a small DeepSeek-V4.1 target on the Python standard library's sources, so drafters have something to predict.
 
-    python benchmarks/train_target.py --preset v41-small --device cuda --steps 1500 --batch 16 \
+    python benchmarks/train_target.py --preset v41-small --device cuda --steps 350 --batch 64 \
         --checkpoint /tmp/v41-small-stdlib --out benchmarks/results/train_target_v41-small_h200.json
-    python benchmarks/train_target.py --preset v41-small --device cuda --steps 1500 --batch 16 --quantized \
+    python benchmarks/train_target.py --preset v41-small --device cuda --steps 350 --batch 64 --quantized \
         --distill-steps 300 --checkpoint /tmp/v41-small-stdlib-q --out benchmarks/results/train_target_v41-small_q_h200.json
     python benchmarks/train_target.py --preset v41-tiny --device cpu --steps 20 --batch 4 --seq-len 128 \
         --max-files 40 --checkpoint /tmp/v41-tiny-stdlib --out /tmp/train_target_v41-tiny_cpu.json
@@ -31,6 +31,12 @@ a run reads: held-out files are never trained on, and give the held-out loss and
    on the target's own generations, then greedy requests on held-out prompts run with `speculation="dspark"`
    and without: their token ids must be identical (the engine's contract; the script fails otherwise), and
    the scheduler's counters give the share of drafts kept and the mean accepted length per verify step.
+
+On one H100, v41-small at `--batch 64` (32K tokens a step) took about 0.72 s a step once warm and
+`--batch 16` about 0.62 s (short probes: the step is mostly launch overhead, so bigger batches cost
+little more), and the same command wrote the same checkpoint bits twice; 350 steps at `--batch 64` is
+about 4 minutes of training and 11M tokens, some 3 passes over a Debian Python 3.12 stdlib (3.7M training
+tokens; sysconfig's stdlib differs between machines and Python versions, the record hashes it).
 
 The JSON at `--out` records the command, device, versions, corpus, settings, the train-loss curve, the
 held-out loss before and after training, the checkpoint's content hash and the wall time.

@@ -1,7 +1,7 @@
 """`benchmarks/train_target.py` on `v41-tiny`, on the CPU, over a handful of standard-library files and a
 few steps: training lowers the loss; the same seed writes the same checkpoint bits; the exported folder
 serves like NeMo's trained model (prompt logprobs within the oracle tests' tolerance, greedy tokens NeMo's
-argmax) and speculates with the token ids of plain decoding; held-out files never reach the training
+argmax; NeMo's Engram hashes agree with the engine's when the vocabulary outgrows the tokenizer) and speculates with the token ids of plain decoding; held-out files never reach the training
 windows; bad flags are one-line errors with exit code 2."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint import content_hash, load_checkpoint
+from deepinfer.families.v41.engram import vocabulary_map
 from deepinfer.families.v41.layout import is_optional
 from deepinfer.families.v41.presets import v41_preset_config
 from deepinfer.recipe.tokenizer import preset_tokenizer
@@ -97,6 +98,19 @@ def test_held_out_files_never_reach_the_training_windows(trained):
     # a file's side depends on its path alone, not on which other files a run reads
     alone = train_target.load_corpus(trained.tokenizer, corpus.held_out_files[:1], SEQ_LEN, SHARE)
     assert (alone.train_files, alone.held_out_files) == ([], corpus.held_out_files[:1])
+
+
+def test_nemo_folds_a_vocabulary_larger_than_the_tokenizer_as_the_engine_does():
+    """v41-small's tokenizer has fewer ids than its vocabulary: NeMo's Engram token map over
+    `ModelVocabulary` is the engine's `vocabulary_map`, so NeMo's hashes are the engine's."""
+    from nemo_automodel.components.models.deepseek_v41.engram import _compressed_token_map
+
+    config = v41_preset_config("v41-small")
+    tokenizer = preset_tokenizer("v41", config.vocab_size)
+    assert tokenizer.vocab_size < config.vocab_size
+    mapping, size = _compressed_token_map(train_target.ModelVocabulary(tokenizer, config.vocab_size))
+    ours, our_size = vocabulary_map(tokenizer.backend, config.vocab_size)
+    assert (list(mapping), size) == (ours.tolist(), our_size) and size == config.engram_compressed_vocab_size
 
 
 def _nemo_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
