@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -72,14 +73,15 @@ def label(tiles: Tiles) -> str:
     return f"{tiles.block_m}x{tiles.block_n} w{tiles.warps} s{tiles.stages}"
 
 
-def measure(preset: str, experts: int | None, token_counts: list[int], copy_tb_s: float,
-            sweep: bool) -> list[dict]:
+def measure(preset: str, experts: int | None, token_counts: list[int], copy_tb_s: float, sweep: bool,
+            rows: list[dict], save: Callable[[], None]) -> None:
+    """Appends a row per token count and launch shape to `rows`, `save`d after each (a run cut short
+    keeps what it measured)."""
     config = preset_config(preset)
     experts = experts or config.n_routed_experts
     h, i, k = config.hidden_size, config.moe_intermediate_size, config.num_experts_per_tok
     w13, w2 = mxfp4_stack(experts, 2 * i, h, seed=1), mxfp4_stack(experts, h, i, seed=2)
     per_expert = sum(w.data[0].numel() + w.scale[0].numel() for w in (w13, w2))
-    rows = []
     for tokens in token_counts:
         indices, weights = routing(tokens, experts, k, seed=tokens)
         x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
@@ -95,7 +97,7 @@ def measure(preset: str, experts: int | None, token_counts: list[int], copy_tb_s
                          "weight_bytes": active * per_expert, "floor_ms": round(floor_ms, 4),
                          "of_floor": round(floor_ms / ms, 3), "shipped_bits": same})
             print(json.dumps(rows[-1]), flush=True)
-    return rows
+            save()
 
 
 def main() -> None:
@@ -113,8 +115,8 @@ def main() -> None:
     report = {"command": "python " + " ".join(a if a != args.out else out.name for a in sys.argv),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "preset": args.preset, "label": args.label, "ceilings": ceilings()}
-    report["layers"] = measure(args.preset, args.experts, args.tokens, report["ceilings"]["copy_tb_s"], args.sweep)
-    out.write_text(json.dumps(report, indent=1))
+    measure(args.preset, args.experts, args.tokens, report["ceilings"]["copy_tb_s"], args.sweep,
+            report.setdefault("layers", []), lambda: out.write_text(json.dumps(report, indent=1)))
 
 
 if __name__ == "__main__":
