@@ -3,7 +3,8 @@
     python benchmarks/train_target.py --preset v41-small --device cuda --steps 350 --batch 64 \
         --checkpoint /tmp/v41-small-stdlib --out benchmarks/results/train_target_v41-small_h200.json
     python benchmarks/train_target.py --preset v41-small --device cuda --steps 350 --batch 64 --quantized \
-        --distill-steps 300 --checkpoint /tmp/v41-small-stdlib-q --out benchmarks/results/train_target_v41-small_q_h200.json
+        --distill-steps 300 --checkpoint /tmp/v41-small-stdlib-q \
+        --out benchmarks/results/train_target_v41-small_q_h200.json
     python benchmarks/train_target.py --preset v41-tiny --device cpu --steps 20 --batch 4 --seq-len 128 \
         --max-files 40 --checkpoint /tmp/v41-tiny-stdlib --out /tmp/train_target_v41-tiny_cpu.json
 
@@ -372,8 +373,8 @@ def speculation(folder: Path, prompts: list[list[int]], device: str, max_tokens:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = OneLineErrors(prog="train_target.py", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="v41-small", choices=PRESETS)
-    parser.add_argument("--steps", type=_positive(int), default=1000, help="optimizer steps")
-    parser.add_argument("--batch", type=_positive(int), default=16, help="sequences per step")
+    parser.add_argument("--steps", type=_positive(int), default=350, help="optimizer steps")
+    parser.add_argument("--batch", type=_positive(int), default=64, help="sequences per step")
     parser.add_argument("--seq-len", type=_positive(int), default=512, help="tokens per sequence")
     parser.add_argument("--lr", type=_positive(float), default=1e-3, help="peak AdamW learning rate")
     parser.add_argument("--seed", type=int, default=0, help="initial weights, batch order, draft layers' init")
@@ -432,6 +433,9 @@ def run(args: argparse.Namespace) -> dict:
     if len(corpus.train) < args.batch or not len(corpus.held_out):
         raise TrainError(f"{len(corpus.train)} training and {len(corpus.held_out)} held-out windows of "
                          f"{args.seq_len} tokens: too few for batches of {args.batch}; read more files")
+    prompts = prompts_from(corpus.held_out_docs, args.spec_prompts, args.prompt_tokens)
+    if args.distill_steps and not prompts:
+        raise TrainError(f"no held-out file has more than {args.prompt_tokens} tokens for a speculation prompt")
     evaluation = corpus.held_out[::max(1, len(corpus.held_out) // args.eval_windows)][:args.eval_windows]
     model = build_model(config, tokenizer, args.seed).to(device)
     with warnings.catch_warnings(record=True) as caught:
@@ -448,9 +452,10 @@ def run(args: argparse.Namespace) -> dict:
     folder = Path(args.checkpoint)
     digest = write_checkpoint(folder, config, tokenizer, exported_tensors(model, config, args.seed), args.quantized)
     print(f"{folder}: content hash {digest}; held-out loss {before:.3f} -> {after:.3f}", flush=True)
-    command = " ".join(["benchmarks/train_target.py", *(a if a != args.out else Path(args.out).name for a in args.argv)])
+    command = " ".join(a if a != args.out else Path(args.out).name for a in args.argv)
     record = {
-        "command": f"python {command}", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "command": f"python benchmarks/train_target.py {command}",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "python": platform.python_version(), "deepinfer": __version__,
         "threads": torch.get_num_threads(), "preset": args.preset, "seed": args.seed, "steps": args.steps,
         "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr, "precision": "bf16 autocast" if
@@ -470,7 +475,6 @@ def run(args: argparse.Namespace) -> dict:
         record["distill"] = {"steps": args.distill_steps, "loss": [distilled["loss"][0], distilled["loss"][-1]],
                              "acceptance": distilled["acceptance"],
                              "content_hash": distilled["content_hash"]["after"]}
-        prompts = prompts_from(corpus.held_out_docs, args.spec_prompts, args.prompt_tokens)
         record["speculation"] = speculation(folder, prompts, args.device, args.max_tokens, draft_tokens=5)
         print(json.dumps(record["speculation"]), flush=True)
     record["wall_seconds"] = round(time.perf_counter() - start, 2)

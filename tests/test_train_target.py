@@ -1,8 +1,9 @@
 """`benchmarks/train_target.py` on `v41-tiny`, on the CPU, over a handful of standard-library files and a
 few steps: training lowers the loss; the same seed writes the same checkpoint bits; the exported folder
 serves like NeMo's trained model (prompt logprobs within the oracle tests' tolerance, greedy tokens NeMo's
-argmax; NeMo's Engram hashes agree with the engine's when the vocabulary outgrows the tokenizer) and speculates with the token ids of plain decoding; held-out files never reach the training
-windows; bad flags are one-line errors with exit code 2."""
+argmax) and speculates with the token ids of plain decoding; NeMo's Engram hashes agree with the engine's
+when the vocabulary outgrows the tokenizer (v41-small); held-out files never reach the training windows;
+bad flags are one-line errors with exit code 2."""
 
 from __future__ import annotations
 
@@ -93,7 +94,8 @@ def test_held_out_files_never_reach_the_training_windows(trained):
     assert all(train_target.is_held_out(name, SHARE) for name in corpus.held_out_files)
     assert not any(train_target.is_held_out(name, SHARE) for name in corpus.train_files)
     root = train_target.stdlib_root()
-    docs = train_target.tokenize(trained.tokenizer, [(root / n).read_text(encoding="utf-8") for n in corpus.train_files])
+    texts = [(root / name).read_text(encoding="utf-8") for name in corpus.train_files]
+    docs = train_target.tokenize(trained.tokenizer, texts)
     assert torch.equal(corpus.train, train_target.pack(docs, SEQ_LEN))  # the training windows: train files alone
     # a file's side depends on its path alone, not on which other files a run reads
     alone = train_target.load_corpus(trained.tokenizer, corpus.held_out_files[:1], SEQ_LEN, SHARE)
