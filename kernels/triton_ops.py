@@ -13,10 +13,14 @@ Why a row's bits cannot depend on the batch, kernel by kernel:
   accumulator in k order (16-wide steps of the matrix instructions in bf16, one k at a time in
   fp32 FMA). So an output element is a fold over k in increasing order that depends on its own
   row and column only: the tile shape (`matmul_tiles` and `expert_tiles`, chosen for speed), the
-  warps, the pipeline depth and the instruction family (wgmma or mma) leave its bits unchanged
-  (on the H200 BLOCK_K does not matter either, but the interpreter's dot does depend on it, so it
-  is one constant). That is a property of the compiled code, not a promise of Triton's, so the
-  CUDA tests check every tile shape those can pick bit for bit against one another;
+  warps and the pipeline depth leave its bits unchanged (on the H200 BLOCK_K does not matter either,
+  but the interpreter's dot does depend on it, so it is one constant). The instruction family does
+  not: tiles of 16 or 32 rows, which Hopper computes with mma.sync, gave other bf16 bits than tiles of
+  64 rows and more, which it computes with wgmma (H100, V4.1-Flash's experts, K = 5120:
+  benchmarks/results/expert_kernel_sweep_v41-flash-5l_h100.json), so every shape has at least 64 rows
+  (tests/test_triton_kernels.py checks the dispatchers). That is a property of the compiled code, not
+  a promise of Triton's, so the CUDA tests check every tile shape those can pick bit for bit against
+  one another;
 - products of more than 512 rows of a plain weight run `_persistent_matmul_kernel`: one program per
   SM walks the output tiles, its operands brought in by tensor descriptors (TMA) instead of masked
   pointer loads; a tile's arithmetic is the same `tl.dot` fold over the same BLOCK_K slices, and
@@ -83,7 +87,7 @@ KV_BLOCK = 64  # keys per indexer program
 ATTENTION_HEADS = 16  # heads per attention program (each key block is read once for all of them)
 ATTENTION_KEYS = 32  # keys per attention block (with 16 heads and head_dim 512 the operands fit shared memory)
 PERSISTENT_BAND = 8  # row tiles the persistent matmul sweeps together over the weight's column tiles
-EXPERT_ROWS = 8  # slots an expert gets on average up to which its rows run in 16-row tiles (`expert_tiles`)
+EXPERT_ROWS = 8  # slots an expert gets on average up to which `expert_tiles` picks its decode shape
 
 
 @triton.jit
@@ -320,12 +324,13 @@ def matmul_tiles(rows: int, width: int, dtype: torch.dtype) -> Tiles:
 
 
 def expert_tiles(slots: int, experts: int, width: int, dtype: torch.dtype) -> Tiles:
-    """The launch shape for `slots` rows spread over `experts` [width, K] weights. Each expert's rows run
-    in row tiles that decode its weight once each, so a tile's rows should be about what an expert gets:
-    up to EXPERT_ROWS slots an expert on average (decode batches), 16-row tiles, which the smaller
-    matrix instructions compute at a quarter of the 64-row tiles' work; more, `matmul_tiles`'s shapes."""
+    """The launch shape for `slots` rows spread over `experts` [width, K] weights: up to EXPERT_ROWS slots
+    an expert on average (decode batches), 64 x 64 tiles (the fastest 64-row shape measured on the H100 at
+    V4.1-Flash's expert shapes for 1, 64 and 256 tokens, benchmarks/results/expert_kernel_sweep_v41-flash-5l_h100.json);
+    more, `matmul_tiles`'s shapes. Never fewer than 64 rows (module docstring: 16- and 32-row tiles give
+    other bits)."""
     if slots <= EXPERT_ROWS * experts:
-        return Tiles(16, 64, 4, 3)
+        return Tiles(64, 64, 4, 3)
     return matmul_tiles(slots, width, dtype)
 
 
