@@ -6,7 +6,7 @@
         --distill-steps 300 --checkpoint runs/v41-small-stdlib-q \
         --out benchmarks/results/train_target_v41-small_q_h200.json
     python benchmarks/train_target.py --preset v41-tiny --device cpu --steps 20 --batch 4 --seq-len 128 \
-        --max-files 40 --checkpoint runs/v41-tiny-stdlib --out train_target_v41-tiny_cpu.json
+        --max-files 60 --held-out-share 0.2 --checkpoint runs/v41-tiny-stdlib --out train_target_v41-tiny_cpu.json
 
 Random weights make every speculative drafter useless (issue 34, item 3): nothing they draft holds. This
 trains a preset's model on text every machine has without downloads, the standard library's `*.py` files
