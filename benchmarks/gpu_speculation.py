@@ -126,15 +126,15 @@ def bitwise(llm: LLM, model: str, requests, wrong_every: int, report: dict) -> N
 
 
 COUNTERS = {"drafted": "num_drafted", "kept": "num_draft_kept", "declined": "num_drafts_declined",
-            "speculating_steps": "num_speculating_steps"}
+            "speculating_steps": "num_speculating_steps", "verify_chunks": "num_verify_chunks"}
 
 
 def timed(llm: LLM, requests, drafter: ReferenceDrafter | None, **changes) -> tuple[list, int, float, dict]:
     """`run` in a fresh engine over `llm`'s model with `changes` to its config (and `drafter` in place of its
     own), after two warm-up runs in it (kernels compiled, graphs captured, prompts cached); the scheduler's
-    counters over the timed run. A throughput-aware policy starts each run from nothing, so the warm-ups
-    meet the step shapes the timed run does. The engine is dropped on return, its cache freed before the
-    next is made."""
+    counters over the timed run, and its `verify_lengths` (drafts a chunk carried -> chunks). A
+    throughput-aware policy starts each run from nothing, so the warm-ups meet the step shapes the timed
+    run does. The engine is dropped on return, its cache freed before the next is made."""
     gc.collect()
     if llm.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -147,8 +147,12 @@ def timed(llm: LLM, requests, drafter: ReferenceDrafter | None, **changes) -> tu
         run(spec, requests)
     scheduler.forget_verification()
     before = {name: getattr(scheduler, counter) for name, counter in COUNTERS.items()}
+    lengths = dict(scheduler.verify_lengths)
     got, steps, seconds = run(spec, requests)
-    return got, steps, seconds, {name: getattr(scheduler, counter) - before[name] for name, counter in COUNTERS.items()}
+    counts = {name: getattr(scheduler, counter) - before[name] for name, counter in COUNTERS.items()}
+    counts["verify_lengths"] = {str(k): n - lengths.get(k, 0) for k, n in sorted(scheduler.verify_lengths.items())
+                                if n > lengths.get(k, 0)}
+    return got, steps, seconds, counts
 
 
 def prefix_hits(scheduler) -> int:

@@ -31,7 +31,14 @@ a run reads: held-out files are never trained on, and give the held-out loss and
 4. with `--distill-steps N`, `deepinfer dspark distill` (the library's `distill`) trains the draft layers
    on the target's own generations, then greedy requests on held-out prompts run with `speculation="dspark"`
    and without: their token ids must be identical (the engine's contract; the script fails otherwise), and
-   the scheduler's counters give the share of drafts kept and the mean accepted length per verify step.
+   the scheduler's counters give the share of drafts kept and the mean accepted length per verify step;
+5. then decode speed (`--speed-batches`, `--speed-temperatures`): per batch size B and temperature, B
+   held-out prompts of `--prompt-tokens` tokens and `--speed-tokens` new tokens each (seeded sampling
+   above temperature 0), timed without speculation and with DSpark at `--draft-tokens` drafts under each
+   `verify_policy`, side by side in one engine's weights (`gpu_speculation.timed`: fresh engines, warmed
+   up first, the default setup otherwise: CUDA graphs and async scheduling on a GPU, in `--dtype`):
+   tokens per second, the speed-up over off, drafts kept, the mean accepted length, the verify lengths
+   chosen, and whether the outputs' bits equal those of speculation off (they must).
 
 On one H100, v41-small at `--batch 64` (32K tokens a step) took about 0.72 s a step once warm and
 `--batch 16` about 0.62 s (short probes: the step is mostly launch overhead, so bigger batches cost
@@ -60,6 +67,7 @@ import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # NeMo's compiled helpers: eager is deterministic and starts at once
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic mode needs it before CUDA starts
@@ -79,6 +87,9 @@ from deepinfer.families.v41.engram import vocabulary_map
 from deepinfer.families.v41.layout import expected_tensors_v41, is_draft_tensor, quantize
 from deepinfer.families.v41.presets import V41_CONFIG_ONLY, V41_PRESETS, v41_preset_config
 from deepinfer.recipe.tokenizer import TextTokenizer, preset_tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling benchmarks, however it was loaded
+from gpu_speculation import timed  # noqa: E402
 
 PRESETS = tuple(p for p in V41_PRESETS if p not in V41_CONFIG_ONLY)
 EXCLUDED_DIRS = ("site-packages", "dist-packages")
@@ -368,6 +379,40 @@ def speculation(folder: Path, prompts: list[list[int]], device: str, max_tokens:
             "mean_accepted": round(counters["drafts_kept"] / max(counters["verify_chunks"], 1), 6)}
 
 
+def speed(folder: Path, prompts: list[list[int]], device: str, dtype: str, batches: list[int],
+          temperatures: list[float], max_tokens: int, draft_tokens: int) -> list[dict]:
+    """Decode tokens per second per batch size and temperature: speculation off, then DSpark under each
+    `verify_policy`; each row beside off's, with its counters and whether its outputs' bits are off's."""
+    llm = LLM(folder, device=device, dtype=dtype, max_num_seqs=max(batches),
+              max_model_len=max(map(len, prompts)) + max_tokens + draft_tokens + 1)
+    rows = []
+    for batch in batches:
+        for temperature in temperatures:
+            requests = [SimpleNamespace(prompt=prompt, params=SamplingParams(
+                temperature=temperature, seed=1000 + i if temperature else None, max_tokens=max_tokens,
+                ignore_eos=True)) for i, prompt in enumerate(prompts[:batch])]
+            plain, steps, seconds, _ = timed(llm, requests, None)
+            tokens = sum(len(sig[0]) for sig in plain)
+            base = {"batch": batch, "temperature": temperature, "prompt_tokens": len(requests[0].prompt),
+                    "new_tokens": max_tokens}
+            rows.append({**base, "speculation": "off", "steps": steps, "seconds": round(seconds, 3),
+                         "tokens_per_s": round(tokens / seconds, 1)})
+            off_seconds = seconds
+            for policy in ("fixed", "throughput"):
+                got, steps, seconds, counts = timed(llm, requests, None, speculation="dspark",
+                                                    draft_tokens=draft_tokens, verify_policy=policy)
+                rows.append({**base, "speculation": f"dspark-{draft_tokens}", "verify_policy": policy, "steps": steps,
+                             "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
+                             "speedup": round(off_seconds / seconds, 3),
+                             "acceptance": round(counts["kept"] / max(counts["drafted"], 1), 4),
+                             "mean_accepted": round(counts["kept"] / max(counts["verify_chunks"], 1), 4),
+                             "tokens_per_step": round(tokens / steps, 4), **counts,
+                             "bitwise_equal": got == plain})
+            for row in rows[-3:]:
+                print(json.dumps(row), flush=True)
+    return rows
+
+
 # -- the run ----------------------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -392,6 +437,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--spec-prompts", type=_positive(int), default=16, help="held-out prompts for speculation")
     parser.add_argument("--prompt-tokens", type=_positive(int), default=64)
     parser.add_argument("--max-tokens", type=_positive(int), default=96, help="greedy tokens per speculation request")
+    parser.add_argument("--draft-tokens", type=_positive(int), default=5, help="DSpark drafts per step")
+    parser.add_argument("--speed-batches", type=_positive(int), nargs="*", default=[1, 16],
+                        help="with --distill-steps: batch sizes of the speed runs (none: no speed runs)")
+    parser.add_argument("--speed-temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    parser.add_argument("--speed-tokens", type=_positive(int), default=128, help="new tokens per speed request")
+    parser.add_argument("--dtype", default="bfloat16", help="the speed runs' dtype")
     parser.add_argument("--checkpoint", required=True, help="new (or empty) folder for the trained checkpoint")
     parser.add_argument("--out", required=True, help="the record's JSON file")
     args = parser.parse_args(argv)
@@ -405,6 +456,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--held-out-share must be between 0 and 1, got {args.held_out_share}")
     if args.distill_steps < 0:
         parser.error(f"--distill-steps must be >= 0, got {args.distill_steps}")
+    if any(t < 0 for t in args.speed_temperatures):
+        parser.error(f"--speed-temperatures must be >= 0, got {args.speed_temperatures}")
     try:
         torch.empty(0, device=args.device)
     except (RuntimeError, AssertionError) as err:  # e.g. cuda asked for on a CPU-only build
@@ -433,9 +486,11 @@ def run(args: argparse.Namespace) -> dict:
     if len(corpus.train) < args.batch or not len(corpus.held_out):
         raise TrainError(f"{len(corpus.train)} training and {len(corpus.held_out)} held-out windows of "
                          f"{args.seq_len} tokens: too few for batches of {args.batch}; read more files")
-    prompts = prompts_from(corpus.held_out_docs, args.spec_prompts, args.prompt_tokens)
-    if args.distill_steps and not prompts:
-        raise TrainError(f"no held-out file has more than {args.prompt_tokens} tokens for a speculation prompt")
+    prompts = prompts_from(corpus.held_out_docs, max([args.spec_prompts, *args.speed_batches]), args.prompt_tokens)
+    wanted = max(args.speed_batches, default=1)
+    if args.distill_steps and len(prompts) < wanted:
+        raise TrainError(f"{len(prompts)} held-out files have more than {args.prompt_tokens} tokens; "
+                         f"speculation needs {wanted} prompts")
     evaluation = corpus.held_out[::max(1, len(corpus.held_out) // args.eval_windows)][:args.eval_windows]
     model = build_model(config, tokenizer, args.seed).to(device)
     with warnings.catch_warnings(record=True) as caught:
@@ -475,8 +530,12 @@ def run(args: argparse.Namespace) -> dict:
         record["distill"] = {"steps": args.distill_steps, "loss": [distilled["loss"][0], distilled["loss"][-1]],
                              "acceptance": distilled["acceptance"],
                              "content_hash": distilled["content_hash"]["after"]}
-        record["speculation"] = speculation(folder, prompts, args.device, args.max_tokens, draft_tokens=5)
+        record["speculation"] = speculation(folder, prompts[:args.spec_prompts], args.device, args.max_tokens,
+                                            args.draft_tokens)
         print(json.dumps(record["speculation"]), flush=True)
+        if args.speed_batches:
+            record["speed"] = speed(folder, prompts, args.device, args.dtype, args.speed_batches,
+                                    args.speed_temperatures, args.speed_tokens, args.draft_tokens)
     record["wall_seconds"] = round(time.perf_counter() - start, 2)
     return record
 
@@ -491,6 +550,9 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     if "speculation" in record and not record["speculation"]["identical"]:
         print("error: the token ids differ with speculation on and off", file=sys.stderr)
+        return 1
+    if not all(row.get("bitwise_equal", True) for row in record.get("speed", [])):
+        print("error: a speed run's outputs differ from speculation off's", file=sys.stderr)
         return 1
     return 0
 

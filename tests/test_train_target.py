@@ -149,6 +149,14 @@ def test_a_quantized_export_loads_and_speculation_keeps_plain_decodings_tokens(t
     measured = train_target.speculation(folder, prompts, "cpu", max_tokens=8, draft_tokens=5)
     assert measured["identical"]
     assert measured["counters"]["drafted"] > 0 and measured["counters"]["verify_chunks"] > 0
+    rows = train_target.speed(folder, prompts, "cpu", "float32", [2], [0.7], max_tokens=6, draft_tokens=3)
+    assert [(r["speculation"], r.get("verify_policy")) for r in rows] == [
+        ("off", None), ("dspark-3", "fixed"), ("dspark-3", "throughput")]
+    assert all(r["batch"] == 2 and r["temperature"] == 0.7 and r["tokens_per_s"] > 0 for r in rows)
+    fixed = rows[1]
+    assert fixed["bitwise_equal"] and rows[2]["bitwise_equal"]
+    assert fixed["drafted"] > 0 and fixed["verify_chunks"] > 0 and fixed["verify_lengths"]
+    assert sum(fixed["verify_lengths"].values()) == fixed["verify_chunks"]
 
 
 def _argv(tmp_path: Path, name: str, *more: str) -> list[str]:
