@@ -181,10 +181,15 @@ def test_the_same_seed_writes_the_same_checkpoint(tmp_path):
     (("--steps", "0"), "argument --steps: must be > 0"),
     (("--preset", "v41-huge"), "argument --preset: invalid choice"),
     (("--out", "/nonexistent-folder/x.json"), "--out: folder /nonexistent-folder does not exist"),
+    (("--speed-temperatures", "-1"), "--speed-temperatures must be >= 0, got [-1.0]"),
+    (("--speed-batches", "0"), "argument --speed-batches: must be > 0, got 0"),
 ])
 def test_bad_flags_are_one_line_errors(tmp_path, capsys, change, message):
     argv = _argv(tmp_path, "bad")
-    argv[argv.index(change[0]) + 1] = change[1]
+    if change[0] in argv:
+        argv[argv.index(change[0]) + 1] = change[1]
+    else:
+        argv += change
     with pytest.raises(SystemExit) as exit_:
         train_target.main(argv)
     assert exit_.value.code == 2
