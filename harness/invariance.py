@@ -89,6 +89,9 @@ class ReferenceDrafter:
     def __init__(self, streams: list[list[int]], wrong_every: int) -> None:
         self.streams, self.wrong_every = streams, wrong_every
 
+    def survivals(self, seq: Sequence) -> None:
+        return None  # no confidence: throughput-aware verification goes by the rates it observes
+
     def propose(self, seq: Sequence, limit: int) -> list[int]:
         token_ids = seq.token_ids
         for stream in self.streams:

@@ -40,9 +40,12 @@ class Recording(DeviceDrafter):
         self.seen: list[tuple[list[int], list[int]]] = []
         self.streams, self.wrong_every, self.proposals = streams, wrong_every, 0
 
-    def observe(self, seq: Sequence, drafts: list[int]) -> None:
+    def observe(self, seq: Sequence, drafts: list[int], survivals: list[float]) -> None:
         self.seen.append((list(seq.token_ids), drafts))
-        super().observe(seq, drafts)
+        super().observe(seq, drafts, survivals)
+
+    def survivals(self, seq: Sequence) -> list[float] | None:
+        return super().survivals(seq) if self.streams is None else None  # the device's are for other drafts
 
     def propose(self, seq: Sequence, limit: int) -> list[int] | None:
         if self.streams is None:
@@ -127,16 +130,15 @@ CONFIDENCE = st.one_of(st.just(0.0), st.floats(1e-6, 1))
 def test_confident_lengths_count_the_leading_slots_above_the_threshold(rows: list, threshold: float) -> None:
     confidence = torch.tensor(rows, dtype=torch.float32)
     threshold = float(torch.tensor(threshold, dtype=torch.float32))  # the comparison is in fp32
-    got = confident_lengths(confidence, threshold).tolist()
-    for row, length in zip(confidence, got):
-        chance, want = 1.0, 0
+    lengths, survivals = confident_lengths(confidence, threshold)
+    for row, length, survival in zip(confidence, lengths.tolist(), survivals.tolist()):
+        chance, chances = 1.0, []
         for value in row.tolist():
             chance = float(torch.tensor(chance, dtype=torch.float32) * value)
-            if chance < threshold:
-                break
-            want += 1
-        assert length == want
-    assert confident_lengths(confidence, 0.0).tolist() == [5] * len(rows)
+            chances.append(chance)
+        assert survival == pytest.approx(chances, rel=1e-6)  # cumprod's running product (accumulated in double)
+        assert length == next((j for j, chance in enumerate(survival) if chance < threshold), len(survival))
+    assert confident_lengths(confidence, 0.0)[0].tolist() == [5] * len(rows)
 
 
 @pytest.mark.parametrize("model,settings,message", [

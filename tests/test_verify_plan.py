@@ -154,6 +154,31 @@ def test_throughput_aware_verification_changes_draft_counts_never_outputs(reques
     assert llm.core.scheduler.num_drafts_declined + llm.core.scheduler.num_drafted > 0
 
 
+def test_a_drafters_doubt_lowers_what_a_step_verifies(requests, monkeypatch) -> None:
+    """DSpark's confidence head hands each block's survivals to the host (the chance that its first j
+    drafts all hold: the running product of its confidences, one per draft, never rising); the plan
+    weighs a sequence's drafts by the lower of those and its learnt rates. A head that doubts every
+    block (survivals 0) leaves nothing worth verifying, where its learnt rates alone would verify drafts
+    from the first step: outputs are plain decoding's either way."""
+    requests = requests[:6]
+    llm = LLM("preset:v41-tiny", max_num_seqs=4, speculation="dspark", verify_policy="throughput")
+    scheduler, observed = llm.core.scheduler, []
+    observe = scheduler.drafter.observe
+    monkeypatch.setattr(scheduler.drafter, "observe", lambda seq, drafts, survivals: observed.append(
+        (drafts, survivals)) or observe(seq, drafts, survivals))
+    outputs = llm.generate([r.prompt for r in requests], [r.params for r in requests])
+    assert [signature(o) for o in outputs] == _plain("v41-tiny", len(requests))
+    assert observed and all(len(drafts) == len(survivals) for drafts, survivals in observed)
+    assert all(1 >= a >= b >= 0 for _, survivals in observed for a, b in zip(survivals, survivals[1:] + [0]))
+    assert scheduler.num_drafted > 0  # the head's survivals are not all 0 (random weights: about 1/2 a slot)
+
+    doubting = LLM("preset:v41-tiny", max_num_seqs=4, speculation="dspark", verify_policy="throughput")
+    monkeypatch.setattr(doubting.core.scheduler.drafter, "survivals", lambda seq: [0.0] * 5)
+    outputs = doubting.generate([r.prompt for r in requests], [r.params for r in requests])
+    assert [signature(o) for o in outputs] == _plain("v41-tiny", len(requests))
+    assert doubting.core.scheduler.num_drafted == 0 < doubting.core.scheduler.num_drafts_declined
+
+
 def _recording_steps(llm: LLM, monkeypatch) -> list[tuple[bool, bool]]:
     """Per engine step: (whether it was speculative, whether it was left in flight)."""
     core, steps = llm.core, []
@@ -196,7 +221,9 @@ def test_drafts_that_never_hold_leave_the_engine_plain(requests, preset, specula
     outputs = llm.generate([r.prompt for r in requests], [r.params for r in requests])
     assert [signature(o) for o in outputs] == _plain(preset, len(requests))
     speculative = [s for s, _ in steps]
-    assert speculative[0] and scheduler.num_drafted > 0 and scheduler.num_draft_kept <= scheduler.num_drafted // 10
+    # the drafts are weighed (DSpark's confidence head may doubt them all at once: then none is verified)
+    assert speculative[0] and scheduler.num_drafted + scheduler.num_drafts_declined > 0
+    assert scheduler.num_draft_kept <= scheduler.num_drafted // 10
     last = max(i for i, s in enumerate(speculative) if s)
     assert last < len(steps) // 3 and not any(speculative[last:][1:])
     assert sum(in_flight for _, in_flight in steps[last + 1:]) >= len(steps[last + 1:]) - 2

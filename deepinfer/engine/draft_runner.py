@@ -74,9 +74,10 @@ class DraftInputs:
 
 
 class DeviceDrafts(Protocol):
-    def run(self, step: DraftInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def run(self, step: DraftInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Update the drafter's caches with the step's tokens and, when the step sampled, draft after
-        each sampling chunk's last kept token: (drafts [S, B], how many of them to verify [S])."""
+        each sampling chunk's last kept token: (drafts [S, B], how many of them to verify [S], their
+        survivals [S, B] by the drafter's confidence)."""
 
 
 def draft_pool(draft: DSpark) -> PoolSpec:
@@ -87,10 +88,12 @@ def draft_pool(draft: DSpark) -> PoolSpec:
                     window=config.sliding_window)
 
 
-def confident_lengths(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Per row of confidences [S, B] (each slot's chance to hold if the ones before it did), how many
-    leading slots keep the chance that all of them hold at or above `threshold` (int64 [S])."""
-    return (torch.cumprod(confidence, dim=1) >= threshold).sum(dim=1)
+def confident_lengths(confidence: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of confidences [S, B] (each slot's chance to hold if the ones before it did): how many
+    leading slots keep the chance that all of them hold at or above `threshold` (int64 [S]), and those
+    chances, the survivals [S, B] (the host's throughput-aware verification weighs drafts by them)."""
+    survivals = torch.cumprod(confidence, dim=1)
+    return (survivals >= threshold).sum(dim=1), survivals.float()
 
 
 def last_kept(step: DraftInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +119,7 @@ class DSparkRunner:
         self.window = draft.target_config.sliding_window
         self.views = [cache.layer_views[layer]["window"] for layer in draft_pool(draft).layers]
 
-    def run(self, step: DraftInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def run(self, step: DraftInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         paged = Paged.of(step.batch)
         self._write_context(step.batch, paged, step.streams_at)
         return self._propose(step, paged) if step.sample_chunks.numel() else None
@@ -128,14 +131,14 @@ class DSparkRunner:
         for view, rows in zip(self.views, self.draft.context_kv(main_x, batch.positions)):
             view[slots] = rows.to(view.dtype)
 
-    def _propose(self, step: DraftInputs, paged: Paged) -> tuple[torch.Tensor, torch.Tensor]:
+    def _propose(self, step: DraftInputs, paged: Paged) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         tokens, anchors = last_kept(step)
         positions = anchors.unsqueeze(1) - self.window + torch.arange(self.window, device=anchors.device)
         slots = paged.slots(DRAFT_POOL, step.sample_chunks.unsqueeze(1), positions)
         context = torch.stack([view[slots] for view in self.views])
         out = self.draft.blocks(tokens, anchors, context, positions >= 0)
         drafts = self.draft.drafts(out, tokens, chooser(step, anchors, self.draft.ops))
-        return drafts.tokens, confident_lengths(drafts.confidence, self.threshold)
+        return drafts.tokens, *confident_lengths(drafts.confidence, self.threshold)
 
 
 class MTPRunner:
@@ -145,7 +148,7 @@ class MTPRunner:
         self.window = cache.specs["window"]
         self.cache = {"window": cache.layer_views[mtp.layer_id]["window"]}
 
-    def run(self, step: DraftInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def run(self, step: DraftInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         out = self._write_rows(step)
         return self._propose(step, out) if step.sample_chunks.numel() else None
 
@@ -157,7 +160,7 @@ class MTPRunner:
         return self.mtp.paged(step.next_ids, batch.positions, step.streams_at[self.mtp.layer_id], addresses,
                               self.cache)
 
-    def _propose(self, step: DraftInputs, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _propose(self, step: DraftInputs, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         _, anchors = last_kept(step)
         batch = step.batch
         first = batch.query_start[step.sample_chunks]  # each chunk's first row, at its first position
@@ -167,4 +170,4 @@ class MTPRunner:
         slots = Paged.of(batch).slots("window", step.sample_chunks.unsqueeze(1), positions)
         drafts, confidence = self.mtp.drafts(streams, anchors, self.cache["window"][slots], positions >= 0,
                                              self.draft_tokens, chooser(step, anchors, self.mtp.ops))
-        return drafts, confident_lengths(torch.sigmoid(confidence), self.threshold)
+        return drafts, *confident_lengths(torch.sigmoid(confidence), self.threshold)

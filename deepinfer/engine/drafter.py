@@ -27,6 +27,10 @@ class Drafter(Protocol):
         sequence's last step), where [] means it looked and had nothing. A drafter may keep what it
         learns of a sequence in `seq.draft_state`, which nothing else touches."""
 
+    def survivals(self, seq: Sequence) -> list[float] | None:
+        """For the drafts `propose` gives `seq` now, the chance by the drafter's own confidence that the
+        first j of them all hold, j = 1, 2, ...; None where the drafter has no such estimate."""
+
 
 class NgramIndex:
     """For n = 1 .. max_ngram, the latest start of every n-gram of a token list that has a token after
@@ -52,6 +56,9 @@ class NgramDrafter:
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
+    def survivals(self, seq: Sequence) -> None:
+        return None  # a lookup has no confidence of its own
+
     def propose(self, seq: Sequence, limit: int) -> list[int]:
         ids = seq.token_ids
         index = seq.draft_state
@@ -69,10 +76,12 @@ class NgramDrafter:
 
 @dataclass
 class DeviceDraft:
-    """Drafts made on the device for a sequence of `length` tokens."""
+    """Drafts made on the device for a sequence of `length` tokens, and their survivals by the drafter's
+    confidence head (the chance that the drafts up to each all hold)."""
 
     length: int
     tokens: list[int]
+    survivals: list[float]
 
 
 class DeviceDrafter:
@@ -82,16 +91,24 @@ class DeviceDrafter:
     made (it may have stopped, or been preempted and recomputed, or its last step was plain: then it
     has none, and decodes one token)."""
 
-    def observe(self, seq: Sequence, drafts: list[int]) -> None:
-        """Take the drafts the runner made on the device to follow `seq.token_ids` as they are now
-        (`Scheduler.update` calls it once a step's tokens are applied)."""
-        seq.draft_state = DeviceDraft(len(seq.token_ids), drafts)
+    def observe(self, seq: Sequence, drafts: list[int], survivals: list[float]) -> None:
+        """Take the drafts the runner made on the device to follow `seq.token_ids` as they are now, with
+        their survivals (`Scheduler.update` calls it once a step's tokens are applied)."""
+        seq.draft_state = DeviceDraft(len(seq.token_ids), drafts, survivals)
 
     def propose(self, seq: Sequence, limit: int) -> list[int] | None:
+        state = self._current(seq)
+        return None if state is None else state.tokens[:limit]
+
+    def survivals(self, seq: Sequence) -> list[float] | None:
+        state = self._current(seq)
+        return None if state is None else state.survivals
+
+    @staticmethod
+    def _current(seq: Sequence) -> DeviceDraft | None:
+        """The drafts made to follow `seq` as it is now, if any."""
         state = seq.draft_state
-        if not isinstance(state, DeviceDraft) or state.length != len(seq.token_ids):
-            return None
-        return state.tokens[:limit]
+        return state if isinstance(state, DeviceDraft) and state.length == len(seq.token_ids) else None
 
 
 def build_drafter(speculation: str) -> Drafter | None:

@@ -84,8 +84,9 @@ class DraftGraph:
         with torch.cuda.graph(self.graph, pool=pool):
             self.out = drafts.run(self.step)
 
-    def replay(self, step: DraftInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """The drafts of `step` (shaped as the captured one, over the same batch and streams)."""
+    def replay(self, step: DraftInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The drafts of `step`, as `DeviceDrafts.run` gives them (shaped as the captured one, over the
+        same batch and streams)."""
         if step.batch is not self.step.batch or step.streams_at is not self.step.streams_at:
             raise ValueError("a drafter graph replays over the batch and streams of the forward graph it follows")
         for name in ("next_ids", "sample_chunks", "draws_at", "token_ids", "num_accepted"):

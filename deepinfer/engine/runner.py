@@ -49,8 +49,9 @@ class StepResult:
     order: the tokens it drew that count (the sampled token, and after each draft that held the
     token drawn after it), each one's logprob, top logprobs (when asked for) and whether its logits
     were finite; per scoring chunk the prompt logprobs and top logprobs of its `scored` positions;
-    with a model drafter, per sampling chunk the tokens it drafted to follow the ones it drew; when
-    the step was timed, the seconds of its forward and sampling and of its drafter."""
+    with a model drafter, per sampling chunk the tokens it drafted to follow the ones it drew and their
+    survivals by its confidence; when the step was timed, the seconds of its forward and sampling and of
+    its drafter."""
 
     tokens: list[list[int]]
     logprobs: list[list[float]]
@@ -59,6 +60,7 @@ class StepResult:
     prompt_logprobs: list[list[float]]
     prompt_top: list[list[list[tuple[int, float]]]]
     drafts: list[list[int]] | None = None
+    draft_survivals: list[list[float]] | None = None
     forward_seconds: float | None = None
     draft_seconds: float = 0.0
 
@@ -98,8 +100,9 @@ class RunnerOutput:
     hidden states of the R sampled rows (each chunk's last token and drafts, in order: a drafter's
     input); top_ids / top_logprobs [S, 1 + k, K]: the K most likely tokens when any row asked for logprobs;
     prompt_logprobs [P] and prompt_top_ids / prompt_top_logprobs [P, Kp] when any chunk scored;
-    with a model drafter, drafts [S, B] after each chunk's last kept token and num_drafts [S], how
-    many of them the drafter would have verified.
+    with a model drafter, drafts [S, B] after each chunk's last kept token, num_drafts [S], how
+    many of them the drafter would have verified, and draft_survivals [S, B], the chance by its
+    confidence that the drafts up to each hold.
     """
 
     token_ids: torch.Tensor
@@ -114,6 +117,7 @@ class RunnerOutput:
     prompt_top_logprobs: torch.Tensor | None = None
     drafts: torch.Tensor | None = None
     num_drafts: torch.Tensor | None = None
+    draft_survivals: torch.Tensor | None = None
     clock: StepClock | None = field(default=None, repr=False)
     download: Download | None = field(default=None, repr=False)
 
@@ -147,12 +151,13 @@ class RunnerOutput:
         def counted(name: str) -> list[list]:
             return [values[:count] for values, count in zip(host[name], counts)]
 
-        drafts = None
+        drafts = survivals = None
         if "drafts" in host:
             drafts = [values[:count] for values, count in zip(host["drafts"], host["num_drafts"])]
+            survivals = [values[:count] for values, count in zip(host["draft_survivals"], host["num_drafts"])]
         result = StepResult(tokens=counted("token_ids"), logprobs=counted("logprobs"), top=top,
                             finite=counted("finite"), prompt_logprobs=prompt_logprobs, prompt_top=prompt_top,
-                            drafts=drafts)
+                            drafts=drafts, draft_survivals=survivals)
         if self.clock is not None:
             spans = self.clock.seconds()
             result.forward_seconds, result.draft_seconds = spans[0], sum(spans[1:])
@@ -160,7 +165,7 @@ class RunnerOutput:
 
 
 SAMPLING_ROWS = frozenset({"token_ids", "logprobs", "num_accepted", "finite", "top_ids", "top_logprobs", "drafts",
-                           "num_drafts"})  # the outputs with a row per sampling chunk
+                           "num_drafts", "draft_survivals"})  # the outputs with a row per sampling chunk
 
 
 class ModelRunner:
@@ -253,7 +258,7 @@ class ModelRunner:
                                  rows["draws_at"], token_ids, out.num_accepted, params.rows(columns[:, 0]), greedy_only)
             drafted = self.drafts.run(inputs) if graph is None else self._draft_graph(graph, inputs).replay(inputs)
             if drafted is not None:
-                out.drafts, out.num_drafts = drafted
+                out.drafts, out.num_drafts, out.draft_survivals = drafted
             if clock is not None:
                 clock.mark()
         out.clock = clock

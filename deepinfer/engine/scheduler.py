@@ -182,7 +182,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.budget
         chunks: list[ScheduledChunk] = []
-        proposals: list[tuple[Sequence, bool]] = []  # sequences the drafter could draft for, and whether it did
+        proposals: list[Sequence] = []  # the sequences the drafter could draft for
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or budget == 0 or self.rules.full(seq, len(seq.token_ids)):
                 continue
@@ -191,7 +191,7 @@ class Scheduler:
                 continue
             drafts = self._drafts(seq, n, budget)
             if drafts is not None:
-                proposals.append((seq, bool(drafts)))
+                proposals.append(seq)
             drafts = drafts or []
             if not self._fits(seq.blocks, seq.num_computed + n + len(drafts)):
                 drafts = []  # drafts never cost another sequence its blocks
@@ -205,8 +205,8 @@ class Scheduler:
             chunks.append(self._chunk(seq, seq.num_computed, n, drafts))
             budget -= n + len(drafts)
         if self.step_cost is not None:
-            self._observe_proposals(proposals)
             budget += self._plan_verification(chunks)
+            self._observe_proposals(proposals, chunks)
         index = 0  # waiting sequences before it wait for a prefix a running sequence is computing
         while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[index]
@@ -238,11 +238,15 @@ class Scheduler:
         return plan_verify(base_rows, base_tokens, survivals, self.step_cost.speculating.seconds,
                            self.step_cost.plain.seconds)
 
-    def _observe_proposals(self, proposals: list[tuple[Sequence, bool]]) -> None:
-        """Whether the drafter drafted anything where it could, per sequence and over the step."""
-        for seq, drafted in proposals:
-            seq.proposes.observe(1, int(drafted))
-        self.drafter_proposes.observe_step([(1, int(drafted)) for _, drafted in proposals])
+    def _observe_proposals(self, proposals: list[Sequence], chunks: list[ScheduledChunk]) -> None:
+        """Whether the drafter drafted anything the plan verifies where it could, per sequence and over
+        the step (drafts its confidence doubts are declined: a drafter that always doubts runs no more
+        than one that never drafts)."""
+        verified = {id(chunk.seq) for chunk in chunks if chunk.num_draft}
+        drafted = [int(id(seq) in verified) for seq in proposals]
+        for seq, did in zip(proposals, drafted):
+            seq.proposes.observe(1, did)
+        self.drafter_proposes.observe_step([(1, did) for did in drafted])
 
     def _speculates(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether the step is speculative: it verifies drafts (it must then be read back before the next
@@ -271,8 +275,7 @@ class Scheduler:
             return 0
         lengths = self._plan(sum(chunk.num_tokens - chunk.num_draft for chunk in chunks),
                              sum(chunk.samples for chunk in chunks),
-                             [chunk.seq.hold_rates.survivals(chunk.num_draft, self.drafter_holds)
-                              for chunk in speculating])
+                             [self._survivals(chunk) for chunk in speculating])
         freed = 0
         for chunk, length in zip(speculating, lengths):
             declined = chunk.num_draft - length
@@ -281,6 +284,16 @@ class Scheduler:
             freed += declined
         self.num_drafts_declined += freed
         return freed
+
+    def _survivals(self, chunk: ScheduledChunk) -> list[float]:
+        """The chance that a chunk's first j drafts all hold, j = 1 .. its drafts: its sequence's learnt
+        rates (`HoldRates`), or where a model drafter's confidence gave these drafts a lower chance, that:
+        never more hopeful than what verification has seen, less where the drafter doubts this block."""
+        learnt = chunk.seq.hold_rates.survivals(chunk.num_draft, self.drafter_holds)
+        confident = self.drafter.survivals(chunk.seq)
+        if confident is None:
+            return learnt
+        return [min(a, c) for a, c in zip(learnt, confident)]
 
     def observe_step(self, scheduled: SchedulerOutput, plain_seconds: float, wall_seconds: float | None) -> None:
         """What a step cost, for throughput-aware verification: `plain_seconds`, what it would have taken
@@ -432,7 +445,7 @@ class Scheduler:
             if row is not None:
                 self._resolve(seq, chunk, result, row, now)
                 if result.drafts is not None and seq.status is Status.RUNNING:
-                    self.drafter.observe(seq, result.drafts[row])
+                    self.drafter.observe(seq, result.drafts[row], result.draft_survivals[row])
             if seq.status is Status.FINISHED:
                 (self.running if seq in self.running else self.waiting).remove(seq)
                 self._offer_prefix(seq)

@@ -13,7 +13,8 @@ against a plain step's tokens per second: admitting none means the step runs pla
 two time curves it reads (rows in a step -> seconds: recent steps' median per row bucket, linear between
 buckets), `HoldRates` a sequence's survivals, learnt from its own verifications (the chance that each
 draft position holds given the ones before it, from recent counts) pooled with its drafter's over every
-sequence, which learns from a whole step's verifications at once. The drafter starts from an optimistic
+sequence, which learns from a whole step's verifications at once; the scheduler lowers them to a model
+drafter's own survivals for the block at hand where its confidence head doubts it. The drafter starts from an optimistic
 prior, so it is tried before it is judged, and one whose drafts never hold stops costing anything
 within a step or two: its engine runs plain steps, as with speculation off.
 
