@@ -159,9 +159,17 @@ def test_a_drafters_doubt_lowers_what_a_step_verifies(requests, monkeypatch) -> 
     drafts all hold: the running product of its confidences, one per draft, never rising); the plan
     weighs a sequence's drafts by the lower of those and its learnt rates. A head that doubts every
     block (survivals 0) leaves nothing worth verifying, where its learnt rates alone would verify drafts
-    from the first step: outputs are plain decoding's either way."""
+    from the first step: outputs are plain decoding's either way. A row costs the same in either kind of
+    step here, so what is verified does not depend on this machine's speed."""
     requests = requests[:6]
-    llm = LLM("preset:v41-tiny", max_num_seqs=4, speculation="dspark", verify_policy="throughput")
+
+    def engine() -> LLM:
+        llm = LLM("preset:v41-tiny", max_num_seqs=4, speculation="dspark", verify_policy="throughput")
+        for curve in (llm.core.scheduler.step_cost.speculating, llm.core.scheduler.step_cost.plain):
+            monkeypatch.setattr(curve, "seconds", lambda rows: 1.0 + 0.01 * rows)
+        return llm
+
+    llm = engine()
     scheduler, observed = llm.core.scheduler, []
     observe = scheduler.drafter.observe
     monkeypatch.setattr(scheduler.drafter, "observe", lambda seq, drafts, survivals: observed.append(
@@ -172,7 +180,7 @@ def test_a_drafters_doubt_lowers_what_a_step_verifies(requests, monkeypatch) -> 
     assert all(1 >= a >= b >= 0 for _, survivals in observed for a, b in zip(survivals, survivals[1:] + [0]))
     assert scheduler.num_drafted > 0  # the head's survivals are not all 0 (random weights: about 1/2 a slot)
 
-    doubting = LLM("preset:v41-tiny", max_num_seqs=4, speculation="dspark", verify_policy="throughput")
+    doubting = engine()
     monkeypatch.setattr(doubting.core.scheduler.drafter, "survivals", lambda seq: [0.0] * 5)
     outputs = doubting.generate([r.prompt for r in requests], [r.params for r in requests])
     assert [signature(o) for o in outputs] == _plain("v41-tiny", len(requests))
