@@ -458,6 +458,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--distill-steps must be >= 0, got {args.distill_steps}")
     if any(t < 0 for t in args.speed_temperatures):
         parser.error(f"--speed-temperatures must be >= 0, got {args.speed_temperatures}")
+    block = v41_preset_config(args.preset).dspark_block_size
+    if args.draft_tokens > block:
+        parser.error(f"--draft-tokens {args.draft_tokens}: {args.preset}'s DSpark drafts at most {block} a step")
     try:
         torch.empty(0, device=args.device)
     except (RuntimeError, AssertionError) as err:  # e.g. cuda asked for on a CPU-only build
