@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from deepinfer import LLM, EngineConfig
 from deepinfer.errors import DeepInferError
-from deepinfer.engine.verify_plan import DRAFTER_PRIOR, PRIOR_HOLD, HoldRates, TimeCurve, plan_verify
+from deepinfer.engine.verify_plan import DRAFTER_PRIOR, PRIOR_HOLD, HeadLevels, HoldRates, TimeCurve, confidences, plan_verify
 from deepinfer.harness.invariance import ReferenceDrafter, signature, standard_requests
 
 
@@ -102,6 +102,23 @@ def test_hold_rates_are_chances(steps) -> None:
         assert all(0.0 <= a <= 1.0 for a in survivals) and survivals == sorted(survivals, reverse=True)
 
 
+def test_a_heads_confidence_counts_against_its_level_where_verification_reached() -> None:
+    """The head is read relative to its mean confidence in the drafts verification reached at that
+    position: not at all before any did, and a head off by a constant factor reads as a calibrated one."""
+    assert confidences([0.5, 0.25, 0.0, 0.0]) == [0.5, 0.5, 0.0, 0.0]
+    levels, tenth = HeadLevels(), HeadLevels()
+    assert levels.relative(0, 0.01) == 1.0  # no verification yet: the drafter is tried before it is judged
+    for block, verified, kept in [([0.6, 0.4, 0.2], 3, 0), ([0.2, 0.8, 0.5], 3, 3), ([0.4, 0.6], 2, 1)]:
+        levels.observe_step([(block, verified, kept)])
+        tenth.observe_step([([c / 10 for c in block], verified, kept)])
+    assert levels.relative(2, 0.5) == 1.0 and levels.counts[2] == 1.0  # one verification reached slot 2
+    assert levels.relative(0, 0.8) > 1.0 > levels.relative(0, 0.2) > levels.relative(0, 0.0) == 0.0
+    for j, c in [(0, 0.7), (1, 0.3), (2, 0.9)]:
+        assert tenth.relative(j, c / 10) == pytest.approx(levels.relative(j, c))
+    levels.observe_step([([0.0, 0.0], 2, 1)])
+    assert HeadLevels().relative(0, 0.3) == 1.0 and levels.relative(0, 0.3) > 0.0
+
+
 def test_a_time_curve_is_the_median_of_what_ran_and_flat_where_nothing_did() -> None:
     cost = TimeCurve()
     assert cost.seconds(1) == cost.seconds(100) == 1.0
@@ -157,34 +174,48 @@ def test_throughput_aware_verification_changes_draft_counts_never_outputs(reques
 def test_a_drafters_doubt_lowers_what_a_step_verifies(requests, monkeypatch) -> None:
     """DSpark's confidence head hands each block's survivals to the host (the chance that its first j
     drafts all hold: the running product of its confidences, one per draft, never rising); the plan
-    weighs a sequence's drafts by the lower of those and its learnt rates. A head that doubts every
-    block (survivals 0) leaves nothing worth verifying, where its learnt rates alone would verify drafts
-    from the first step: outputs are plain decoding's either way. A row costs the same in either kind of
-    step here, so what is verified does not depend on this machine's speed."""
+    scales each sequence's learnt rates by the head's confidence relative to its level. So a head whose
+    confidences are all ten times too low verifies what the real head does, and one that doubts some
+    sequences' blocks entirely (confidence 0) verifies theirs only before any verification said what its
+    confidences mean, while the others' go on being verified. Outputs are plain decoding's throughout.
+    A row costs the same in either kind of step here, so what is verified does not depend on this
+    machine's speed."""
     requests = requests[:6]
 
-    def engine() -> LLM:
+    def engine(survivals=None) -> tuple[LLM, list[list[tuple[int, int]]]]:
+        """An engine whose head's survivals pass through `survivals(seq, real)`, and per step the
+        (request id, drafts verified) of its verifying chunks."""
         llm = LLM("preset:v41-tiny", max_num_seqs=4, speculation="dspark", verify_policy="throughput")
-        for curve in (llm.core.scheduler.step_cost.speculating, llm.core.scheduler.step_cost.plain):
+        scheduler, verified = llm.core.scheduler, []
+        for curve in (scheduler.step_cost.speculating, scheduler.step_cost.plain):
             monkeypatch.setattr(curve, "seconds", lambda rows: 1.0 + 0.01 * rows)
-        return llm
+        if survivals is not None:
+            real = scheduler.drafter.survivals
+            monkeypatch.setattr(scheduler.drafter, "survivals", lambda seq: survivals(seq, real(seq)))
+        schedule = scheduler.schedule
 
-    llm = engine()
-    scheduler, observed = llm.core.scheduler, []
-    observe = scheduler.drafter.observe
-    monkeypatch.setattr(scheduler.drafter, "observe", lambda seq, drafts, survivals: observed.append(
-        (drafts, survivals)) or observe(seq, drafts, survivals))
-    outputs = llm.generate([r.prompt for r in requests], [r.params for r in requests])
-    assert [signature(o) for o in outputs] == _plain("v41-tiny", len(requests))
-    assert observed and all(len(drafts) == len(survivals) for drafts, survivals in observed)
-    assert all(1 >= a >= b >= 0 for _, survivals in observed for a, b in zip(survivals, survivals[1:] + [0]))
-    assert scheduler.num_drafted > 0  # the head's survivals are not all 0 (random weights: about 1/2 a slot)
+        def recording_schedule():
+            out = schedule()
+            verified.append([(c.seq.request_id, c.num_draft) for c in out.chunks if c.num_draft])
+            return out
+        monkeypatch.setattr(scheduler, "schedule", recording_schedule)
+        outputs = llm.generate([r.prompt for r in requests], [r.params for r in requests])
+        assert [signature(o) for o in outputs] == _plain("v41-tiny", len(requests))
+        return llm, verified
 
-    doubting = engine()
-    monkeypatch.setattr(doubting.core.scheduler.drafter, "survivals", lambda seq: [0.0] * 5)
-    outputs = doubting.generate([r.prompt for r in requests], [r.params for r in requests])
-    assert [signature(o) for o in outputs] == _plain("v41-tiny", len(requests))
-    assert doubting.core.scheduler.num_drafted == 0 < doubting.core.scheduler.num_drafts_declined
+    observed = []
+    llm, real = engine(lambda seq, survivals: observed.append(survivals) or survivals)
+    assert observed and all(len(survivals) == 5 for survivals in observed if survivals is not None)
+    assert all(1 >= a >= b >= 0 for s in observed if s is not None for a, b in zip(s, s[1:] + [0]))
+    assert llm.core.scheduler.num_drafted > 0
+
+    _, tenth = engine(lambda seq, survivals: survivals and [a * 0.1 ** (j + 1) for j, a in enumerate(survivals)])
+    assert tenth == real
+
+    _, partly = engine(lambda seq, survivals: survivals and ([0.0] * len(survivals) if seq.request_id % 2 else survivals))
+    first = next(i for i, step in enumerate(partly) if step)
+    assert all(request % 2 == 0 for step in partly[first + 1:] for request, _ in step)
+    assert any(step for step in partly[first + 1:])
 
 
 def _recording_steps(llm: LLM, monkeypatch) -> list[tuple[bool, bool]]:
@@ -229,7 +260,6 @@ def test_drafts_that_never_hold_leave_the_engine_plain(requests, preset, specula
     outputs = llm.generate([r.prompt for r in requests], [r.params for r in requests])
     assert [signature(o) for o in outputs] == _plain(preset, len(requests))
     speculative = [s for s, _ in steps]
-    # the drafts are weighed (DSpark's confidence head may doubt them all at once: then none is verified)
     assert speculative[0] and scheduler.num_drafted + scheduler.num_drafts_declined > 0
     assert scheduler.num_draft_kept <= scheduler.num_drafted // 10
     last = max(i for i, s in enumerate(speculative) if s)

@@ -56,7 +56,7 @@ from deepinfer.engine.cache import BlockTables, CacheManager
 from deepinfer.engine.drafter import Drafter
 from deepinfer.engine.prefix import PrefixCache
 from deepinfer.engine.sequence import Sequence, Status, is_placeholder, placeholder
-from deepinfer.engine.verify_plan import DRAFTER_PRIOR, HoldRates, StepCost, plan_verify
+from deepinfer.engine.verify_plan import DRAFTER_PRIOR, HeadLevels, HoldRates, StepCost, confidences, plan_verify
 
 if TYPE_CHECKING:  # produced by the runner, which imports this module
     from deepinfer.engine.runner import StepResult
@@ -69,7 +69,8 @@ class ScheduledChunk:
     recomputed after preemption does not score its prompt twice); `samples`: the chunk reaches the
     sequence's last token, so the step draws token `draws_at`; `draft_ids`: draft tokens run after
     the sequence's last token (they are the chunk's last inputs, counted in `num_tokens`), so the
-    step also draws the tokens after each of them."""
+    step also draws the tokens after each of them; `confidences`: a model drafter's confidence in each
+    draft, where throughput-aware verification weighed them (what `HeadLevels` learn from)."""
 
     seq: Sequence
     start: int
@@ -77,6 +78,7 @@ class ScheduledChunk:
     scored: range = range(0)
     samples: bool = False
     draft_ids: list[int] = field(default_factory=list)
+    confidences: list[float] | None = None
 
     @property
     def end(self) -> int:
@@ -167,11 +169,12 @@ class Scheduler:
     def forget_verification(self) -> None:
         """Start throughput-aware verification (`engine.verify_plan`) from nothing, as a new engine does:
         no step times, and the drafter's rates over every sequence (which each sequence's own pool with)
-        at the prior; `drafter_proposes` holds at position 0 the chance that the drafter drafts at all
-        where it can."""
+        at the prior, its head's levels unknown; `drafter_proposes` holds at position 0 the chance that the
+        drafter drafts at all where it can."""
         self.step_cost: StepCost | None = StepCost() if self.plans_verification else None
         self.drafter_holds = HoldRates(prior=DRAFTER_PRIOR)
         self.drafter_proposes = HoldRates(prior=DRAFTER_PRIOR)
+        self.head_levels = HeadLevels()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -240,7 +243,7 @@ class Scheduler:
 
     def _observe_proposals(self, proposals: list[Sequence], chunks: list[ScheduledChunk]) -> None:
         """Whether the drafter drafted anything the plan verifies where it could, per sequence and over
-        the step (drafts its confidence doubts are declined: a drafter that always doubts runs no more
+        the step (drafts the plan declines count as none: a drafter whose drafts never pay runs no more
         than one that never drafts)."""
         verified = {id(chunk.seq) for chunk in chunks if chunk.num_draft}
         drafted = [int(id(seq) in verified) for seq in proposals]
@@ -273,6 +276,9 @@ class Scheduler:
         speculating = [chunk for chunk in chunks if chunk.num_draft]
         if not speculating:
             return 0
+        for chunk in speculating:
+            survivals = self.drafter.survivals(chunk.seq)
+            chunk.confidences = None if survivals is None else confidences(survivals[:chunk.num_draft])
         lengths = self._plan(sum(chunk.num_tokens - chunk.num_draft for chunk in chunks),
                              sum(chunk.samples for chunk in chunks),
                              [self._survivals(chunk) for chunk in speculating])
@@ -286,14 +292,17 @@ class Scheduler:
         return freed
 
     def _survivals(self, chunk: ScheduledChunk) -> list[float]:
-        """The chance that a chunk's first j drafts all hold, j = 1 .. its drafts: its sequence's learnt
-        rates (`HoldRates`), or where a model drafter's confidence gave these drafts a lower chance, that:
-        never more hopeful than what verification has seen, less where the drafter doubts this block."""
-        learnt = chunk.seq.hold_rates.survivals(chunk.num_draft, self.drafter_holds)
-        confident = self.drafter.survivals(chunk.seq)
-        if confident is None:
-            return learnt
-        return [min(a, c) for a, c in zip(learnt, confident)]
+        """The chance that a chunk's first j drafts all hold, j = 1 .. its drafts: the running product of
+        its sequence's learnt rates (`HoldRates`), each scaled by the drafter's confidence in the draft
+        relative to its usual one there (`HeadLevels`) where the drafter has a confidence head."""
+        survivals, survival = [], 1.0
+        for j in range(chunk.num_draft):
+            rate = chunk.seq.hold_rates.rate(j, self.drafter_holds)
+            if chunk.confidences is not None:
+                rate = min(1.0, rate * self.head_levels.relative(j, chunk.confidences[j]))
+            survival *= rate
+            survivals.append(survival)
+        return survivals
 
     def observe_step(self, scheduled: SchedulerOutput, plain_seconds: float, wall_seconds: float | None) -> None:
         """What a step cost, for throughput-aware verification: `plain_seconds`, what it would have taken
@@ -429,8 +438,11 @@ class Scheduler:
         Returns the sequences that finished."""
         now = time.perf_counter()
         finished = []
-        self.drafter_holds.observe_step([(chunk.num_draft, len(result.tokens[row]) - 1) for row, chunk in
-                                         enumerate(scheduled.sampling) if chunk.num_draft])
+        verified = [(chunk, len(result.tokens[row]) - 1) for row, chunk in enumerate(scheduled.sampling)
+                    if chunk.num_draft]
+        self.drafter_holds.observe_step([(chunk.num_draft, kept) for chunk, kept in verified])
+        self.head_levels.observe_step([(chunk.confidences, chunk.num_draft, kept) for chunk, kept in verified
+                                       if chunk.confidences is not None])
         scoring = iter(zip(result.prompt_logprobs, result.prompt_top))
         sampled = iter(range(len(result.tokens)))
         for chunk in scheduled.chunks:

@@ -13,10 +13,13 @@ against a plain step's tokens per second: admitting none means the step runs pla
 two time curves it reads (rows in a step -> seconds: recent steps' median per row bucket, linear between
 buckets), `HoldRates` a sequence's survivals, learnt from its own verifications (the chance that each
 draft position holds given the ones before it, from recent counts) pooled with its drafter's over every
-sequence, which learns from a whole step's verifications at once; the scheduler lowers them to a model
-drafter's own survivals for the block at hand where its confidence head doubts it. The drafter starts from an optimistic
-prior, so it is tried before it is judged, and one whose drafts never hold stops costing anything
-within a step or two: its engine runs plain steps, as with speculation off.
+sequence, which learns from a whole step's verifications at once. A model drafter's confidence head
+says how much more or less likely than usual the block at hand is to hold: the scheduler scales each
+learnt rate by the head's confidence in the draft over its mean confidence in the drafts verification
+reached there (`HeadLevels`), so a head that is wrong by a constant factor plans as a calibrated one.
+The drafter starts from an optimistic prior, so it is tried before it is judged, and one whose drafts
+never hold stops costing anything within a step or two: its engine runs plain steps, as with
+speculation off.
 
 None of this changes outputs: a step yields the tokens the target samples, bitwise the same whatever
 it verifies (see `deepinfer.engine.drafter`). It changes only how many steps those tokens take, and
@@ -77,14 +80,59 @@ class HoldRates:
     def observe_step(self, verifications: list[tuple[int, int]]) -> None:
         """One step's (verified, kept), one per sequence that verified drafts, as one round of evidence:
         each position reached forgets once, then counts every verification that reached it."""
-        reached = [min(kept + 1, verified) for verified, kept in verifications]
-        for j in range(max(reached, default=0)):
-            if j == len(self.tried):
-                self.held.append(self.prior * PRIOR_HOLD)
-                self.tried.append(self.prior)
-            outcomes = [1.0 if j < kept else 0.0 for (_, kept), n in zip(verifications, reached) if j < n]
-            self.held[j] = (1 - HOLD_MEMORY) * self.held[j] + sum(outcomes)
-            self.tried[j] = (1 - HOLD_MEMORY) * self.tried[j] + len(outcomes)
+        outcomes = [[1.0 if j < kept else 0.0 for j in range(reached(verified, kept))] for verified, kept in verifications]
+        add_round(self.held, self.tried, outcomes, (self.prior * PRIOR_HOLD, self.prior))
+
+
+def reached(verified: int, kept: int) -> int:
+    """How many draft positions a verification of `verified` drafts that kept `kept` decided: those
+    that held and the first that failed."""
+    return min(kept + 1, verified)
+
+
+def add_round(sums: list[float], counts: list[float], blocks: list[list[float]], start: tuple[float, float]) -> None:
+    """One round of evidence, per draft position j the values `blocks` have there (a block has values at
+    its first positions): each position reached forgets HOLD_MEMORY of its sums and counts, then adds
+    them; a position reached the first time starts from `start` (sum, count)."""
+    for j in range(max(map(len, blocks), default=0)):
+        if j == len(counts):
+            sums.append(start[0])
+            counts.append(start[1])
+        values = [block[j] for block in blocks if j < len(block)]
+        sums[j] = (1 - HOLD_MEMORY) * sums[j] + sum(values)
+        counts[j] = (1 - HOLD_MEMORY) * counts[j] + len(values)
+
+
+@dataclass
+class HeadLevels:
+    """Per draft position j, a model drafter's mean confidence (its head's chance that draft j holds if
+    the ones before it did) over the drafts verification reached at j, forgotten as `HoldRates` forget:
+    the level the head's confidences are read against. Only the head's relative doubt counts
+    (`relative`): briefly distilled, or reading other text than it learnt from, a head's confidences
+    can be off by a factor (one that always says 0.1 where 3 in 10 hold would otherwise never be
+    verified, and so never be found wrong), and a head whose drafts have not been verified yet is not
+    read at all, so the drafter is tried before it is judged."""
+
+    sums: list[float] = field(default_factory=list)
+    counts: list[float] = field(default_factory=list)
+
+    def relative(self, j: int, confidence: float) -> float:
+        """`confidence` at position j over the mean there (1 where no verification reached j yet, or the
+        head gave all it reached 0)."""
+        if j >= len(self.counts) or self.counts[j] <= 0 or self.sums[j] <= 0:
+            return 1.0
+        return confidence / (self.sums[j] / self.counts[j])
+
+    def observe_step(self, verifications: list[tuple[list[float], int, int]]) -> None:
+        """One step's (confidences, verified, kept), one per chunk that verified drafts the head scored."""
+        add_round(self.sums, self.counts,
+                  [confidences[:reached(verified, kept)] for confidences, verified, kept in verifications], (0.0, 0.0))
+
+
+def confidences(survivals: list[float]) -> list[float]:
+    """A head's confidence in each draft (the chance it holds if the ones before it did) from its
+    survivals (the chance that all up to it hold, their running product): 0 after a survival of 0."""
+    return [a / before if before > 0 else 0.0 for a, before in zip(survivals, [1.0, *survivals])]
 
 
 class TimeCurve:
