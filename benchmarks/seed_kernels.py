@@ -4,15 +4,18 @@ and cuBLAS at a preset's matmul shapes (issue 35, item 4). One command, one JSON
 
     python benchmarks/seed_kernels.py --preset v41-flash-5l --out results.json
 
-DeepGEMM is built from its sdist where it runs (`pip install --no-build-isolation --no-deps
-deepinfer_gemm-2.8.2.tar.gz`, elfutils' headers on the include path); its kernels are compiled at
-their first call. On SM90 its FP8 GEMM takes FP32 scales, the activations' per token and 128 columns
+DeepGEMM is built from its sdist where it runs (`python -m pip install --no-build-isolation --no-deps
+deepinfer_gemm-2.8.2.tar.gz` by the Python that has torch: the GPU image's `pip` command belongs to
+another; elfutils' headers on the include path; about 2.5 minutes on 16 cores; the distribution it
+installs is named `deepgemm`); its kernels are compiled at their first call. On SM90 its FP8 GEMM takes FP32 scales, the activations' per token and 128 columns
 (1 x 128) and the weights' per 128 x 128 block, and the call must name that recipe, `(1, 128, 128)`
 (without it the binding reads an empty optional). So V4's FP8 weights (128 x 128 tiles, E8M0 scales,
 which FP32 holds exactly) fit it as stored, but its activations must be quantized to FP8 per token,
 which our engine does not do (its matmuls take bf16 activations): a different model numerically.
 V4.1's dense weights use 32 x 32 tiles and its experts MXFP4, neither of which the SM90 kernels take.
 
+- `runtime`: first calls into its device runtime, each in a process of its own (their exit codes), so
+  that a crash there is recorded rather than fatal; the rest runs only where they all returned;
 - `invariance`: per kernel, the rows M in `--rows` of `x @ w.T` computed alone (the first M rows of a
   batch) against the same rows in a batch of the largest M; bitwise, with `use_deterministic_algorithms`
   on and off; also the error against an fp32 reference (the FP8 one against its own dequantized operands);
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import subprocess
 import sys
 import traceback
 from collections.abc import Callable
@@ -69,6 +73,22 @@ def deep_gemm_fp8(deep_gemm, a: tuple, b: tuple) -> torch.Tensor:
     out = torch.empty(a[0].shape[0], b[0].shape[0], device=a[0].device, dtype=torch.bfloat16)
     deep_gemm.fp8_gemm_nt(a, b, out, recipe=RECIPE)
     return out
+
+
+PROBES = {"get_num_sms": "deep_gemm.get_num_sms()",
+          "bf16_gemm_nt": "deep_gemm.bf16_gemm_nt(x, w, torch.empty(64, 256, device='cuda', dtype=torch.bfloat16))",
+          "cublaslt_gemm_nt": "deep_gemm.cublaslt_gemm_nt(x, w, torch.empty(64, 256, device='cuda', dtype=torch.bfloat16))"}
+
+
+def probe_runtime() -> dict:
+    """Each of PROBES in a process of its own, first calls into DeepGEMM's device runtime: on an H100 with
+    torch 2.11 / CUDA 13.0, 2.8.2 built but every one of them died of a segfault (no Python error), which
+    would take this whole benchmark down with it. Per probe its exit code (negative: the signal)."""
+    setup = ("import torch, deep_gemm; x = torch.randn(64, 512, device='cuda', dtype=torch.bfloat16); "
+             "w = torch.randn(256, 512, device='cuda', dtype=torch.bfloat16); ")
+    codes = {name: subprocess.run([sys.executable, "-c", setup + call + "; torch.cuda.synchronize()"],
+                                  capture_output=True, timeout=600).returncode for name, call in PROBES.items()}
+    return {"exit_codes": codes, "runs": not any(codes.values())}
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -149,10 +169,13 @@ def main() -> int:
     try:
         import deep_gemm
 
-        report["deep_gemm"] = {"package": "deepinfer-gemm", "version": importlib.metadata.version("deepinfer-gemm"),
-                               "imports": True}
+        # the deepinfer-gemm sdist builds a distribution named "deepgemm"
+        version = getattr(deep_gemm, "__version__", None) or importlib.metadata.version("deepgemm")
+        report["deep_gemm"] = {"package": "deepinfer-gemm", "version": version, "imports": True,
+                               "runtime": probe_runtime()}
     except Exception as err:  # the record says why it could not run, whatever the reason
         report["deep_gemm"] = {"imports": False, "error": f"{type(err).__name__}: {err}"}
+    if not report["deep_gemm"].get("runtime", {}).get("runs"):
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
         return 1
     config = preset_config(args.preset)
