@@ -324,7 +324,7 @@ def _cmd_dspark_distill(args: argparse.Namespace) -> int:
     print(f"{args.model}: distilled the DSpark draft layers in {settings.steps} steps "
           f"({time.monotonic() - start:.0f} s), loss {loss[0]['loss']:.3f} -> {loss[-1]['loss']:.3f}")
     print("held-out acceptance of the greedy drafts: per slot, the share of blocks whose drafts held through it "
-          "(mean accepted length)")
+          "(mean accepted length; head: its confidence head's mean estimate of the same shares)")
     for kind in ("greedy", "sampled"):
         line = "  ".join(f"{when} {_acceptance(record['acceptance'][when][kind])}" for when in ("before", "after"))
         print(f"  {kind + ' continuations':<22} {line}")
@@ -333,7 +333,9 @@ def _cmd_dspark_distill(args: argparse.Namespace) -> int:
 
 
 def _acceptance(measured: dict) -> str:
-    return " ".join(f"{share:.3f}" for share in measured["per_slot"]) + f" ({measured['mean_accepted']:.3f})"
+    """The shares that held through each slot (mean accepted length), then the head's own belief."""
+    return (" ".join(f"{share:.3f}" for share in measured["per_slot"]) + f" ({measured['mean_accepted']:.3f}; head "
+            + " ".join(f"{share:.3f}" for share in measured["head_per_slot"]) + ")")
 
 
 def _add_generate(commands: argparse._SubParsersAction) -> None:

@@ -365,23 +365,28 @@ def _inference_draft(llm: LLM, tensors: dict[str, torch.Tensor]) -> DSpark:
 
 def acceptance(draft: DSpark, data: Generations) -> dict:
     """Per kind of generation (greedy, sampled): `per_slot`, the share of blocks whose greedy drafts held
-    up to and including each slot; `mean_accepted`, their sum; `blocks`, how many were drafted. Every
-    generated position that has all of its block's labels anchors a block."""
+    up to and including each slot; `mean_accepted`, their sum; `head_per_slot`, the confidence head's own
+    mean survival there (the chance it gave that the drafts through each slot all hold: beside
+    `per_slot`, how well calibrated it is); `blocks`, how many were drafted. Every generated position
+    that has all of its block's labels anchors a block."""
     size, window = draft.config.dspark_block_size, draft.config.sliding_window
     length = data.tokens.shape[1]
     anchors = torch.arange(PROMPT_TOKENS, length - size, device=data.tokens.device)
     positions = anchors.unsqueeze(1) - window + torch.arange(window, device=anchors.device)
     labels = anchors.unsqueeze(1) + 1 + torch.arange(size, device=anchors.device)
     held = {True: torch.zeros(size, dtype=torch.long), False: torch.zeros(size, dtype=torch.long)}
+    believed = {True: torch.zeros(size, dtype=torch.float64), False: torch.zeros(size, dtype=torch.float64)}
     for tokens, features, greedy in zip(data.tokens, data.features, data.greedy.tolist()):
         main_x = draft.project(features)
         kv = draft.context_kv(main_x, torch.arange(length, device=anchors.device))
         out = draft.blocks(tokens[anchors], anchors, kv[:, positions.clamp(min=0)], positions >= 0)
-        drafted = draft.drafts(out, tokens[anchors]).tokens
-        held[greedy] += (drafted == tokens[labels]).long().cumprod(dim=1).sum(dim=0).cpu()
+        drafted = draft.drafts(out, tokens[anchors])
+        held[greedy] += (drafted.tokens == tokens[labels]).long().cumprod(dim=1).sum(dim=0).cpu()
+        believed[greedy] += drafted.confidence.double().cumprod(dim=1).sum(dim=0).cpu()
     counts = {greedy: int((data.greedy == greedy).sum()) * len(anchors) for greedy in (True, False)}
     return {kind: {"per_slot": [round(h / max(counts[greedy], 1), 6) for h in held[greedy].tolist()],
                    "mean_accepted": round(held[greedy].sum().item() / max(counts[greedy], 1), 6),
+                   "head_per_slot": [round(b / max(counts[greedy], 1), 6) for b in believed[greedy].tolist()],
                    "blocks": counts[greedy]}
             for kind, greedy in (("greedy", True), ("sampled", False))}
 
