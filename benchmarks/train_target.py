@@ -434,6 +434,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="store the checkpoint in the release's formats (FP8 dense weights, MXFP4 experts)")
     parser.add_argument("--distill-steps", type=int, default=0,
                         help="then distill the DSpark draft layers this many steps and measure speculation")
+    distill_defaults = DistillSettings()
+    parser.add_argument("--distill-prompts", type=_positive(int), default=distill_defaults.prompts,
+                        help="prompts the target continues for distillation (half greedily, half sampled)")
+    parser.add_argument("--distill-batch", type=_positive(int), default=distill_defaults.batch,
+                        help="draft blocks per distillation step")
     parser.add_argument("--spec-prompts", type=_positive(int), default=16, help="held-out prompts for speculation")
     parser.add_argument("--prompt-tokens", type=_positive(int), default=64)
     parser.add_argument("--max-tokens", type=_positive(int), default=96, help="greedy tokens per speculation request")
@@ -529,10 +534,15 @@ def run(args: argparse.Namespace) -> dict:
         "checkpoint": {"quantized": args.quantized, "content_hash": digest, "tokenizer": tokenizer.content_hash},
     }
     if args.distill_steps:
-        distilled = distill(folder, DistillSettings(steps=args.distill_steps, seed=args.seed, device=args.device))
-        record["distill"] = {"steps": args.distill_steps, "loss": [distilled["loss"][0], distilled["loss"][-1]],
+        distill_start = time.perf_counter()
+        distilled = distill(folder, DistillSettings(steps=args.distill_steps, seed=args.seed, device=args.device,
+                                                    prompts=args.distill_prompts, batch=args.distill_batch))
+        record["distill"] = {"steps": args.distill_steps, "prompts": args.distill_prompts, "batch": args.distill_batch,
+                             "seconds": round(time.perf_counter() - distill_start, 2),
+                             "loss": [distilled["loss"][0], distilled["loss"][-1]],
                              "acceptance": distilled["acceptance"],
                              "content_hash": distilled["content_hash"]["after"]}
+        print(json.dumps({"distill": record["distill"]}), flush=True)
         record["speculation"] = speculation(folder, prompts[:args.spec_prompts], args.device, args.max_tokens,
                                             args.draft_tokens)
         print(json.dumps(record["speculation"]), flush=True)

@@ -183,6 +183,7 @@ def test_the_same_seed_writes_the_same_checkpoint(tmp_path):
     (("--out", "/nonexistent-folder/x.json"), "--out: folder /nonexistent-folder does not exist"),
     (("--speed-temperatures", "-1"), "--speed-temperatures must be >= 0, got [-1.0]"),
     (("--speed-batches", "0"), "argument --speed-batches: must be > 0, got 0"),
+    (("--distill-prompts", "0"), "argument --distill-prompts: must be > 0, got 0"),
     (("--draft-tokens", "6"), "--draft-tokens 6: v41-tiny's DSpark drafts at most 5 a step"),
 ])
 def test_bad_flags_are_one_line_errors(tmp_path, capsys, change, message):
