@@ -29,7 +29,8 @@ a run reads: held-out files are never trained on, and give the held-out loss and
    `--quantized` in the release's formats (`layout.quantize`: FP8 dense weights and Engram tables, MXFP4
    experts), beside config.json and the preset's tokenizer.json: a folder `LLM(folder)` loads;
 4. with `--distill-steps N`, `deepinfer dspark distill` (the library's `distill`) trains the draft layers
-   on the target's own generations, then greedy requests on held-out prompts run with `speculation="dspark"`
+   on the target's own generations (continuing `--distill-prompts` windows of training files' text,
+   `distill_corpus`), then greedy requests on held-out prompts run with `speculation="dspark"`
    and without: their token ids must be identical (the engine's contract; the script fails otherwise), and
    the scheduler's counters give the share of drafts kept and the mean accepted length per verify step;
 5. then decode speed (`--speed-batches`, `--speed-temperatures`): per batch size B and temperature, B
@@ -62,6 +63,7 @@ import secrets
 import shutil
 import sys
 import sysconfig
+import tempfile
 import time
 import warnings
 from collections.abc import Iterable, Iterator
@@ -97,6 +99,7 @@ WARMUP_SHARE = 0.05  # linear warmup over this share of the steps, then a cosine
 FINAL_LR_SHARE = 0.1
 WEIGHT_DECAY = 0.1  # on matrices and tables; norms, biases and mixing scalars get none
 GRAD_CLIP = 1.0
+DISTILL_CORPUS_BYTES = 2_000_000  # of training files' text for distillation's prompts
 # the scheduler's speculation counters (the names `harness.run_writer` records them under)
 COUNTERS = {"drafted": "num_drafted", "drafts_kept": "num_draft_kept", "verify_chunks": "num_verify_chunks",
             "rollbacks": "num_rollbacks", "speculating_steps": "num_speculating_steps"}
@@ -143,6 +146,16 @@ class Corpus:
     sha256: str  # of every read file's relative path and bytes, in order
     train_tokens: int
     held_out_tokens: int
+
+
+def distill_corpus(corpus: Corpus, budget: int = DISTILL_CORPUS_BYTES, root: Path | None = None) -> str:
+    """Training files' text, every n-th file of the sorted list so that about `budget` bytes come from all
+    over it: distillation's prompts (the bundled English story would teach the drafter a code model's
+    continuations of prose; the held-out files stay the speed runs' prompts alone)."""
+    root = root or stdlib_root()
+    sizes = sum((root / name).stat().st_size for name in corpus.train_files)
+    step = max(1, math.ceil(sizes / budget))
+    return "\n".join((root / name).read_text(encoding="utf-8") for name in corpus.train_files[::step])
 
 
 def tokenize(tokenizer: TextTokenizer, texts: list[str]) -> list[list[int]]:
@@ -382,7 +395,8 @@ def speculation(folder: Path, prompts: list[list[int]], device: str, max_tokens:
 def speed(folder: Path, prompts: list[list[int]], device: str, dtype: str, batches: list[int],
           temperatures: list[float], max_tokens: int, draft_tokens: int) -> list[dict]:
     """Decode tokens per second per batch size and temperature: speculation off, then DSpark under each
-    `verify_policy`; each row beside off's, with its counters and whether its outputs' bits are off's."""
+    `verify_policy`, then off again (how far two plain engines drift apart); each row beside off's, with
+    its counters and whether its outputs' bits are off's."""
     llm = LLM(folder, device=device, dtype=dtype, max_num_seqs=max(batches),
               max_model_len=max(map(len, prompts)) + max_tokens + draft_tokens + 1)
     rows = []
@@ -408,7 +422,11 @@ def speed(folder: Path, prompts: list[list[int]], device: str, dtype: str, batch
                              "mean_accepted": round(counts["kept"] / max(counts["verify_chunks"], 1), 4),
                              "tokens_per_step": round(tokens / steps, 4), **counts,
                              "bitwise_equal": got == plain})
-            for row in rows[-3:]:
+            again, steps, seconds, _ = timed(llm, requests, None)  # off's engine-to-engine drift, for scale
+            rows.append({**base, "speculation": "off", "again": True, "steps": steps, "seconds": round(seconds, 3),
+                         "tokens_per_s": round(tokens / seconds, 1), "speedup": round(off_seconds / seconds, 3),
+                         "bitwise_equal": again == plain})
+            for row in rows[-4:]:
                 print(json.dumps(row), flush=True)
     return rows
 
@@ -535,9 +553,14 @@ def run(args: argparse.Namespace) -> dict:
     }
     if args.distill_steps:
         distill_start = time.perf_counter()
-        distilled = distill(folder, DistillSettings(steps=args.distill_steps, seed=args.seed, device=args.device,
-                                                    prompts=args.distill_prompts, batch=args.distill_batch))
+        with tempfile.TemporaryDirectory() as scratch:
+            text = Path(scratch) / "distill-corpus.txt"
+            text.write_text(distill_corpus(corpus), encoding="utf-8")
+            distilled = distill(folder, DistillSettings(steps=args.distill_steps, seed=args.seed, device=args.device,
+                                                        prompts=args.distill_prompts, batch=args.distill_batch,
+                                                        corpus=str(text)))
         record["distill"] = {"steps": args.distill_steps, "prompts": args.distill_prompts, "batch": args.distill_batch,
+                             "corpus_sha256": distilled["data"]["corpus_sha256"],
                              "seconds": round(time.perf_counter() - distill_start, 2),
                              "loss": [distilled["loss"][0], distilled["loss"][-1]],
                              "acceptance": distilled["acceptance"],

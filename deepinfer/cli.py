@@ -307,6 +307,9 @@ def _add_dspark(commands: argparse._SubParsersAction) -> None:
     for flag, kind, text in numbers:
         default = getattr(defaults, flag[2:].replace("-", "_"))
         distill_parser.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})")
+    distill_parser.add_argument("--corpus", default=defaults.corpus, metavar="FILE",
+                                help="UTF-8 text whose windows are the prompts, in the target's own domain "
+                                     "(default: the bundled English corpus)")
     distill_parser.add_argument("--device", default=defaults.device,
                                 help=f"where the target runs and the draft trains, e.g. cuda (default: {defaults.device})")
     distill_parser.add_argument("--no-progress", dest="progress", action="store_false",
@@ -317,7 +320,7 @@ def _add_dspark(commands: argparse._SubParsersAction) -> None:
 def _cmd_dspark_distill(args: argparse.Namespace) -> int:
     settings = DistillSettings(steps=args.steps, seed=args.seed, lr=args.lr, batch=args.batch, prompts=args.prompts,
                                held_out=args.held_out, max_tokens=args.max_tokens, device=args.device,
-                               threads=args.threads)
+                               threads=args.threads, corpus=args.corpus)
     start = time.monotonic()
     record = distill(args.model, settings, progress=args.progress)
     loss = record["loss"]

@@ -111,7 +111,8 @@ def test_the_distilled_draft_loads_and_drafts_as_measured(distilled):
     draft.load_tensors(left, "cpu")
     assert not left
     draft.share(llm.model)
-    data = generate(llm, DistillSettings(prompts=1, held_out=1, max_tokens=12))
+    settings = DistillSettings(prompts=1, held_out=1, max_tokens=12)
+    data = generate(llm, settings, settings.corpus_text())
     tokens, main_x = data.tokens[0], draft.project(data.features[0])
     anchors = torch.arange(PROMPT_TOKENS, PROMPT_TOKENS + 7)
     window = ckpt.config.sliding_window
@@ -123,6 +124,13 @@ def test_the_distilled_draft_loads_and_drafts_as_measured(distilled):
         alone = draft.propose(tokens[anchor], anchor, main_x)
         assert alone.tokens.tolist() == batched.tokens[row].tolist()
         assert torch.allclose(alone.confidence_logits, batched.confidence_logits[row])
+    # the prompts are windows of the corpus given: its first four fifths the training ones', its last the held-out's
+    code = "".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(120))
+    corpus = llm.tokenizer.encode(code)
+    data = generate(llm, settings, code)
+    split = int(len(corpus) * 0.8)
+    for prompt, part in zip(data.tokens[:, :PROMPT_TOKENS].tolist(), (corpus[:split], corpus[split:])):
+        assert any(part[i:i + PROMPT_TOKENS] == prompt for i in range(len(part) - PROMPT_TOKENS + 1))
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -131,11 +139,17 @@ def test_the_distilled_draft_loads_and_drafts_as_measured(distilled):
     (["--lr", "nan"], "lr must be a finite number > 0, got nan"),
     (["--seed", "-2"], "seed must be an integer >= 0, got -2"),
     (["--held-out", "0"], "held_out must be a positive integer, got 0"),
+    (["--corpus", "/nonexistent/corpus.txt"], "corpus /nonexistent/corpus.txt: no such file"),
+    (["--corpus", "LATIN1"], "corpus LATIN1: not UTF-8 text (invalid continuation byte at byte 4)"),
 ])
-def test_bad_numbers_are_refused_in_one_line(plain, capsys, flags, message):
+def test_bad_settings_are_refused_in_one_line(plain, capsys, tmp_path, flags, message):
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("def caf\xe9(): pass".encode("latin-1")[3:])
+    flags = [str(latin1) if flag == "LATIN1" else flag for flag in flags]
+    weights = (plain / "model.safetensors").read_bytes()
     assert main(["dspark", "distill", "--model", str(plain), *flags]) == 2
-    assert capsys.readouterr().err == f"error: {message}\n"
-    assert not (plain / RECORD_NAME).exists()
+    assert capsys.readouterr().err == f"error: {message.replace('LATIN1', str(latin1))}\n"
+    assert not (plain / RECORD_NAME).exists() and (plain / "model.safetensors").read_bytes() == weights
 
 
 def test_a_flag_that_is_no_number_is_refused_in_one_line(plain, capsys):

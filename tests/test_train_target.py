@@ -102,6 +102,16 @@ def test_held_out_files_never_reach_the_training_windows(trained):
     assert (alone.train_files, alone.held_out_files) == ([], corpus.held_out_files[:1])
 
 
+def test_distillation_prompts_come_from_training_files_spread_over_the_list(trained):
+    root = train_target.stdlib_root()
+    texts = {name: (root / name).read_text(encoding="utf-8") for name in trained.corpus.train_files}
+    whole = train_target.distill_corpus(trained.corpus, budget=10**9)
+    assert whole == "\n".join(texts.values())
+    part = train_target.distill_corpus(trained.corpus, budget=len(whole.encode()) // 3)
+    assert part == "\n".join(list(texts.values())[::3])
+    assert not any((root / name).read_text(encoding="utf-8") in whole for name in trained.corpus.held_out_files)
+
+
 def test_nemo_folds_a_vocabulary_larger_than_the_tokenizer_as_the_engine_does():
     """v41-small's tokenizer has fewer ids than its vocabulary: NeMo's Engram token map over
     `ModelVocabulary` is the engine's `vocabulary_map`, so NeMo's hashes are the engine's."""
@@ -151,7 +161,8 @@ def test_a_quantized_export_loads_and_speculation_keeps_plain_decodings_tokens(t
     assert measured["counters"]["drafted"] > 0 and measured["counters"]["verify_chunks"] > 0
     rows = train_target.speed(folder, prompts, "cpu", "float32", [2], [0.7], max_tokens=6, draft_tokens=3)
     assert [(r["speculation"], r.get("verify_policy")) for r in rows] == [
-        ("off", None), ("dspark-3", "fixed"), ("dspark-3", "throughput")]
+        ("off", None), ("dspark-3", "fixed"), ("dspark-3", "throughput"), ("off", None)]
+    assert rows[3]["again"] and rows[3]["bitwise_equal"]
     assert all(r["batch"] == 2 and r["temperature"] == 0.7 and r["tokens_per_s"] > 0 for r in rows)
     fixed = rows[1]
     assert fixed["bitwise_equal"] and rows[2]["bitwise_equal"]

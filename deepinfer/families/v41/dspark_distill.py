@@ -105,6 +105,7 @@ class DistillSettings:
     max_tokens: int = 96  # tokens the target generates per prompt
     device: str = "cpu"
     threads: int = 1  # CPU threads (the bits of CPU matmuls depend on it)
+    corpus: str = ""  # a UTF-8 text file whose windows are the prompts ("": the bundled corpus)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "prompts", "held_out", "max_tokens", "threads"):
@@ -115,6 +116,17 @@ class DistillSettings:
             raise DistillError(f"seed must be an integer >= 0, got {self.seed!r}")
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not 0 < self.lr < math.inf:
             raise DistillError(f"lr must be a finite number > 0, got {self.lr!r}")
+        if self.corpus and not Path(self.corpus).is_file():
+            raise DistillError(f"corpus {self.corpus}: no such file")
+
+    def corpus_text(self) -> str:
+        """The text the prompts come from: a target should be distilled on its own domain's text (a code
+        model's continuations of the bundled English story teach a drafter little about its code)."""
+        path = Path(self.corpus) if self.corpus else CORPUS_PATH
+        try:
+            return path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise DistillError(f"corpus {path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
 
 
 @dataclass
@@ -137,11 +149,12 @@ def distill(folder: str | Path, settings: DistillSettings = DistillSettings(), p
     (also written to `folder / RECORD_NAME`)."""
     folder = Path(folder)
     before = load_draft_tensors(folder)  # one-line errors for a missing folder, V4, no draft layers
+    text = settings.corpus_text()
     config = load_config(folder)
     with cpu_threads(settings.threads):
         llm = LLM(folder, device=settings.device, max_num_seqs=settings.prompts + settings.held_out,
                   max_model_len=PROMPT_TOKENS + settings.max_tokens)
-        data = generate(llm, settings)
+        data = generate(llm, settings, text)
         train_data, held_out = data.rows(slice(settings.prompts)), data.rows(slice(settings.prompts, None))
         measured = {"before": acceptance(_inference_draft(llm, before), held_out)}
         draft = _draft(config, before, _TargetParts(llm.model), settings.device)
@@ -153,7 +166,8 @@ def distill(folder: str | Path, settings: DistillSettings = DistillSettings(), p
     record = {
         "format": RECORD_FORMAT, "deepinfer": __version__, "code": CODE_VERSION, "settings": asdict(settings),
         "data": {"train_sequences": settings.prompts, "held_out_sequences": settings.held_out,
-                 "prompt_tokens": PROMPT_TOKENS, "generated_tokens": settings.max_tokens},
+                 "prompt_tokens": PROMPT_TOKENS, "generated_tokens": settings.max_tokens,
+                 "corpus_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()},
         "loss": curve, "acceptance": measured, "content_hash": hashes,
     }
     _write_record(folder, record)
@@ -180,12 +194,12 @@ def _deterministic_kernels(device: torch.device) -> Iterator[None]:
 
 # -- data -----------------------------------------------------------------------------------------------------
 
-def generate(llm: LLM, settings: DistillSettings) -> Generations:
+def generate(llm: LLM, settings: DistillSettings, text: str) -> Generations:
     """The target's continuations of `settings.prompts` training prompts then `settings.held_out` held-out
-    ones, with their features."""
+    ones (windows of `text`'s first and last parts), with their features."""
     if llm.tokenizer is None:
         raise DistillError("distillation prompts come from text: the checkpoint needs its tokenizer.json")
-    corpus = llm.tokenizer.encode(CORPUS_PATH.read_text(encoding="utf-8"))
+    corpus = llm.tokenizer.encode(text)
     split = int(len(corpus) * (1 - HELD_OUT_SHARE))
     generator = torch.Generator().manual_seed(settings.seed)
     prompts = (_windows(corpus[:split], settings.prompts, generator)
