@@ -7,9 +7,10 @@ and cuBLAS at a preset's matmul shapes (issue 35, item 4). One command, one JSON
 DeepGEMM is built from its sdist where it runs (`python -m pip install --no-build-isolation --no-deps
 deepinfer_gemm-2.8.2.tar.gz` by the Python that has torch: the GPU image's `pip` command belongs to
 another; elfutils' headers on the include path; about 2.5 minutes on 16 cores; the distribution it
-installs is named `deepgemm`); its kernels are compiled at their first call. On SM90 its FP8 GEMM takes FP32 scales, the activations' per token and 128 columns
-(1 x 128) and the weights' per 128 x 128 block, and the call must name that recipe, `(1, 128, 128)`
-(without it the binding reads an empty optional). So V4's FP8 weights (128 x 128 tiles, E8M0 scales,
+installs is named `deepgemm`); its kernels are compiled at their first call. On SM90 its FP8 GEMM
+takes FP32 scales, the activations' per token and 128 columns (1 x 128) and the weights' per 128 x 128
+block, and the call must name that recipe, `(1, 128, 128)` (without it the binding reads an empty
+optional). So V4's FP8 weights (128 x 128 tiles, E8M0 scales,
 which FP32 holds exactly) fit it as stored, but its activations must be quantized to FP8 per token,
 which our engine does not do (its matmuls take bf16 activations): a different model numerically.
 V4.1's dense weights use 32 x 32 tiles and its experts MXFP4, neither of which the SM90 kernels take.
@@ -75,9 +76,9 @@ def deep_gemm_fp8(deep_gemm, a: tuple, b: tuple) -> torch.Tensor:
     return out
 
 
-PROBES = {"get_num_sms": "deep_gemm.get_num_sms()",
-          "bf16_gemm_nt": "deep_gemm.bf16_gemm_nt(x, w, torch.empty(64, 256, device='cuda', dtype=torch.bfloat16))",
-          "cublaslt_gemm_nt": "deep_gemm.cublaslt_gemm_nt(x, w, torch.empty(64, 256, device='cuda', dtype=torch.bfloat16))"}
+OUT = "torch.empty(64, 256, device='cuda', dtype=torch.bfloat16)"
+PROBES = {"get_num_sms": "deep_gemm.get_num_sms()", "bf16_gemm_nt": f"deep_gemm.bf16_gemm_nt(x, w, {OUT})",
+          "cublaslt_gemm_nt": f"deep_gemm.cublaslt_gemm_nt(x, w, {OUT})"}
 
 
 def probe_runtime() -> dict:

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from deepinfer import LLM, EngineConfig
 from deepinfer.errors import DeepInferError
-from deepinfer.engine.verify_plan import DRAFTER_PRIOR, PRIOR_HOLD, HeadLevels, HoldRates, TimeCurve, confidences, plan_verify
+from deepinfer.engine.verify_plan import (DRAFTER_PRIOR, PRIOR_HOLD, HeadLevels, HoldRates, TimeCurve, confidences,
+                                          plan_verify)
 from deepinfer.harness.invariance import ReferenceDrafter, signature, standard_requests
 
 
@@ -212,7 +213,8 @@ def test_a_drafters_doubt_lowers_what_a_step_verifies(requests, monkeypatch) -> 
     _, tenth = engine(lambda seq, survivals: survivals and [a * 0.1 ** (j + 1) for j, a in enumerate(survivals)])
     assert tenth == real
 
-    _, partly = engine(lambda seq, survivals: survivals and ([0.0] * len(survivals) if seq.request_id % 2 else survivals))
+    _, partly = engine(lambda seq, survivals: survivals and ([0.0] * len(survivals) if seq.request_id % 2
+                                                             else survivals))
     first = next(i for i, step in enumerate(partly) if step)
     assert all(request % 2 == 0 for step in partly[first + 1:] for request, _ in step)
     assert any(step for step in partly[first + 1:])

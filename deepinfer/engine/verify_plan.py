@@ -80,7 +80,8 @@ class HoldRates:
     def observe_step(self, verifications: list[tuple[int, int]]) -> None:
         """One step's (verified, kept), one per sequence that verified drafts, as one round of evidence:
         each position reached forgets once, then counts every verification that reached it."""
-        outcomes = [[1.0 if j < kept else 0.0 for j in range(reached(verified, kept))] for verified, kept in verifications]
+        outcomes = [[1.0 if j < kept else 0.0 for j in range(reached(verified, kept))]
+                    for verified, kept in verifications]
         add_round(self.held, self.tried, outcomes, (self.prior * PRIOR_HOLD, self.prior))
 
 
