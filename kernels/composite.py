@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import torch
 
+from deepinfer.kernels.fast import scalar
+
 Op = Callable[..., torch.Tensor]
 
 
@@ -55,11 +57,12 @@ def hyper_coefficients(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pre [T, n], post [T, n], comb [T, n, n]) in fp32 from one site's mixing logits [T, (2 + n) * n]
     (the projection of the normalised streams), its bias `base` [(2 + n) * n] and `scale` [3]."""
-    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = base.split([n, n, n * n])
-    pre = sigmoid(pre_w * scale[0] + pre_b) + eps
-    post = 2 * sigmoid(post_w * scale[1] + post_b)
-    comb = sinkhorn(comb_w.reshape(-1, n, n) * scale[2] + comb_b.view(n, n), iters, eps)
+    pre_w, post_w, comb_w = mixes.split_with_sizes([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.split_with_sizes([n, n, n * n])
+    pre_scale, post_scale, comb_scale = scale.unbind()
+    pre = sigmoid(pre_w * pre_scale + pre_b) + scalar(eps)
+    post = sigmoid(post_w * post_scale + post_b) * scalar(2.0)
+    comb = sinkhorn(comb_w.reshape(-1, n, n) * comb_scale + comb_b.view(n, n), iters, eps)
     return pre, post, comb
 
 

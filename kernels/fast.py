@@ -8,12 +8,24 @@ row's bits can change with T. `kernels/invariant.py` fixes that; this module sta
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from deepinfer.kernels.quant import accepts_quantized
+
+
+@functools.cache
+def scalar(value: float) -> torch.Tensor:
+    """`value` as a 0-dim fp32 CPU tensor, for elementwise ops with fp32 or bf16 tensors: both take it
+    as a CPU scalar rounded to fp32, as they take a Python number, so the bits are the same; but a
+    Python number is wrapped in a new float64 tensor on every call (~4 us more per op on CPU, where
+    small ops cost ~3 us). Shared: never write to it. Made outside inference mode, so that autograd
+    may save it (training runs these ops too)."""
+    with torch.inference_mode(False):
+        return torch.tensor(value, dtype=torch.float32)
 
 
 @accepts_quantized
@@ -37,13 +49,13 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm with an fp32 weight: normalise and scale in fp32, cast once at the end."""
     xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + scalar(eps))
     return (weight * xf).to(x.dtype)
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm without weight; the fp32 inverse RMS is cast to x's dtype before scaling."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + scalar(eps)).to(x.dtype)
 
 
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -62,9 +74,8 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     half = cos.shape[-1]
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
     cos, sin = cos.view(shape), sin.view(shape)
-    nope, rope = x[..., : -2 * half], x[..., -2 * half :]
-    pairs = rope.float().unflatten(-1, (half, 2))
-    even, odd = pairs[..., 0], pairs[..., 1]
+    nope, rope = x.split_with_sizes([x.shape[-1] - 2 * half, 2 * half], dim=-1)
+    even, odd = rope.float().unflatten(-1, (half, 2)).unbind(-1)
     rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
     return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
 
@@ -84,12 +95,15 @@ def window_pool(kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor) -> tor
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Doubly-stochastic projection of [..., n, n] mixing logits (softmax rows, then alternate)."""
+    """Doubly-stochastic projection of [..., n, n] mixing logits (softmax rows, then alternate).
+    The tensors are tiny, so each op's call is the cost: eps is a `scalar`, each sum (dim, keepdim:
+    positional, parsed faster) takes it in place."""
+    eps = scalar(eps)
     comb = torch.softmax(logits, dim=-1) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    comb = comb / comb.sum(-2, True).add_(eps)
     for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        comb = comb / comb.sum(-1, True).add_(eps)
+        comb = comb / comb.sum(-2, True).add_(eps)
     return comb
 
 

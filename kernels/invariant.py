@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import os
 from collections.abc import Callable
 
@@ -85,6 +86,7 @@ from deepinfer.kernels.fast import (  # noqa: F401  (re-exported: already row-in
     unweighted_rms_norm,
     weighted_combine,
 )
+from deepinfer.kernels.fast import scalar
 from deepinfer.kernels.quant import QuantizedWeight, accepts_quantized
 
 # the row tile whose calls define a row's bits: a multiple of 8 and 24 (oneDNN 3.10's AVX2 fp32 gemm
@@ -113,6 +115,25 @@ KV_BLOCK = 64  # keys per attention / indexer score matrix
 MATRIX_BATCH = 16  # matrices per batched matmul call
 POINTWISE_ALIGN = 64  # a multiple of two SIMD vectors on every x86 ISA PyTorch targets
 POINTWISE_PIECE = 16384  # below PyTorch's parallel grain, so one thread runs each piece from its start
+CACHED_ZEROS = 16384  # largest block of zeros `padded` keeps for reuse (elements; 256 blocks at most)
+
+
+def padded(x: torch.Tensor, count: int, dim: int = 0) -> torch.Tensor:
+    """x followed by `count` zeros (False for bool) along `dim`: F.pad's result, as one cat with a
+    cached block of zeros where that block is small and on the CPU (F.pad costs about twice a cat on
+    decode-sized tensors; a device block made first inside a CUDA graph's capture would hold no zeros
+    until the graph is replayed)."""
+    shape = list(x.shape)
+    shape[dim] = count
+    cached = x.device.type == "cpu" and math.prod(shape) <= CACHED_ZEROS
+    zeros = _zeros(tuple(shape), x.dtype) if cached else x.new_zeros(shape)
+    return torch.cat([x, zeros], dim=dim)
+
+
+@functools.lru_cache(maxsize=256)
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    with torch.inference_mode(False):  # shared with calls outside inference mode too
+        return torch.zeros(shape, dtype=dtype)
 
 
 def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -126,7 +147,7 @@ def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> to
     n = flat.numel()
     pad = -n % POINTWISE_ALIGN
     if pad:
-        flat = F.pad(flat, (0, pad))
+        flat = padded(flat, pad)
     if flat.numel() <= POINTWISE_PIECE:
         out = fn(flat)
     else:
@@ -159,7 +180,7 @@ def matmul_layout(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor | Quan
     QuantizedWeight stays as the checkpoint stores it (`linear` decodes it)."""
     if isinstance(weight, QuantizedWeight):
         return weight
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or _column_major(weight):
+    if weight.dtype != torch.float32 or _column_major(weight) or weight.device.type != "cpu":
         return weight
     return weight.mT.contiguous().mT
 
@@ -297,8 +318,9 @@ def _cut_linear(rows: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, ...]
     """rows [n, K] (in the weight's dtype) @ weight.T, one `_tile_linear` call per tile of the cut."""
     n = rows.shape[0]
     cut = cut_rows(n, tiles, call_cost_rows(weight))
-    if sum(cut) != n:
-        rows = F.pad(rows, (0, 0, 0, sum(cut) - n))
+    total = sum(cut)
+    if total != n:
+        rows = padded(rows, total - n)
     if len(cut) == 1:
         out = _tile_linear(rows, weight, library)
     else:
@@ -364,10 +386,11 @@ def mix_streams(comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     """comb^T @ streams per token: comb [T, n, n], streams [T, n, H] -> [T, n, H], written out with no
     library call as the CUDA kernel (kernels/triton_fused.py) defines it: in fp32, the sum over source
     streams i in order of comb[i, target] (rounded to the streams' dtype) times stream i."""
-    weights = comb.to(streams.dtype).float()
-    mixed = weights[:, 0, :, None] * streams[:, 0, None, :].float()
-    for source in range(1, streams.shape[1]):
-        mixed = mixed + weights[:, source, :, None] * streams[:, source, None, :].float()
+    weights = comb.to(streams.dtype).float().unsqueeze(-1).unbind(1)
+    sources = streams.float().unsqueeze(2).unbind(1)
+    mixed = weights[0] * sources[0]
+    for weight, source in zip(weights[1:], sources[1:]):
+        mixed += weight * source
     return mixed.to(streams.dtype)
 
 
@@ -377,9 +400,9 @@ def ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     a reduction from the whole tensor's shape; elementwise adds do not. log2(n) adds, not n - 1."""
     while x.shape[dim] > 1:
         n = x.shape[dim]
-        half = n // 2
-        paired = x.narrow(dim, 0, half) + x.narrow(dim, half, half)
-        x = paired if n % 2 == 0 else torch.cat([paired, x.narrow(dim, n - 1, 1)], dim=dim)
+        first, second, *odd = x.split_with_sizes([n // 2, n // 2] + [1] * (n % 2), dim)
+        paired = first + second
+        x = torch.cat([paired, *odd], dim=dim) if odd else paired
     return x.squeeze(dim)
 
 
@@ -410,7 +433,7 @@ def _key_blocks(keys: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, 
     blocks = max(1, -(-width // KV_BLOCK))
     pad = blocks * KV_BLOCK - width
     if pad:
-        keys, valid = F.pad(keys, (0, 0, 0, pad)), F.pad(valid, (0, pad), value=False)
+        keys, valid = padded(keys, pad, dim=1), padded(valid, pad, dim=1)
     return keys.reshape(tokens * blocks, KV_BLOCK, dim), valid.view(tokens, blocks, 1, KV_BLOCK)
 
 
@@ -440,7 +463,7 @@ def sink_attention(
     tokens, heads, dim = q.shape
     keys = kv.float().masked_fill(~valid.unsqueeze(-1), 0)  # a stale row may hold NaN, and 0 * NaN is NaN
     key_blocks, valid = _key_blocks(keys, valid)
-    scores = (_block_scores(q, key_blocks) * scale).masked_fill_(~valid, float("-inf"))
+    scores = (_block_scores(q, key_blocks) * scalar(scale)).masked_fill_(~valid, float("-inf"))
     sinks = sinks.float()
     top = torch.maximum(scores.amax(dim=(1, 3)), sinks)
     probs = pointwise(torch.exp, scores - top[:, None, :, None])
@@ -462,9 +485,10 @@ def indexer_scores(
     tokens, width = valid.shape
     key_blocks, _ = _key_blocks(keys.float(), valid)
     weighted = torch.relu(_block_scores(q, key_blocks)) * scale * head_weights[:, None, :, None]
-    summed = weighted[:, :, 0]
-    for h in range(1, weighted.shape[2]):
-        summed = summed + weighted[:, :, h]
+    heads = weighted.unbind(2)
+    summed = heads[0]
+    for head in heads[1:]:
+        summed = summed + head
     return summed.reshape(tokens, -1)[:, :width].masked_fill(~valid, float("-inf"))
 
 
