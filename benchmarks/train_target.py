@@ -68,6 +68,7 @@ import time
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -502,7 +503,8 @@ def _positive(kind: type):
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Train, export, optionally distill and measure speculation; the record."""
+    """Train, export, optionally distill and measure speculation; the record, also written to `--out` after
+    each phase (a run stopped by a time limit keeps what it measured)."""
     start = time.perf_counter()
     device = torch.device(args.device)
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -551,6 +553,8 @@ def run(args: argparse.Namespace) -> dict:
         "train_tokens_per_s": round(args.steps * args.batch * args.seq_len / train_seconds, 1),
         "checkpoint": {"quantized": args.quantized, "content_hash": digest, "tokenizer": tokenizer.content_hash},
     }
+    save = partial(write_record, Path(args.out), record, start)
+    save()
     if args.distill_steps:
         distill_start = time.perf_counter()
         with tempfile.TemporaryDirectory() as scratch:
@@ -566,14 +570,22 @@ def run(args: argparse.Namespace) -> dict:
                              "acceptance": distilled["acceptance"],
                              "content_hash": distilled["content_hash"]["after"]}
         print(json.dumps({"distill": record["distill"]}), flush=True)
+        save()
         record["speculation"] = speculation(folder, prompts[:args.spec_prompts], args.device, args.max_tokens,
                                             args.draft_tokens)
         print(json.dumps(record["speculation"]), flush=True)
+        save()
         if args.speed_batches:
             record["speed"] = speed(folder, prompts, args.device, args.dtype, args.speed_batches,
                                     args.speed_temperatures, args.speed_tokens, args.draft_tokens)
-    record["wall_seconds"] = round(time.perf_counter() - start, 2)
+    save()
     return record
+
+
+def write_record(out: Path, record: dict, start: float) -> None:
+    """The record as it stands, with the seconds since the run began."""
+    record["wall_seconds"] = round(time.perf_counter() - start, 2)
+    out.write_text(json.dumps(record, indent=1) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -583,7 +595,6 @@ def main(argv: list[str] | None = None) -> int:
     except TrainError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR
-    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     if "speculation" in record and not record["speculation"]["identical"]:
         print("error: the token ids differ with speculation on and off", file=sys.stderr)
         return 1
