@@ -30,7 +30,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
+from collections.abc import Callable
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -40,6 +42,7 @@ import torch
 
 from deepinfer import LLM, EngineConfig, SamplingParams
 from deepinfer.checkpoint import preset_config
+from deepinfer.engine.runner import RunnerOutput
 from deepinfer.harness.invariance import ReferenceDrafter, signature, standard_requests
 from deepinfer.harness.sweep import checkpoint_drafter
 
@@ -49,14 +52,15 @@ def synchronize(llm: LLM) -> None:
         torch.cuda.synchronize(llm.device)
 
 
-def run(llm: LLM, requests) -> tuple[list, int, float]:
-    """(signatures in request order, engine steps, seconds)."""
+def run(llm: LLM, requests, step: Callable[[], list] | None = None) -> tuple[list, int, float]:
+    """(signatures in request order, engine steps, seconds); `step` in place of `llm.step`."""
     ids = [llm.add_request(r.prompt, r.params) for r in requests]
     outputs, steps = {}, 0
+    step = step or llm.step
     synchronize(llm)
     start = time.perf_counter()
     while llm.has_unfinished():
-        outputs.update((out.request_id, out) for out in llm.step())
+        outputs.update((out.request_id, out) for out in step())
         steps += 1
     synchronize(llm)
     return [signature(outputs[i]) for i in ids], steps, time.perf_counter() - start
@@ -132,10 +136,77 @@ COUNTERS = {"drafted": "num_drafted", "kept": "num_draft_kept", "declined": "num
             "speculating_steps": "num_speculating_steps", "verify_chunks": "num_verify_chunks"}
 
 
+class PhaseClock:
+    """Host seconds spent in each phase of an engine's steps while it is entered: scheduling, queueing the
+    step (`execute`: metadata, uploads, launches or graph replays), reading its results back (`result`: the
+    wait for the device, then the lists) and applying them (`update`); a step's wall time beyond them is
+    the engine's own glue. It also keeps each step's wall time by kind (plain, or speculating: it verified
+    drafts or ran the drafter) and counts the CUDA graphs captured meanwhile (a step of a shape not met
+    before captures one, which costs far more than a replay)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+        self.seconds = {"schedule": 0.0, "execute": 0.0, "result": 0.0, "update": 0.0}
+        self.targets = {"schedule": llm.scheduler, "execute": llm.runner, "result": RunnerOutput,
+                        "update": llm.scheduler}
+        self.originals: dict[str, object] = {}
+        self.walls: dict[str, list[float]] = {"plain": [], "speculating": []}
+        self.graphs = self._graphs()
+
+    def _graphs(self) -> int:
+        runner = self.llm.runner
+        return len(runner.graphs or {}) + len(runner.draft_graphs)
+
+    def step(self) -> list:
+        """`llm.step`, its wall time kept by kind."""
+        speculated = self.llm.scheduler.num_speculating_steps
+        start = time.perf_counter()
+        finished = self.llm.step()
+        kind = "speculating" if self.llm.scheduler.num_speculating_steps > speculated else "plain"
+        self.walls[kind].append(time.perf_counter() - start)
+        return finished
+
+    def _timed(self, call, phase: str):
+        def timed_call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.seconds[phase] += time.perf_counter() - start
+        return timed_call
+
+    def __enter__(self) -> PhaseClock:
+        for phase, owner in self.targets.items():  # an instance's method, or RunnerOutput's for every step
+            self.originals[phase] = getattr(owner, phase)
+            setattr(owner, phase, self._timed(self.originals[phase], phase))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for phase, owner in self.targets.items():
+            if owner is RunnerOutput:
+                owner.result = self.originals[phase]
+            else:
+                delattr(owner, phase)  # the class's method shows through again
+
+    def report(self, steps: int) -> dict:
+        """Host milliseconds per step by phase, step walls by kind (count, median, slowest) and graphs captured."""
+        walls = {kind: {"steps": len(w), "median_ms": round(1000 * statistics.median(w), 3),
+                        "max_ms": round(1000 * max(w), 3)} for kind, w in self.walls.items() if w}
+        return {"host_ms_per_step": {phase: round(1000 * seconds / max(steps, 1), 3)
+                                     for phase, seconds in self.seconds.items()},
+                "step_walls": walls, "graphs_captured": self._graphs() - self.graphs}
+
+
+def clock_figures(counts: dict) -> dict:
+    """A timed run's `PhaseClock` figures, out of its counters."""
+    return {name: counts[name] for name in ("host_ms_per_step", "step_walls", "graphs_captured")}
+
+
 def timed(llm: LLM, requests, drafter: ReferenceDrafter | None, **changes) -> tuple[list, int, float, dict]:
     """`run` in a fresh engine over `llm`'s model with `changes` to its config (and `drafter` in place of its
     own), after two warm-up runs in it (kernels compiled, graphs captured, prompts cached); the scheduler's
-    counters over the timed run, and its `verify_lengths` (drafts a chunk carried -> chunks). A
+    counters over the timed run, its `verify_lengths` (drafts a chunk carried -> chunks) and its host
+    milliseconds per step by phase, step walls and graph captures (`PhaseClock`). A
     throughput-aware policy starts each run from nothing, so the warm-ups meet the step shapes the timed
     run does. The engine is dropped on return, its cache freed before the next is made."""
     gc.collect()
@@ -151,8 +222,10 @@ def timed(llm: LLM, requests, drafter: ReferenceDrafter | None, **changes) -> tu
     scheduler.forget_verification()
     before = {name: getattr(scheduler, counter) for name, counter in COUNTERS.items()}
     lengths = dict(scheduler.verify_lengths)
-    got, steps, seconds = run(spec, requests)
+    with PhaseClock(spec) as clock:
+        got, steps, seconds = run(spec, requests, clock.step)
     counts = {name: getattr(scheduler, counter) - before[name] for name, counter in COUNTERS.items()}
+    counts.update(clock.report(steps))
     counts["verify_lengths"] = {str(k): n - lengths.get(k, 0) for k, n in sorted(scheduler.verify_lengths.items())
                                 if n > lengths.get(k, 0)}
     return got, steps, seconds, counts
@@ -170,10 +243,10 @@ def speed(llm: LLM, model: str, batch: int, wrong_every: int, prompt_tokens: int
     prompts = [[(31 * i + 7 * j) % (vocab - 2) + 1 for j in range(prompt_tokens)] for i in range(batch)]
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     requests = [SimpleNamespace(prompt=prompt, params=params) for prompt in prompts]
-    reference, steps, seconds, _ = timed(llm, requests, None)
+    reference, steps, seconds, counts = timed(llm, requests, None)
     tokens = sum(len(sig[0]) for sig in reference)
     rows = [{"batch": batch, "speculation": "off", "steps": steps, "seconds": round(seconds, 3),
-             "tokens_per_s": round(tokens / seconds, 1)}]
+             "tokens_per_s": round(tokens / seconds, 1), **clock_figures(counts)}]
     streams = [prompt + list(sig[0]) for prompt, sig in zip(prompts, reference)]
     for k in (3, 5) if oracle else ():
         for every in (wrong_every, 10**9):
@@ -192,10 +265,10 @@ def speed(llm: LLM, model: str, batch: int, wrong_every: int, prompt_tokens: int
                          "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1), **counts,
                          "time_over_off": round(seconds / rows[0]["seconds"], 3), "bitwise_equal": got == reference})
             print(json.dumps(rows[-1]), flush=True)
-    again, steps, seconds, _ = timed(llm, requests, None)
+    again, steps, seconds, counts = timed(llm, requests, None)
     rows.append({"batch": batch, "speculation": "off", "again": True, "steps": steps, "seconds": round(seconds, 3),
                  "tokens_per_s": round(tokens / seconds, 1), "time_over_off": round(seconds / rows[0]["seconds"], 3),
-                 "bitwise_equal": again == reference})
+                 **clock_figures(counts), "bitwise_equal": again == reference})
     print(json.dumps(rows[-1]), flush=True)
     return rows
 

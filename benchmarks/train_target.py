@@ -92,7 +92,7 @@ from deepinfer.families.v41.presets import V41_CONFIG_ONLY, V41_PRESETS, v41_pre
 from deepinfer.recipe.tokenizer import TextTokenizer, preset_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling benchmarks, however it was loaded
-from gpu_speculation import timed  # noqa: E402
+from gpu_speculation import clock_figures, timed  # noqa: E402
 
 PRESETS = tuple(p for p in V41_PRESETS if p not in V41_CONFIG_ONLY)
 EXCLUDED_DIRS = ("site-packages", "dist-packages")
@@ -406,12 +406,12 @@ def speed(folder: Path, prompts: list[list[int]], device: str, dtype: str, batch
             requests = [SimpleNamespace(prompt=prompt, params=SamplingParams(
                 temperature=temperature, seed=1000 + i if temperature else None, max_tokens=max_tokens,
                 ignore_eos=True)) for i, prompt in enumerate(prompts[:batch])]
-            plain, steps, seconds, _ = timed(llm, requests, None)
+            plain, steps, seconds, counts = timed(llm, requests, None)
             tokens = sum(len(sig[0]) for sig in plain)
             base = {"batch": batch, "temperature": temperature, "prompt_tokens": len(requests[0].prompt),
                     "new_tokens": max_tokens}
             rows.append({**base, "speculation": "off", "steps": steps, "seconds": round(seconds, 3),
-                         "tokens_per_s": round(tokens / seconds, 1)})
+                         "tokens_per_s": round(tokens / seconds, 1), **clock_figures(counts)})
             off_seconds = seconds
             for policy in ("fixed", "throughput"):
                 got, steps, seconds, counts = timed(llm, requests, None, speculation="dspark",
@@ -423,10 +423,10 @@ def speed(folder: Path, prompts: list[list[int]], device: str, dtype: str, batch
                              "mean_accepted": round(counts["kept"] / max(counts["verify_chunks"], 1), 4),
                              "tokens_per_step": round(tokens / steps, 4), **counts,
                              "bitwise_equal": got == plain})
-            again, steps, seconds, _ = timed(llm, requests, None)  # off's engine-to-engine drift, for scale
+            again, steps, seconds, counts = timed(llm, requests, None)  # off's engine-to-engine drift, for scale
             rows.append({**base, "speculation": "off", "again": True, "steps": steps, "seconds": round(seconds, 3),
                          "tokens_per_s": round(tokens / seconds, 1), "speedup": round(off_seconds / seconds, 3),
-                         "bitwise_equal": again == plain})
+                         **clock_figures(counts), "bitwise_equal": again == plain})
             for row in rows[-4:]:
                 print(json.dumps(row), flush=True)
     return rows
