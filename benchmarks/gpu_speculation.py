@@ -132,8 +132,9 @@ def bitwise(llm: LLM, model: str, requests, wrong_every: int, report: dict) -> N
     print("bitwise equal with speculation on and off:", report["bitwise_equal"], flush=True)
 
 
-COUNTERS = {"drafted": "num_drafted", "kept": "num_draft_kept", "declined": "num_drafts_declined",
-            "speculating_steps": "num_speculating_steps", "verify_chunks": "num_verify_chunks"}
+COUNTERS = {"drafted": "num_drafted", "kept": "num_draft_kept", "expected_kept": "num_drafts_expected",
+            "declined": "num_drafts_declined", "speculating_steps": "num_speculating_steps",
+            "verify_chunks": "num_verify_chunks"}
 
 
 class PhaseClock:
@@ -225,6 +226,7 @@ def timed(llm: LLM, requests, drafter: ReferenceDrafter | None, **changes) -> tu
     with PhaseClock(spec) as clock:
         got, steps, seconds = run(spec, requests, clock.step)
     counts = {name: getattr(scheduler, counter) - before[name] for name, counter in COUNTERS.items()}
+    counts["expected_kept"] = round(counts["expected_kept"], 2)
     counts.update(clock.report(steps))
     counts["verify_lengths"] = {str(k): n - lengths.get(k, 0) for k, n in sorted(scheduler.verify_lengths.items())
                                 if n > lengths.get(k, 0)}

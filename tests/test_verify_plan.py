@@ -170,6 +170,11 @@ def test_throughput_aware_verification_changes_draft_counts_never_outputs(reques
     assert planned == fixed
     assert fixed_llm.core.scheduler.num_drafts_declined == 0 and llm.core.scheduler.step_cost is not None
     assert llm.core.scheduler.num_drafts_declined + llm.core.scheduler.num_drafted > 0
+    # each verified draft was expected to hold with a chance in (0, 1]; `fixed` plans nothing
+    scheduler = llm.core.scheduler
+    assert scheduler.num_drafts_expected <= scheduler.num_drafted
+    assert (scheduler.num_drafts_expected > 0) == (scheduler.num_drafted > 0)
+    assert fixed_llm.core.scheduler.num_drafts_expected == 0
 
 
 def test_a_drafters_doubt_lowers_what_a_step_verifies(requests, monkeypatch) -> None:

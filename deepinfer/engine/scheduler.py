@@ -162,6 +162,9 @@ class Scheduler:
         self.num_verify_chunks = 0  # chunks that carried drafts
         self.verify_lengths: dict[int, int] = {}  # drafts a chunk carried -> how many chunks carried that many
         self.num_drafts_declined = 0  # drafts proposed that throughput-aware verification did not verify
+        # the holds that verification's plans expected of the drafts they verified (their survivals summed):
+        # beside num_draft_kept, how well calibrated the rates it plans with are
+        self.num_drafts_expected = 0.0
         self.num_speculating_steps = 0  # steps that verified drafts or drafted (the others ran plain)
         self.num_rollbacks = 0  # verify chunks with a draft that failed
         self.num_rollback_rows = 0  # cache rows those wrote past the kept tokens (rewritten later, never replayed)
@@ -279,11 +282,12 @@ class Scheduler:
         for chunk in speculating:
             survivals = self.drafter.survivals(chunk.seq)
             chunk.confidences = None if survivals is None else confidences(survivals[:chunk.num_draft])
+        survivals = [self._survivals(chunk) for chunk in speculating]
         lengths = self._plan(sum(chunk.num_tokens - chunk.num_draft for chunk in chunks),
-                             sum(chunk.samples for chunk in chunks),
-                             [self._survivals(chunk) for chunk in speculating])
+                             sum(chunk.samples for chunk in chunks), survivals)
         freed = 0
-        for chunk, length in zip(speculating, lengths):
+        for chunk, length, expected in zip(speculating, lengths, survivals):
+            self.num_drafts_expected += sum(expected[:length])
             declined = chunk.num_draft - length
             chunk.num_tokens -= declined
             chunk.draft_ids = chunk.draft_ids[:length]
