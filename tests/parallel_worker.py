@@ -6,7 +6,7 @@ signatures to a pickle.
 
 A case with "cp" runs steps split over the ranks and counts how many were; "engine" adds engine
 settings; "model" names a checkpoint folder instead of the preset (every rank's count of the bytes it
-read from it is recorded, in rank order). A case with "replace"
+read from it is recorded, in rank order; with "load_only" that count is all the case does). A case with "replace"
 first serves the set, then re-places the experts by EPLB from the loads that
 serving measured (one more slot per rank, so the heaviest experts get copies), and serves it again;
 it also records, per MoE layer, the slots those loads counted and top_k times the tokens the ranks'
@@ -95,6 +95,8 @@ def main() -> None:
             read = [None] * dist.get_world_size()
             dist.all_gather_object(read, llm.host.bytes_read)
             results[case["name"] + "-read"] = read
+            if case.get("load_only"):
+                continue
         splits = []
         if llm.model.context is not None:  # count the steps that were split
             split = llm.model.context.split

@@ -83,19 +83,20 @@ CERTIFY_SWEEP = {
 
 @pytest.fixture(scope="module")
 def launched(v41_checkpoint, tmp_path_factory) -> tuple[Path, dict[int, dict]]:
-    """One torchrun launch per process count, running every case of that count: LAYOUTS, and on 2
-    processes also the quantized V4.1 checkpoint and `deepinfer audit certify` of an 8-request suite
-    over CERTIFY_SWEEP (each launch spends seconds starting its processes). The folder holding the
-    certify's suite and output, and each count's results."""
+    """One torchrun launch per process count, running every case of that count: LAYOUTS, the quantized
+    V4.1 checkpoint (served on 2 processes, only loaded on 4), and on 2 processes `deepinfer audit
+    certify` of an 8-request suite over CERTIFY_SWEEP (each launch spends seconds starting its
+    processes). The folder holding the certify's suite and output, and each count's results."""
     base = tmp_path_factory.mktemp("parallel")
     suite = base / "suite.jsonl"
     suite.write_text("".join((ROOT / "harness" / "suites" / "smoke.jsonl").read_text().splitlines(True)[:8]))
     (base / "sweep.json").write_text(json.dumps(CERTIFY_SWEEP))
     quantized = {"name": "v41-q", "model": str(v41_checkpoint), "dtype": "float32", "ep": 2, "dp": 2, "replace": True,
                  "engine": {"weight_storage": "quantized"}}
+    loaded = {**quantized, "name": "v41-q-ep4", "ep": 4, "dp": 4, "load_only": True}
     certify = {"name": "certify", "cli": ["audit", "certify", "--model", "preset:tiny", "--suite", str(suite), "--sweep",
                                           str(base / "sweep.json"), "--out", str(base / "certified"), "--no-progress"]}
-    cases = {4: LAYOUTS[4], 2: [*LAYOUTS[2], quantized, certify]}
+    cases = {4: [*LAYOUTS[4], loaded], 2: [*LAYOUTS[2], quantized, certify]}
     return base, {processes: _launch(processes, each, base) for processes, each in cases.items()}
 
 
@@ -146,20 +147,22 @@ def test_a_bad_expert_capacity_is_refused_in_one_line(settings, message):
 
 def test_quantized_experts_move_between_ranks_as_stored(launched, v41_checkpoint):
     """A V4.1 checkpoint in the release's formats, its experts kept as MXFP4 with E8M0 scales, at
-    EP 2 / DP 2 and after an EPLB re-placement moved them between the ranks: one process's bits."""
+    EP 2 / DP 2 and after an EPLB re-placement moved them between the ranks: one process's bits; and at
+    EP 2 and EP 4 each rank reads only its share of the files."""
     results = launched[1][2]
     llm = LLM(v41_checkpoint, weight_storage="quantized")
     requests = standard_requests(llm.config.vocab_size, count=REQUESTS, max_tokens=MAX_TOKENS)
     reference = [signature(o) for o in llm.generate([r.prompt for r in requests], [r.params for r in requests])]
     assert results["v41-q-weights"] == ["QuantizedWeight"]
     assert results["v41-q"] == reference and results["v41-q-replaced"] == reference
-    # each rank read its share of the folder: the tensors every rank holds and its own experts' (the
-    # content hash came from the cache), by their offsets in the files
+    # each rank of EP 2 and of EP 4 read its share of the folder: the tensors every rank holds and its
+    # own experts' (the content hash came from the cache), by their offsets in the files
     headers = read_headers(weight_files(v41_checkpoint))
     sizes = {name: math.prod(shape) * getattr(torch, dtype).itemsize for name, (_, dtype, shape) in headers.items()}
-    shares = [sum(size for name, size in sizes.items() if held_tensors(llm.config.n_routed_experts, rank, 2)(name))
-              for rank in range(2)]
-    assert results["v41-q-read"] == shares and max(shares) < sum(sizes.values())
+    for ranks, read in ((2, results["v41-q-read"]), (4, launched[1][4]["v41-q-ep4-read"])):
+        shares = [sum(size for name, size in sizes.items()
+                      if held_tensors(llm.config.n_routed_experts, rank, ranks)(name)) for rank in range(ranks)]
+        assert read == shares and max(shares) < sum(sizes.values()), ranks
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
