@@ -28,6 +28,7 @@ from deepinfer.checkpoint import preset_config
 from deepinfer.families.v41.config import V41Config
 from deepinfer.families.v41.engram import (
     Engram,
+    EngramTokens,
     compressed_token_map,
     config_layouts,
     engram_layouts,
@@ -248,6 +249,21 @@ def test_hashing_and_module_read_no_values(configs):
     assert rows.shape == (16, 3 * SMALL["engram_n_heads"])
     module = Engram(configs[0], 3, kernels.bind("batch_invariant", "cpu"), torch.float32, "meta")
     assert module(torch.empty(16, 4, 64, device="meta"), rows).shape == (16, 4, 64)
+
+
+@settings(max_examples=60, deadline=None)
+@given(histories=st.lists(st.lists(st.integers(-40, TINY_VOCAB - 1), max_size=6), max_size=5), extra=st.integers(0, 3))
+def test_a_steps_lookback_is_each_rows_last_compressed_ids(histories, extra):
+    """`EngramTokens.step_inputs` compresses every row's last `lookback` earlier ids at once: row by row,
+    the compressed ids (placeholders, negative, kept as they are) right-aligned after the pad; pad rows
+    are all pad, and the step's own ids are compressed the same way."""
+    compressed = torch.arange(TINY_VOCAB, dtype=torch.long).flip(0) % 97
+    tokens = EngramTokens(compressed, pad=1000, lookback=3)
+    input_ids = torch.tensor([5, -2, 17, 0], dtype=torch.long)
+    ids, lookback = tokens.step_inputs(input_ids, histories, len(histories) + extra)
+    expected = [lookback_ids([t if t < 0 else int(compressed[t]) for t in h], 3, 1000) for h in histories]
+    assert lookback.tolist() == expected + [[1000] * 3] * extra
+    assert ids.tolist() == [int(compressed[5]), -2, int(compressed[17]), int(compressed[0])]
 
 
 def test_lookback_ids_pad_on_the_left():

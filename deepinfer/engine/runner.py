@@ -368,7 +368,7 @@ class ModelRunner:
         )
         engram = self.model.engram_tokens
         if engram is not None:
-            histories = [chunk.seq.token_ids[:chunk.start] for chunk in chunks]
+            histories = [chunk.seq.token_ids[max(chunk.start - engram.lookback, 0):chunk.start] for chunk in chunks]
             batch.engram_ids, batch.engram_lookback = engram.step_inputs(batch.input_ids, histories, seq_rows)
             if self.model.engram_on_host:
                 batch.engram_memory = self.model.engram_memory(batch)

@@ -207,13 +207,16 @@ class EngramTokens:
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A step's compressed ids [T] (of `input_ids`, padding included) and lookback [rows,
         lookback]: per row, the compressed ids of the tokens before its first token this step
-        (`histories[b]`, the row's earlier tokens; pad rows and missing tokens get the pad).
-        Placeholders (negative ids, tokens the device is still sampling) stay as they are."""
-        lookback = torch.full((rows, self.lookback), self.pad, dtype=torch.long)
-        for row, history in enumerate(histories):
-            previous = self.compress(torch.tensor(history[-self.lookback:], dtype=torch.long)).tolist()
-            lookback[row] = torch.tensor(lookback_ids(previous, self.lookback, self.pad))
-        return self.compress(input_ids), lookback
+        (`histories[b]`, the row's earlier tokens, of which the last `lookback` are read; pad rows and
+        missing tokens get the pad). Placeholders (negative ids, tokens the device is still sampling)
+        stay as they are. Every row is compressed at once: a step has up to hundreds."""
+        tails = [history[max(len(history) - self.lookback, 0):] for history in histories]
+        tails += [[]] * (rows - len(tails))
+        shape = (rows, self.lookback)
+        ids = torch.tensor([lookback_ids(tail, self.lookback, 0) for tail in tails], dtype=torch.long).reshape(shape)
+        present = torch.tensor([lookback_ids([True] * len(tail), self.lookback, False) for tail in tails],
+                               dtype=torch.bool).reshape(shape)
+        return self.compress(input_ids), torch.where(present, self.compress(ids), self.pad)
 
     def compress(self, ids: torch.Tensor) -> torch.Tensor:
         """The compressed id of each token id, placeholders kept."""
@@ -221,8 +224,8 @@ class EngramTokens:
 
 
 def lookback_ids(previous: Sequence[int], width: int, pad_id: int) -> list[int]:
-    """The last `width` (>= 1) of a sequence's compressed ids before a step, most recent last, pad-filled:
-    a row of `ngram_context`'s lookback."""
+    """The last `width` (>= 1) of `previous` (a sequence's ids before a step), most recent last, `pad_id`
+    before them where there are fewer: a row of `ngram_context`'s lookback."""
     kept = list(previous[-width:])
     return [pad_id] * (width - len(kept)) + kept
 
