@@ -32,8 +32,8 @@ import gc
 import json
 import statistics
 import sys
-from collections.abc import Callable
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
