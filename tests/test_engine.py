@@ -641,17 +641,17 @@ def test_blocks_behind_a_sequence_are_released_once_each(steps):
 
 
 def test_preemption_finishes_everything_and_leaks_no_blocks(llm, tiny_checkpoint):
-    # 19 blocks is the minimum for max_model_len=256 (window pool: ceil((31 + 256) / 16) + 1); 12
-    # sequences growing to 220 tokens outgrow it (their CSA entries need 4 blocks each by the end),
-    # so some are preempted and recomputed (2 of them; 16 sequences preempted 3 at twice the cost)
-    small = LLM(tiny_checkpoint, max_num_seqs=16, max_model_len=256, num_cache_blocks=19)
+    # 11 blocks is the minimum for max_model_len=128 (window pool: ceil((31 + 128) / 16) + 1); 12
+    # sequences growing to 127 tokens outgrow it (their CSA entries need 2 blocks each by the end),
+    # so one is preempted and recomputed (at max_model_len=256 with 200 tokens, 2 were, at twice the cost)
+    small = LLM(tiny_checkpoint, max_num_seqs=16, max_model_len=128, num_cache_blocks=11)
     prompts = random_prompts(12, [20 + i % 8 for i in range(12)], seed=9)
-    params = [SamplingParams(temperature=0.8, top_k=50, seed=100 + i, max_tokens=200, ignore_eos=True)
+    params = [SamplingParams(temperature=0.8, top_k=50, seed=100 + i, max_tokens=100, ignore_eos=True)
               for i in range(12)]
     outs = small.generate(prompts, params)
     assert small.scheduler.num_preemptions > 0
     assert not small.has_unfinished()
-    assert all(o.finish_reason == "length" and len(o.token_ids) == 200 for o in outs)
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 100 for o in outs)
     small.reset_prefix_cache()
     assert small.cache.num_free() == small.cache.num_blocks
     # recomputation after preemption draws the same tokens as an engine that never preempts

@@ -8,7 +8,10 @@ FP8 dense weights, MXFP4 experts), end to end through the command lines, unchang
   tau-bench-like one), Anthropic and Responses shapes verifies, and a tampered tape does not; a tape
   recorded with --no-cache-qdq replays with its switch;
 - `deepinfer lm-eval` (lm-eval's own command line) on the user task folder of test_lm_eval_cli gives the
-  same per-sample responses and the same run (root and per-request hashes) at batch sizes 1 and 8.
+  same per-sample responses and the same run (root and per-request hashes) at batch sizes 1 and 8
+  (`slow`: each command line indexes lm-eval's ~15,000 tasks, 12 s of a CPU; test_lm_eval_cli runs the
+  same command lines on V4, the adapter knows no family, and test_invariance_v41 holds V4.1's bits at
+  every batch size).
 
 Recording is done once per module in fixtures; the tests check what they recorded.
 """
@@ -280,6 +283,7 @@ def lm_eval_runs(tmp_path_factory, v41_checkpoint) -> SimpleNamespace:
     return SimpleNamespace(base=base, done=done)
 
 
+@pytest.mark.slow
 def test_lm_eval_completes_and_a_second_run_gives_identical_samples(lm_eval_runs):
     from test_lm_eval_cli import responses, results
 
@@ -296,6 +300,7 @@ def test_lm_eval_completes_and_a_second_run_gives_identical_samples(lm_eval_runs
         assert len(responses(base / "out1", task)) == 4
 
 
+@pytest.mark.slow
 def test_lm_eval_runs_are_identical_request_by_request_and_record_the_qdq_switch(lm_eval_runs):
     base = lm_eval_runs.base
     runs = [read_run(base / f"run{size}") for size in (1, 8)]
