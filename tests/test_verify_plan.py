@@ -103,6 +103,23 @@ def test_hold_rates_are_chances(steps) -> None:
         assert all(0.0 <= a <= 1.0 for a in survivals) and survivals == sorted(survivals, reverse=True)
 
 
+@given(steps=st.lists(st.tuples(st.booleans(), st.lists(st.tuples(st.integers(1, 5), st.integers(0, 5)), max_size=4)),
+                      max_size=12))
+def test_survivals_asked_again_are_those_of_the_records_as_they_are_now(steps) -> None:
+    """A plan asks for every running sequence's survivals in each step, and they are kept between
+    rounds of evidence: after any mix of rounds taken by the sequence, by its drafter or by neither, what
+    comes back is what records rebuilt from the same counts compute."""
+    drafter, seq = HoldRates(prior=DRAFTER_PRIOR), HoldRates()
+    for own, step in steps:
+        step = [(verified, min(kept, verified)) for verified, kept in step]
+        if step:
+            drafter.observe_step(step)
+        if own and step:
+            seq.observe(*step[0])
+        rebuilt = HoldRates(seq.held[:], seq.tried[:]), HoldRates(drafter.held[:], drafter.tried[:], drafter.prior)
+        assert seq.survivals(5, drafter) == rebuilt[0].survivals(5, rebuilt[1])
+
+
 def test_a_heads_confidence_counts_against_its_level_where_verification_reached() -> None:
     """The head is read relative to its mean confidence in the drafts verification reached at that
     position: not at all before any did, and a head off by a constant factor reads as a calibrated one."""

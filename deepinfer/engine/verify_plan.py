@@ -32,6 +32,7 @@ import statistics
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 PRIOR_HOLD = 0.75  # the chance that each draft holds, before any verification says otherwise
 DRAFTER_PRIOR = 1.0  # how many verifications that prior counts as, for a drafter's rates
@@ -55,6 +56,10 @@ class HoldRates:
     held: list[float] = field(default_factory=list)
     tried: list[float] = field(default_factory=list)
     prior: float = 0.0
+    rounds: int = 0  # rounds of evidence taken: survivals computed before the last one are stale
+    # the last `survivals` asked for and what they were: a plan in every plain step asks for each running
+    # sequence's again, and in plain steps no record learns anything
+    _last: tuple | None = field(default=None, repr=False, compare=False)
 
     def rate(self, j: int, pool: "HoldRates | None" = None) -> float:
         """The chance that draft j holds if the ones before it did: this record's counts, with `pool`'s
@@ -65,11 +70,16 @@ class HoldRates:
         return held / tried if tried > 0 else PRIOR_HOLD
 
     def survivals(self, count: int, pool: "HoldRates | None" = None) -> list[float]:
-        """a_1 .. a_count: the chance that the first j drafts all hold."""
+        """a_1 .. a_count: the chance that the first j drafts all hold (the same list while neither this
+        record nor `pool` has learnt anything since: not to be changed)."""
+        asked = (count, self.rounds, None if pool is None else pool.rounds)
+        if self._last is not None and self._last[0] == asked and self._last[1] is pool:
+            return self._last[2]
         out, survival = [], 1.0
         for j in range(count):
             survival *= self.rate(j, pool)
             out.append(survival)
+        self._last = (asked, pool, out)
         return out
 
     def observe(self, verified: int, kept: int) -> None:
@@ -83,6 +93,7 @@ class HoldRates:
         outcomes = [[1.0 if j < kept else 0.0 for j in range(reached(verified, kept))]
                     for verified, kept in verifications]
         add_round(self.held, self.tried, outcomes, (self.prior * PRIOR_HOLD, self.prior))
+        self.rounds += 1
 
 
 def reached(verified: int, kept: int) -> int:
@@ -146,6 +157,7 @@ class TimeCurve:
     def __init__(self) -> None:
         self._steps: dict[int, deque[tuple[int, float]]] = {}
         self._points: list[tuple[float, float]] | None = []  # (rows, seconds) per bucket; None: to recompute
+        self._at: dict[int, float] = {}  # seconds by rows, from the points as they are
 
     @staticmethod
     def _bucket(rows: int) -> int:
@@ -157,10 +169,17 @@ class TimeCurve:
             self._points = None
 
     def seconds(self, rows: int) -> float:
-        """A plan asks once per draft it weighs: the medians are taken once per step observed."""
+        """A plan asks once per draft it weighs (and one in every plain step, for each running sequence's
+        drafts): the medians are taken once per step observed, and each size's time once per change."""
         if self._points is None:
             self._points = sorted((statistics.median(r for r, _ in steps), statistics.median(s for _, s in steps))
                                   for steps in self._steps.values())
+            self._at = {}
+        if rows not in self._at:
+            self._at[rows] = self._between(rows)
+        return self._at[rows]
+
+    def _between(self, rows: int) -> float:
         points = self._points
         if not points:
             return 1.0
@@ -190,7 +209,7 @@ def plan_verify(base_rows: int, base_tokens: int, survivals: list[list[float]],
     without them (one per chunk that samples), `speculating(rows)` and `plain(rows)` the two kinds of
     step's time. Admits drafts most likely first and keeps the count whose expected tokens per second is
     highest, a plain step's being the count 0 (ties: fewer rows)."""
-    ranked = sorted(((a, i) for i, row in enumerate(survivals) for a in row), key=lambda item: -item[0])
+    ranked = sorted(((a, i) for i, row in enumerate(survivals) for a in row), key=itemgetter(0), reverse=True)  # stable
     expected = float(base_tokens)
     best_rate = expected / plain(base_rows)
     admitted = 0
