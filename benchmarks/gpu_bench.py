@@ -323,11 +323,12 @@ def merged(reports: list[dict]) -> dict:
         if isinstance(part.get("transformers"), str):  # transformers_bench.py's own report
             part = {"transformers": {k: v for k, v in part.items() if k not in ("command", "device")}}
         for key, value in part.items():
-            if key == "command":
+            if key in ("command", "summary"):  # the summary is made again from the merged rows
                 continue
             if key in ("decode", "prefill"):
                 report.setdefault(key, []).extend(value)
-            elif key not in report or key in ("ceilings", "torch", "triton", "dtype", "device", "preset"):
+            elif key not in report or key in ("ceilings", "roofline_batch1", "torch", "triton", "dtype", "device",
+                                               "preset"):  # the device's and the preset's: the first run's
                 report.setdefault(key, value)
             else:
                 raise SystemExit(f"--merge: two reports have {key!r}")
