@@ -23,7 +23,8 @@ all-to-all: the bytes a rank sends
 and receives, over NVLink inside a machine of `GPUS_PER_MACHINE` and over InfiniBand across machines
 (`NVLINK_GB_S`, `INFINIBAND_GB_S`, per direction, at their full rates), without overlap with compute.
 The busiest-rank factors are the simulation's above (the loads' model, `--preset`); expert counts,
-widths and depth are `--rank-model`'s. An estimate, not a run: no contention, no kernel launch cost for
+widths and depth are `--rank-model`'s. A measured batch whose timed steps captured CUDA graphs is left
+out of the prediction (its time includes the captures' eager runs) and listed as left out. An estimate, not a run: no contention, no kernel launch cost for
 the exchange, loads from another model's router.
 """
 
@@ -113,13 +114,24 @@ def exchange_ms(config, gpus: int, tokens_per_rank: int, bytes_per_value: int) -
                      step_bytes * off_machine / (INFINIBAND_GB_S * 1e9))
 
 
+def timed_steps(rank_bench: dict) -> list[dict]:
+    """The rank's decode rows measured as served (batch-invariant numerics, CUDA graphs and async scheduling)."""
+    return [r for r in rank_bench["decode"] if r["setup"] == "graphs+async" and r["numerics"] == "batch_invariant"]
+
+
+def steady_steps(rank_bench: dict) -> list[dict]:
+    """Of `timed_steps`, those whose timed steps captured no CUDA graph: a capture runs the step's kernels
+    eagerly besides, so its step time and kernel totals are not a replayed step's."""
+    return [r for r in timed_steps(rank_bench) if not r.get("graphs_captured_while_timed")]
+
+
 def predict(rank_bench: dict, rank_ep: int, model: str, rows: list[dict], bytes_per_value: int) -> list[dict]:
     """Decode tokens/s of `model` at each simulated GPU count and each batch the rank was measured at (see
     the module docstring), with experts placed in order and with EPLB fitted on the same traffic."""
     config = preset_config(model)
     width, top_k = 2 * config.moe_intermediate_size, config.num_experts_per_tok
     held_measured = -(-config.n_routed_experts // rank_ep)
-    measured = [r for r in rank_bench["decode"] if r["setup"] == "graphs+async" and r["numerics"] == "batch_invariant"]
+    measured = sorted(steady_steps(rank_bench), key=lambda r: r["batch"])
     out = []
     for row in rows:
         held = -(-config.n_routed_experts // row["gpus"])
@@ -196,7 +208,10 @@ def main() -> None:
                                                "device": bench["device"], "rank_ep": args.rank_ep},
                                 "links_gb_s": {"nvlink": NVLINK_GB_S, "infiniband": INFINIBAND_GB_S,
                                                "gpus_per_machine": GPUS_PER_MACHINE},
-                                "rows": predict(bench, args.rank_ep, args.rank_model, rows, args.bytes_per_value)}
+                                "rows": predict(bench, args.rank_ep, args.rank_model, rows, args.bytes_per_value),
+                                "left_out": [{"tokens_per_rank": r["batch"], "step_ms": r["step_ms"],
+                                              "graphs_captured_while_timed": r["graphs_captured_while_timed"]}
+                                             for r in timed_steps(bench) if r not in steady_steps(bench)]}
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(table(rows))
     if args.rank_bench:

@@ -36,9 +36,14 @@ def test_the_measured_layout_predicts_its_own_step_plus_exchange_and_imbalance()
                          "top_kernels": [{"kernel": "_matmul_kernel", "total_us": 20_000.0},
                                          {"kernel": scale_sim.EXPERT_KERNEL, "total_us": 60_000.0}]},
                         {"numerics": "batch_invariant", "setup": "eager+async", "batch": 64, "step_ms": 400.0,
-                         "top_kernels": []}]}
+                         "top_kernels": []},
+                        {"numerics": "batch_invariant", "setup": "graphs+async", "batch": 256, "step_ms": 500.0,
+                         "graphs_captured_while_timed": 2, "top_kernels": []}]}
     rows = [{"gpus": 8, "busiest_rank_over_mean": {"contiguous": {"mean": 1.5}, "eplb_same_suite": {"mean": 1.0}}}]
-    [row] = scale_sim.predict(bench, 8, "v41-flash", rows, 2)  # the eager row is not a serving setup
+    # the eager row is not a serving setup; the batch-256 row's timed steps captured graphs: not a replayed step
+    [row] = scale_sim.predict(bench, 8, "v41-flash", rows, 2)
+    assert [r["batch"] for r in scale_sim.timed_steps(bench)] == [64, 256]
+    assert [r["batch"] for r in scale_sim.steady_steps(bench)] == [64]
     exchange = scale_sim.exchange_ms(preset_config("v41-flash"), 8, 64, 2)
     assert row["rank_dense_ms"] == 40.0 and row["rank_experts_ms"] == 60.0
     assert row["eplb_same_suite"]["step_ms"] == round(100 + exchange, 1)
