@@ -24,8 +24,8 @@ and receives, over NVLink inside a machine of `GPUS_PER_MACHINE` and over Infini
 (`NVLINK_GB_S`, `INFINIBAND_GB_S`, per direction, at their full rates), without overlap with compute.
 The busiest-rank factors are the simulation's above (the loads' model, `--preset`); expert counts,
 widths and depth are `--rank-model`'s. A measured batch whose timed steps captured CUDA graphs is left
-out of the prediction (its time includes the captures' eager runs) and listed as left out. An estimate, not a run: no contention, no kernel launch cost for
-the exchange, loads from another model's router.
+out of the prediction (its time includes the captures' eager runs) and listed as left out. An estimate,
+not a run: no contention, no kernel launch cost for the exchange, loads from another model's router.
 """
 
 from __future__ import annotations
