@@ -50,11 +50,15 @@ def engine_config(dtype: str, numerics: str, batch: int, prompt_tokens: int = PR
 def decoding_engine(model: LLM, batch: int, new_tokens: int, prompt_tokens: int = PROMPT_TOKENS,
                     **settings) -> LLM:
     """An engine over `model`'s weights (and `settings`) with `batch` requests, stepped until every one
-    is decoding."""
+    is decoding; each can then decode `new_tokens` more before any finishes. The prompts are prefilled
+    a step budget at a time and the first ones decode while the last prefill, so each request may
+    draw a token per prefill step on top of `new_tokens`: a request finishing early would shrink the
+    batch (and its step shapes) while it is timed."""
     llm = model.with_engine(engine_config(model.engine_config.dtype, model.numerics, batch, prompt_tokens,
                                           **settings))
+    prefill_steps = -(-batch * prompt_tokens // llm.max_num_batched_tokens)
     gen = torch.Generator().manual_seed(batch)
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens + prefill_steps, ignore_eos=True)
     for _ in range(batch):
         llm.add_request(torch.randint(16, 4000, (prompt_tokens,), generator=gen).tolist(), params)
     while any(len(seq.output_token_ids) == 0 for seq in llm.scheduler.running) or llm.scheduler.waiting:

@@ -223,6 +223,9 @@ def decode(model: LLM, batches: list[int], contexts: list[int], context_tokens: 
                 row.update(gpu_kernels=profile["gpu_kernels"], host_launch_calls=profile["host_launch_calls"],
                            gpu_kernel_ms=profile["gpu_kernel_ms"], host_syncs=len(synced_step(llm)),
                            top_kernels=profile["top_kernels"][:6])
+                if len(llm.scheduler.running) != batch:  # a smaller batch ran in some measured step
+                    raise RuntimeError(f"decode batch {batch}: only {len(llm.scheduler.running)} sequences were "
+                                       f"still decoding after the measured steps")
                 row["gib_allocated"] = round(torch.cuda.memory_allocated() / 2**30, 1)
                 rows.append(row)
                 save()

@@ -14,7 +14,8 @@ import warnings
 
 import torch
 
-from benchmarks.decode_step_profile import SYNC_WARNING, decoding_engine
+from decode_step_profile import SYNC_WARNING, decoding_engine, engine_config
+from deepinfer import LLM
 
 
 def main() -> None:
@@ -23,7 +24,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=12)
     args = parser.parse_args()
-    llm = decoding_engine(args.preset, "bfloat16", args.batch, new_tokens=args.steps + 4)
+    model = LLM(f"preset:{args.preset}", engine_config("bfloat16", "batch_invariant", 1))
+    llm = decoding_engine(model, args.batch, new_tokens=args.steps)
     found = []
 
     def record(message, category, filename, lineno, file=None, line=None):
