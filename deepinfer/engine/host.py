@@ -204,7 +204,9 @@ class ModelHost:
         return held_tensors(config.n_routed_experts, self.layout.rank, self.layout.world)
 
     def _new_draft(self, speculation: str, cache_qdq: bool):
-        """The draft model `speculation` runs, its weights not loaded; refused for a checkpoint without it."""
+        """The draft model `speculation` runs, built on the meta device (its weights are loaded after, as
+        the target's are: nothing is allocated for parameters that loading replaces, such as experts kept
+        as stored); refused for a checkpoint without it."""
         family, drafter = self.family, drafting_family(speculation)
         if family is not drafter:
             own = f" (its draft layers run with speculation={family.speculation})" if family.speculation else ""
@@ -213,7 +215,7 @@ class ModelHost:
         if not family.has_draft(self.config):
             raise DeepInferError(f"speculation={speculation} needs a {family.name} checkpoint with its "
                                  f"{family.draft_name} (mtp.*); {self.model_id} has none")
-        return family.new_draft(self.config, self.model.ops, self.dtype, self.device, cache_qdq)
+        return family.new_draft(self.config, self.model.ops, self.dtype, torch.device("meta"), cache_qdq)
 
     def _draft_tensors(self, speculation: str) -> dict:
         """The draft layers' tensors as `weights_in_memory` gives them (a preset's seeded like its backbone)."""
