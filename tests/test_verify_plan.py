@@ -194,6 +194,53 @@ def test_throughput_aware_verification_changes_draft_counts_never_outputs(reques
     assert fixed_llm.core.scheduler.num_drafts_expected == 0
 
 
+class _EagerGraph:
+    """Stands in for `engine.graph.StepGraph` on the CPU: captures nothing, runs the forward when replayed;
+    `made` counts the graphs made."""
+
+    made = 0
+
+    def __init__(self, model, caches, batch, pool, tap_streams) -> None:
+        type(self).made += 1
+        self.model, self.caches, self.batch, self.streams_at = model, caches, batch, {}
+
+    def replay(self, batch):
+        return self.model(batch, self.caches)
+
+
+def test_only_decode_steps_that_capture_no_graph_teach_the_step_times(requests, monkeypatch) -> None:
+    """The curves price decode steps with and without drafts. A step holding a prompt's chunk runs eagerly
+    and costs what the prompt does (the first one is speculative: the optimistic prior has the drafter run
+    after it), and a step that captures a CUDA graph costs the capture: neither may teach them. Graphs are
+    stood in for by eager forwards counted as captures, so the CPU makes every kind of step."""
+    monkeypatch.setattr("deepinfer.engine.runner.StepGraph", _EagerGraph)
+    requests = requests[:4]
+    fixed, _ = _serve(requests, speculation="ngram", verify_policy="fixed")
+    llm = LLM("preset:tiny", max_num_seqs=4, speculation="ngram", verify_policy="throughput")
+    scheduler, runner = llm.core.scheduler, llm.core.runner
+    scheduler.drafter = ReferenceDrafter([r.prompt + list(s[0]) for r, s in zip(requests, fixed)], wrong_every=3)
+    runner.graphs, runner.graph_pool = {}, None
+    taught, steps = [], []
+    for kind, curve in (("speculating", scheduler.step_cost.speculating), ("plain", scheduler.step_cost.plain)):
+        monkeypatch.setattr(curve, "observe", lambda rows, seconds, kind=kind: taught.append((kind, rows)))
+    execute = runner.execute
+
+    def recording_execute(scheduled, in_flight=None):
+        made = _EagerGraph.made
+        out = execute(scheduled, in_flight)
+        rows = sum(chunk.num_tokens for chunk in scheduled.chunks)
+        steps.append((rows, scheduled.decodes_only, scheduled.speculative, _EagerGraph.made > made))
+        return out
+    monkeypatch.setattr(runner, "execute", recording_execute)
+    outputs = llm.generate([r.prompt for r in requests], [r.params for r in requests])
+    assert [signature(o) for o in outputs] == fixed
+    assert any(speculative and not decode for _, decode, speculative, _ in steps)
+    assert any(captured for *_, captured in steps) and any(not captured for *_, captured in steps)
+    expected = [(kind, rows) for rows, decode, speculative, captured in steps if decode and not captured
+                for kind in (("plain", "speculating") if speculative else ("plain",))]
+    assert taught == expected and any(kind == "speculating" for kind, _ in taught)
+
+
 def test_a_drafters_doubt_lowers_what_a_step_verifies(requests, monkeypatch) -> None:
     """DSpark's confidence head hands each block's survivals to the host (the chance that its first j
     drafts all hold: the running product of its confidences, one per draft, never rising); the plan

@@ -200,8 +200,9 @@ class ModelRunner:
         # decode steps, and verify steps (a sequence's last token and its drafts), are graphed; a
         # drafter's pass after one takes a row per bucketed sequence and every draft column (graphed or
         # not: the same inputs either way)
-        shaped = all(c.num_tokens == 1 + c.num_draft and not c.scored for c in chunks)
+        shaped = scheduled.decodes_only
         graphed = self.graphs is not None and shaped
+        captures = self._graph_count()
         host_batch, rows = self.build_batch(chunks, graph_bucket if graphed else bucket,
                                             self.draft_tokens if shaped and drafting else None)
         rows.update(SamplingBatch.host_tensors([(c.seq.params, c.seq.seed, c.draws_at + j)
@@ -261,9 +262,13 @@ class ModelRunner:
                 out.drafts, out.num_drafts, out.draft_survivals = drafted
             if clock is not None:
                 clock.mark()
-        out.clock = clock
+        # a step that captured a graph took the capture's time too, many replays' worth: it times nothing
+        out.clock = clock if self._graph_count() == captures else None
         out.send_to_host()
         return out
+
+    def _graph_count(self) -> int:
+        return len(self.graphs or {}) + len(self.draft_graphs)
 
     def _allowed(self, sampling: list[ScheduledChunk], in_flight: RunnerOutput | None) -> torch.Tensor | None:
         """bool [R, vocab]: the tokens each sampled row's structured constraint allows (None when no

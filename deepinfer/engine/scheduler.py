@@ -117,6 +117,12 @@ class SchedulerOutput:
     def sampling(self) -> list[ScheduledChunk]:
         return [chunk for chunk in self.chunks if chunk.samples]
 
+    @property
+    def decodes_only(self) -> bool:
+        """Every chunk is a sequence's last token and its drafts, nothing scored: a decode (or verify)
+        step, the kind replayed from CUDA graphs and the kind throughput-aware verification prices."""
+        return all(chunk.num_tokens == 1 + chunk.num_draft and not chunk.scored for chunk in self.chunks)
+
 
 def scored_positions(seq: Sequence, start: int, end: int) -> range:
     """Positions in [start, end) whose logits score a prompt token not scored by an earlier step."""
@@ -310,8 +316,11 @@ class Scheduler:
 
     def observe_step(self, scheduled: SchedulerOutput, plain_seconds: float, wall_seconds: float | None) -> None:
         """What a step cost, for throughput-aware verification: `plain_seconds`, what it would have taken
-        as a plain step, and, for a speculative step read back at once, `wall_seconds`, its whole time."""
-        if self.step_cost is None:
+        as a plain step, and, for a speculative step read back at once, `wall_seconds`, its whole time.
+        Only decode steps teach the curves: the plan weighs decode steps with drafts against decode steps
+        without, and a step holding a prompt's chunk runs eagerly and costs what the prompt does (the
+        first step of a run is one: speculative, as the drafter runs after it)."""
+        if self.step_cost is None or not scheduled.decodes_only:
             return
         rows = sum(chunk.num_tokens for chunk in scheduled.chunks)
         self.step_cost.plain.observe(rows, plain_seconds)
