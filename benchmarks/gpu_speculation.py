@@ -94,11 +94,11 @@ def main() -> None:
               "runs": []}
     if not args.speed_only:
         bitwise(llm, f"preset:{args.preset}", requests, args.wrong_every, report)
-    batches = [int(b) for b in args.speed_batches.split(",") if b]
-    report["speed"] = [row for batch in batches
-                       for row in speed(llm, f"preset:{args.preset}", batch, args.wrong_every, args.prompt_tokens,
-                                        args.oracle)]
     Path(args.out).write_text(json.dumps(report, indent=1))
+    report["speed"] = []
+    for batch in (int(b) for b in args.speed_batches.split(",") if b):
+        report["speed"] += speed(llm, f"preset:{args.preset}", batch, args.wrong_every, args.prompt_tokens, args.oracle)
+        Path(args.out).write_text(json.dumps(report, indent=1))  # after every batch: a later failure keeps it
 
 
 def bitwise(llm: LLM, model: str, requests, wrong_every: int, report: dict) -> None:
