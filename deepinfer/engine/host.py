@@ -223,12 +223,9 @@ class ModelHost:
         if isinstance(source, str) and source.startswith(PRESET_PREFIX):
             config = self.config
             dtype = self.dtype if config.quantization_config is None else DTYPES[weight_dtype_name(config) or "float32"]
-            # made in host memory (the values do not depend on the device): the experts are concatenated and
-            # stacked before they move, which on the device took up to three times the draft's size beside
-            # the loaded model (measured: flash-4l's MTP layer on an 80 GB H100 failed there with 78 GiB
-            # allocated; made here it fails later, at 72 GiB: its 12.9 GB of bf16 experts do not fit beside
-            # the 51 GiB model either way)
-            stored = stored_random_tensors(config, self._load_seed, dtype, device="cpu", include_mtp=True)
+            # made on the device, as the target's are (the values do not depend on it): made in host memory,
+            # v41-flash-5l's 1,152 MXFP4 expert weights took minutes to encode on 16 cores
+            stored = stored_random_tensors(config, self._load_seed, dtype, device=self.device, include_mtp=True)
             tensors = {name: stored[name] for name in stored if is_draft_tensor(name)}
             return weights_in_memory(config, tensors, quantized_as)
         load = load_draft_tensors if speculation == "dspark" else load_mtp_tensors
