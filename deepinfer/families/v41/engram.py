@@ -214,8 +214,8 @@ class EngramTokens:
         tails += [[]] * (rows - len(tails))
         shape = (rows, self.lookback)
         ids = torch.tensor([lookback_ids(tail, self.lookback, 0) for tail in tails], dtype=torch.long).reshape(shape)
-        present = torch.tensor([lookback_ids([True] * len(tail), self.lookback, False) for tail in tails],
-                               dtype=torch.bool).reshape(shape)
+        lengths = torch.tensor([len(tail) for tail in tails], dtype=torch.long)
+        present = torch.arange(self.lookback) >= self.lookback - lengths.unsqueeze(1)  # the last len(tail) columns
         return self.compress(input_ids), torch.where(present, self.compress(ids), self.pad)
 
     def compress(self, ids: torch.Tensor) -> torch.Tensor:
