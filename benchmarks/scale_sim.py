@@ -203,6 +203,7 @@ def main() -> None:
               "preset": args.preset, "tokens_per_rank": args.tokens_per_rank, "rows": rows}
     if args.rank_bench:
         bench = json.loads(Path(args.rank_bench).read_text())
+        steady = steady_steps(bench)
         report["prediction"] = {"model": args.rank_model,
                                 "rank_bench": {"file": Path(args.rank_bench).name, "preset": bench["preset"],
                                                "device": bench["device"], "rank_ep": args.rank_ep},
@@ -211,7 +212,7 @@ def main() -> None:
                                 "rows": predict(bench, args.rank_ep, args.rank_model, rows, args.bytes_per_value),
                                 "left_out": [{"tokens_per_rank": r["batch"], "step_ms": r["step_ms"],
                                               "graphs_captured_while_timed": r["graphs_captured_while_timed"]}
-                                             for r in timed_steps(bench) if r not in steady_steps(bench)]}
+                                             for r in timed_steps(bench) if r not in steady]}
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(table(rows))
     if args.rank_bench:
