@@ -30,7 +30,7 @@ from deepinfer.audit.certificate import (CERTIFICATE, RUNS, build_certificate, g
 from deepinfer.audit.files import atomic_write, folder_lock, json_bytes
 from deepinfer.audit.store import read_run
 from deepinfer.checkpoint import DEFAULT_PRESET, content_hash, default_checkpoint
-from deepinfer.engine.host import PRESET_PREFIX
+from deepinfer.engine.host import PRESET_PREFIX, model_reference
 from deepinfer.errors import DeepInferError
 from deepinfer.parallel import process_rank
 from deepinfer.harness.record import record_run
@@ -131,10 +131,9 @@ def prefix_summary(stats: dict) -> str:
 def _rerun_block(model: str | Path | None, suite: Suite, out_dir: Path, run_seed: int, sweep: Sweep) -> dict:
     """How `verify --rerun` re-runs the reference: absolute paths, and the same paths relative to the
     certificate's folder."""
-    recorded_model = None if model is None else str(model)
+    recorded_model = None if model is None else model_reference(str(model))
     relative_model = None
     if model is not None and not str(model).startswith(PRESET_PREFIX):
-        recorded_model = str(Path(model).resolve())
         relative_model = _relative(Path(recorded_model), out_dir)
     relative_suite = None
     if suite.target is None:  # a file kind: KIND:PATH

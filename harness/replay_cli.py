@@ -12,6 +12,7 @@ from pathlib import Path
 from deepinfer import NUMERICS
 from deepinfer.checkpoint import MODEL_HELP
 from deepinfer.engine.config import add_engine_flags, config_from_flags
+from deepinfer.engine.host import model_reference
 from deepinfer.errors import DeepInferError
 from deepinfer.harness.replay import MODES
 
@@ -68,7 +69,7 @@ def _cmd_record(args: argparse.Namespace) -> int:
         raise DeepInferError(f"flags: {err}") from None
     llm = LLM(args.model, engine)
     variant = Variant("replay", llm.engine_config)  # the cassette records the resolved max_model_len
-    checkpoint_path = str(Path(args.model).resolve()) if args.model else None
+    checkpoint_path = model_reference(args.model) if args.model else None
     report = record_cassette(llm, Path(args.traces), Path(args.out), mode=args.mode, variant=variant,
                              run_seed=engine.seed, checkpoint_path=checkpoint_path)
     for result in report.results:

@@ -507,3 +507,17 @@ def test_replay_commands_record_and_verify(tiny_checkpoint, tmp_path, capsys) ->
     code, _, err = run_cli(["audit", "replay", "verify", str(traces)], capsys)
     assert (code, err) == (2, f"error: {traces}:1: not a cassette (the first line must be a deepinfer-cassette/3 "
                               "header)\n")
+
+
+def test_a_cassette_recorded_on_a_preset_verifies_from_another_folder(tmp_path, capsys, monkeypatch) -> None:
+    """The cassette names a preset as `preset:NAME`, not as a path under the folder it was recorded in."""
+    traces = write_lines(tmp_path / "t.jsonl", [episode("a")])
+    cassette = tmp_path / "c.jsonl"
+    code, out, _ = run_cli(["audit", "replay", "record", "--traces", str(traces), "--out", str(cassette),
+                            "--mode", "free-running", "--model", "preset:tiny", "--max-model-len", "1024"], capsys)
+    assert code == 0 and read_cassette(cassette).header["manifest"]["checkpoint"]["path"] == "preset:tiny"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    code, out, err = run_cli(["audit", "replay", "verify", str(cassette)], capsys)
+    assert (code, err) == (0, "") and out.splitlines()[0] == "a: identical (1 turn(s) reproduced bit for bit)"

@@ -36,6 +36,14 @@ from deepinfer.recipe.official import Protocol
 from deepinfer.recipe.tokenizer import TextTokenizer, preset_tokenizer
 
 PRESET_PREFIX = "preset:"
+
+
+def model_reference(model: str | Path) -> str:
+    """How a record names the model it ran, so that it loads again from any folder: `preset:NAME` as it
+    is, a checkpoint folder by its absolute path."""
+    if isinstance(model, str) and model.startswith(PRESET_PREFIX):
+        return model
+    return str(Path(model).resolve())
 # the engine settings that decide how the model is built and loaded (engines over one host share them)
 MODEL_SETTINGS = ("device", "dtype", "numerics", "cache_qdq", "weight_storage", "engram_tables", "expert_parallel",
                   "data_parallel", "context_parallel")
