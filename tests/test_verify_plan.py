@@ -120,6 +120,20 @@ def test_survivals_asked_again_are_those_of_the_records_as_they_are_now(steps) -
         assert seq.survivals(5, drafter) == rebuilt[0].survivals(5, rebuilt[1])
 
 
+def test_a_step_that_verified_nothing_is_no_round_of_evidence() -> None:
+    """The scheduler hands the drafter's record every step's verifications, none in a plain step: that
+    changes no count, so the survivals a plan asks for again are the ones kept, not computed anew."""
+    drafter, seq = HoldRates(prior=DRAFTER_PRIOR), HoldRates()
+    drafter.observe_step([(3, 1), (2, 2)])
+    seq.observe(3, 1)
+    kept = seq.survivals(5, drafter)
+    before = (drafter.rounds, drafter.held[:], drafter.tried[:])
+    drafter.observe_step([])
+    drafter.observe_step([(0, 0)])
+    assert (drafter.rounds, drafter.held, drafter.tried) == before
+    assert seq.survivals(5, drafter) is kept
+
+
 def test_a_heads_confidence_counts_against_its_level_where_verification_reached() -> None:
     """The head is read relative to its mean confidence in the drafts verification reached at that
     position: not at all before any did, and a head off by a constant factor reads as a calibrated one."""

@@ -275,9 +275,10 @@ class Scheduler:
         often finds nothing), which is also learnt only in steps that speculate."""
         if self.step_cost is None:
             return True
-        survivals = [[chunk.seq.proposes.rate(0, self.drafter_proposes) * a
-                      for a in chunk.seq.hold_rates.survivals(self.draft_tokens, self.drafter_holds)]
-                     for chunk in chunks]
+        survivals = []
+        for chunk in chunks:
+            drafting = chunk.seq.proposes.rate(0, self.drafter_proposes)
+            survivals.append([drafting * a for a in chunk.seq.hold_rates.survivals(self.draft_tokens, self.drafter_holds)])
         return any(self._plan(len(chunks), len(chunks), survivals))
 
     def _plan_verification(self, chunks: list[ScheduledChunk]) -> int:

@@ -89,9 +89,13 @@ class HoldRates:
 
     def observe_step(self, verifications: list[tuple[int, int]]) -> None:
         """One step's (verified, kept), one per sequence that verified drafts, as one round of evidence:
-        each position reached forgets once, then counts every verification that reached it."""
+        each position reached forgets once, then counts every verification that reached it. A step that
+        reached no position (a plain one) is no round: nothing changes, and the survivals kept stay valid
+        (a plan asks for every running sequence's again in each plain step)."""
         outcomes = [[1.0 if j < kept else 0.0 for j in range(reached(verified, kept))]
                     for verified, kept in verifications]
+        if not any(outcomes):
+            return
         add_round(self.held, self.tried, outcomes, (self.prior * PRIOR_HOLD, self.prior))
         self.rounds += 1
 
