@@ -13,6 +13,8 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from deepinfer import LLM, RequestOutput, SamplingParams
 from deepinfer.engine.sequence import Sequence
 from deepinfer.harness.serve import serve
@@ -84,7 +86,10 @@ class ReferenceDrafter:
     """Drafts from known continuations (a run's prompt + output streams), deliberately wrong at every
     `wrong_every`-th token position of a sequence, so that verification both keeps and rejects
     drafts: outputs must not change either way (speculation's contract), and the share kept sets
-    how much a step yields (an oracle drafter at a chosen acceptance rate)."""
+    how much a step yields (an oracle drafter at a chosen acceptance rate). It reads the host's tokens,
+    so speculative steps are read back at once."""
+
+    on_device = False
 
     def __init__(self, streams: list[list[int]], wrong_every: int) -> None:
         self.streams, self.wrong_every = streams, wrong_every
@@ -101,6 +106,36 @@ class ReferenceDrafter:
                 return [(token - 1 if token else 1) if (len(token_ids) + i) % self.wrong_every == 0 else token
                         for i, token in enumerate(drafts)]
         return []
+
+
+class ReferenceDrafts:
+    """A device drafter (`engine.draft_runner.DeviceDrafts`) drafting from known continuations: after the
+    drafter it wraps has run (its caches written, its drafts made), each sampling row's drafts are
+    replaced by the tokens its request's stream (a run's prompt + output, found by the request's seed,
+    which must be distinct and below 2**32) has after the row's last kept token, wrong at every
+    `wrong_every`-th position. Every draft is looked up on the device, so drafts that hold reach the steps
+    queued behind a speculative one without the host seeing them (what async speculation must get right)."""
+
+    def __init__(self, inner, streams: dict[int, list[int]], wrong_every: int, device) -> None:
+        self.inner, self.wrong_every = inner, wrong_every
+        width = max(map(len, streams.values())) + 64
+        self.seeds = torch.tensor(list(streams), dtype=torch.long, device=device)
+        self.streams = torch.tensor([stream + [0] * (width - len(stream)) for stream in streams.values()],
+                                    dtype=torch.long, device=device)
+
+    def run(self, step):
+        made = self.inner.run(step)
+        if made is None:
+            return None
+        drafts, _, survivals = made
+        request = (step.params.seed_low.unsqueeze(1) == self.seeds).long().argmax(dim=1)
+        after = step.draws_at + step.num_accepted  # the index of the first token a draft stands for
+        index = (after.unsqueeze(1) + torch.arange(drafts.shape[1], device=drafts.device)).clamp(
+            max=self.streams.shape[1] - 1)
+        truth = self.streams[request.unsqueeze(1), index]
+        wrong = index % self.wrong_every == 0
+        drafts = torch.where(wrong, torch.where(truth > 0, truth - 1, 1), truth)  # wrong, still in the vocabulary
+        return drafts, torch.full_like(step.num_accepted, drafts.shape[1]), survivals
 
 
 def matrix_variant(variant: Variant, *, dtype: str, numerics: str, device: str) -> Variant:

@@ -7,7 +7,10 @@ t's tokens are read, with placeholders for them resolved on the device.
 - a request is never scheduled past max_tokens, and one that stops early costs at most one discarded
   step; every cache block is free at the end;
 - Engram tables in host memory need the tokens on the host, so those engines run synchronously (and
-  record that they did).
+  record that they did);
+- a device drafter's speculative steps are queued behind each other, the next step verifying drafts
+  still on the device at positions the device moves on by the drafts kept: plain decoding's bits with
+  drafts that hold (MTP; DSpark with Engram), under both verify policies.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from hypothesis import strategies as st
 from deepinfer import LLM, EngineConfig, RequestOutput, SamplingParams
 from deepinfer.engine.config import add_engine_flags, config_from_flags
 from deepinfer.errors import DeepInferError
+from deepinfer.harness.invariance import ReferenceDrafts
 
 SYNC = EngineConfig(max_model_len=128, async_scheduling=False)
 TIMING = {f.name for f in dataclasses.fields(RequestOutput) if not f.compare}  # timing, not output
@@ -202,3 +206,69 @@ def test_a_step_that_fails_to_run_is_redone_by_the_next(tiny, async_scheduling):
     assert got == want
     llm.reset_prefix_cache()
     assert llm.cache.num_free() == tiny.with_engine(config).cache.num_free()
+
+
+def reference_drafting(llm: LLM, streams: dict[int, list[int]], wrong_every: int) -> list[int]:
+    """Make `llm`'s device drafter draft from `streams` (by request seed, `ReferenceDrafts`); the list it
+    returns counts, as steps run, the drafts kept by the step in flight when the next one was queued
+    (each such step laid out its chunks at positions the device moved on)."""
+    llm.runner.drafts = ReferenceDrafts(llm.runner.drafts, streams, wrong_every, llm.runner.device)
+    shifted = []
+    execute = llm.runner.execute
+
+    def counting(scheduled, in_flight=None):
+        if in_flight is not None and in_flight.drafts is not None:
+            shifted.append(int((in_flight.num_accepted - 1).sum()))
+        return execute(scheduled, in_flight)
+
+    llm.runner.execute = counting
+    return shifted
+
+
+SPECULATION_PRESETS = [("tiny", "mtp"), ("v41-tiny", "dspark")]
+
+
+def queued_speculation(model: LLM, speculation: str, **settings) -> LLM:
+    """Check that `model` with `speculation` (3 drafts, as `settings` say further) under async scheduling,
+    its device drafter drafting known continuations (every third position wrong), gives plain decoding's
+    outputs bit for bit with greedy and seeded sampling, logprobs, prompt logprobs, a stop token and
+    length limits, with steps queued behind drafts that held and rollbacks; the engine it ran."""
+    prompts = [list(range(2, 9)), [(7 * i) % 900 + 3 for i in range(45)], [5, 6, 7], list(range(60, 90))]
+    free = [SamplingParams(temperature=t, seed=11 + i, max_tokens=m, logprobs=2, prompt_logprobs=i == 1,
+                           ignore_eos=True) for i, (t, m) in enumerate([(0, 30), (0.9, 25), (0.8, 40), (0, 7)])]
+    plain = model.with_engine(dataclasses.replace(model.engine_config, async_scheduling=False))
+    reference = plain.generate(prompts, free)
+    params = list(free)
+    params[2] = dataclasses.replace(free[2], stop_token_ids=[reference[2].token_ids[17]], ignore_eos=False)
+    want = outcome(plain, prompts, params)
+    streams = {p.seed: prompt + out.token_ids for p, prompt, out in zip(free, prompts, reference)}
+    spec = model.with_engine(dataclasses.replace(model.engine_config, speculation=speculation, draft_tokens=3,
+                                                 async_scheduling=True, **settings))
+    shifted = reference_drafting(spec, streams, wrong_every=3)
+    assert outcome(spec, prompts, params) == want
+    assert spec.engine_config.async_scheduling and sum(shifted) > 0, "no step was queued behind drafts that held"
+    assert spec.scheduler.num_rollbacks > 0
+    return spec
+
+
+@pytest.mark.parametrize("preset, speculation", SPECULATION_PRESETS)
+@pytest.mark.parametrize("policy", ["fixed", "throughput"])
+def test_speculative_steps_queued_behind_each_other_decode_as_plain_steps(tiny, v41_tiny, preset, speculation,
+                                                                          policy):
+    """A device drafter's drafts are verified by the step queued behind the one that made them, at
+    positions the device moves on by the drafts kept (for V4.1 with Engram's lookback too), in a cache
+    small enough to preempt sequences with drafts in flight: plain decoding's bits."""
+    model = (tiny if preset == "tiny" else v41_tiny).with_engine(dataclasses.replace(SYNC, block_size=4))
+    spec = queued_speculation(model, speculation, verify_policy=policy, num_cache_blocks=24,
+                              max_num_batched_tokens=32)
+    assert spec.scheduler.num_preemptions > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("preset, speculation", SPECULATION_PRESETS)
+def test_cuda_speculative_steps_queued_from_graphs_decode_as_plain_steps(preset, speculation):
+    """On CUDA the drafts held on the device feed the next step's graph replay, and the drafter's own
+    graph reads the moved positions."""
+    config = EngineConfig(device="cuda", dtype="bfloat16", max_model_len=256, async_scheduling=False)
+    spec = queued_speculation(LLM(f"preset:{preset}", config), speculation)
+    assert spec.runner.graphs and spec.runner.draft_graphs  # verify steps and drafter passes were replayed

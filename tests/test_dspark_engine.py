@@ -37,12 +37,13 @@ class Recording(DeviceDrafter):
     the device drafts after them start past the chunk's first drawn token."""
 
     def __init__(self, streams: list[list[int]] | None = None, wrong_every: int = 3) -> None:
+        self.on_device = streams is None  # proposing the streams reads the host's tokens
         self.seen: list[tuple[list[int], list[int]]] = []
         self.streams, self.wrong_every, self.proposals = streams, wrong_every, 0
 
-    def observe(self, seq: Sequence, drafts: list[int], survivals: list[float]) -> None:
-        self.seen.append((list(seq.token_ids), drafts))
-        super().observe(seq, drafts, survivals)
+    def observe(self, seq: Sequence, length: int, drafts: list[int], survivals: list[float]) -> None:
+        self.seen.append((seq.token_ids[:length], drafts))
+        super().observe(seq, length, drafts, survivals)
 
     def survivals(self, seq: Sequence) -> list[float] | None:
         return super().survivals(seq) if self.streams is None else None  # the device's are for other drafts

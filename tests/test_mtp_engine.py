@@ -37,9 +37,9 @@ class Recording(DeviceDrafter):
     def __init__(self) -> None:
         self.seen: list[tuple[list[int], list[int]]] = []
 
-    def observe(self, seq: Sequence, drafts: list[int], survivals: list[float]) -> None:
-        self.seen.append((list(seq.token_ids), drafts))
-        super().observe(seq, drafts, survivals)
+    def observe(self, seq: Sequence, length: int, drafts: list[int], survivals: list[float]) -> None:
+        self.seen.append((seq.token_ids[:length], drafts))
+        super().observe(seq, length, drafts, survivals)
 
 
 def _target_streams(llm: LLM, tokens: list[int]) -> torch.Tensor:

@@ -263,13 +263,15 @@ def test_a_drafters_doubt_lowers_what_a_step_verifies(requests, monkeypatch) -> 
     sequences' blocks entirely (confidence 0) verifies theirs only before any verification said what its
     confidences mean, while the others' go on being verified. Outputs are plain decoding's throughout.
     A row costs the same in either kind of step here, so what is verified does not depend on this
-    machine's speed."""
+    machine's speed. Steps are read back at once: a step queued behind a speculative one plans drafts
+    still on the device, whose confidences the host has not seen, by the learnt rates alone."""
     requests = requests[:6]
 
     def engine(survivals=None) -> tuple[LLM, list[list[tuple[int, int]]]]:
         """An engine whose head's survivals pass through `survivals(seq, real)`, and per step the
         (request id, drafts verified) of its verifying chunks."""
-        llm = LLM("preset:v41-tiny", max_num_seqs=4, speculation="dspark", verify_policy="throughput")
+        llm = LLM("preset:v41-tiny", max_num_seqs=4, speculation="dspark", verify_policy="throughput",
+                  async_scheduling=False)
         scheduler, verified = llm.core.scheduler, []
         for curve in (scheduler.step_cost.speculating, scheduler.step_cost.plain):
             monkeypatch.setattr(curve, "seconds", lambda rows: 1.0 + 0.01 * rows)

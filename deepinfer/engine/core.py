@@ -3,8 +3,8 @@
 A step is `Scheduler.schedule()`, `ModelRunner.execute()`, then `Scheduler.update()` (the scheduler
 owns every change to a queued sequence). With async scheduling the update of a step comes after the
 next step is queued, so the host schedules and prepares step t + 1 while the device runs step t; a
-speculative step (`SchedulerOutput.speculative`) is read back at once, since the next step's drafts
-follow the tokens it keeps.
+step whose drafts the host must make (`SchedulerOutput.synchronous`: prompt lookup, structured
+constraints) is read back at once, since the next step's drafts follow the tokens it keeps.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ class PromptTooLongError(RequestError):
 class EngineCore:
     """An engine over `host`'s model, run as `config` says; it resolves the config (`max_model_len`
     and `weight_storage` filled in, `async_scheduling` off where the Engram tables are in host memory,
-    every step drafts (speculation under the fixed verify policy) or the expert exchange has a fixed
-    capacity, CUDA graphs off where ranks step in lockstep) and keeps it as `engine_config`."""
+    every step drafts on the host (prompt lookup under the fixed verify policy) or the expert exchange
+    has a fixed capacity, CUDA graphs off where ranks step in lockstep) and keeps it as `engine_config`."""
 
     def __init__(self, host: ModelHost, config: EngineConfig) -> None:
         self.host = host
@@ -57,8 +57,8 @@ class EngineCore:
             # the step's Engram rows are gathered on the host from its tokens: no step can be queued
             # before the tokens of the one before are read
             config = replace(config, async_scheduling=False)
-        if config.speculation != "off" and config.verify_policy == "fixed":
-            # a sequence's drafts follow its last token, which must be known: every step is read back
+        if config.speculation == "ngram" and config.verify_policy == "fixed":
+            # prompt lookup follows a sequence's last token, which must be known: every step is read back
             config = replace(config, async_scheduling=False)
         if config.expert_capacity is not None:
             # a step that overflows the exchange runs again before its results apply: none may be queued behind it
@@ -207,7 +207,7 @@ class EngineCore:
         if capped:
             current = self._redone_if_overflowed(scheduled, current)
         finished = self._read(before) if before is not None else []
-        if current is not None and self.async_scheduling and not scheduled.speculative:
+        if current is not None and self.async_scheduling and not scheduled.synchronous:
             self.in_flight = current
         elif current is not None:
             finished += self._read(current, started)
@@ -249,6 +249,6 @@ class EngineCore:
         scheduled, output = step
         result = output.result(scheduled)
         if result.forward_seconds is not None:
-            wall = None if started is None else time.perf_counter() - started
-            self.scheduler.observe_step(scheduled, result.forward_seconds, wall)
+            whole = result.forward_seconds + result.draft_seconds if started is None else time.perf_counter() - started
+            self.scheduler.observe_step(scheduled, result.forward_seconds, whole)
         return self.scheduler.update(scheduled, result)

@@ -21,6 +21,8 @@ DEVICE_SPECULATION = ("dspark", "mtp")  # drafted on the device by the checkpoin
 
 
 class Drafter(Protocol):
+    on_device: bool  # its drafts are made on the device, where a step queued behind can take them
+
     def propose(self, seq: Sequence, limit: int) -> list[int] | None:
         """At most `limit` tokens to follow `seq.token_ids` (every one known: no placeholders); None
         when the drafter had no chance to draft there (a device drafter that did not run after the
@@ -52,6 +54,8 @@ class NgramDrafter:
     n tokens, trying n = max_ngram first and down to min_ngram. Costs no model: it pays where text
     repeats (code edits, quoted tool output, retrieved passages echoed back). Each sequence's n-gram
     index lives in its `draft_state` and grows with it, so a step costs the same at any length."""
+
+    on_device = False
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
@@ -89,12 +93,16 @@ class DeviceDrafter:
     chunk (`deepinfer.engine.draft_runner`, which also picks how many to verify from the drafter's
     confidence); the next `schedule()` proposes those drafts if the sequence still ends where they were
     made (it may have stopped, or been preempted and recomputed, or its last step was plain: then it
-    has none, and decodes one token)."""
+    has none, and decodes one token). A step queued behind that one's takes them on the device
+    instead (`Scheduler._drafts`)."""
 
-    def observe(self, seq: Sequence, drafts: list[int], survivals: list[float]) -> None:
-        """Take the drafts the runner made on the device to follow `seq.token_ids` as they are now, with
-        their survivals (`Scheduler.update` calls it once a step's tokens are applied)."""
-        seq.draft_state = DeviceDraft(len(seq.token_ids), drafts, survivals)
+    on_device = True
+
+    def observe(self, seq: Sequence, length: int, drafts: list[int], survivals: list[float]) -> None:
+        """Take the drafts the runner made on the device to follow `seq.token_ids[:length]` (the tokens
+        a step kept: a step queued behind it may have put a placeholder after them), with their
+        survivals (`Scheduler.update` calls it once a step's tokens are applied)."""
+        seq.draft_state = DeviceDraft(length, drafts, survivals)
 
     def propose(self, seq: Sequence, limit: int) -> list[int] | None:
         state = self._current(seq)

@@ -4,7 +4,11 @@
 the sampler, logprobs and top-k run there, and the `RunnerOutput` holds device tensors, whose copy
 to the host is queued right behind them. `RunnerOutput.result` waits for that copy (the step's only
 sync), which can be after the next step is queued (async scheduling): that step's inputs may hold
-placeholders for tokens this one samples, resolved on the device from its `token_ids`.
+placeholders for tokens this one samples, resolved on the device from its outputs (`RunnerOutput.ahead`):
+its rows' last kept tokens and, behind a speculative step, their drafts, verified without the host
+reading them. A chunk that decodes such a row's last kept token lies that row's kept drafts further on
+than the host laid it out: its positions (and its draws' sampling positions, and an Engram lookback)
+are moved on the device.
 With CUDA graphs on, a decode step's forward (speculation's verify steps too, and with a device
 drafter the streams it reads) is replayed from the graph of its shape. Under throughput-aware
 verification each step is timed on the device's clock (`StepClock`): its forward and sampling, and
@@ -37,6 +41,7 @@ from deepinfer.engine.draft_runner import DeviceDrafts, DraftInputs
 from deepinfer.engine.graph import DraftGraph, StepGraph
 from deepinfer.engine.sampler import SamplingBatch, sample, top_logprobs
 from deepinfer.engine.scheduler import ScheduledChunk, SchedulerOutput
+from deepinfer.engine.sequence import COLUMN_LIMIT, DRAFTED, DRAWN, ROW_LIMIT, placeholder, placeholder_row
 from deepinfer.engine.structured import allowed_tokens, step_masks
 from deepinfer.model import NULL_BLOCK, Decoder, StepBatch, bucket
 from deepinfer.model.batch import graph_bucket
@@ -121,6 +126,20 @@ class RunnerOutput:
     clock: StepClock | None = field(default=None, repr=False)
     download: Download | None = field(default=None, repr=False)
 
+    def ahead(self, verifying: bool = False) -> torch.Tensor:
+        """[S, 3, C] per output row, what placeholders of this step stand for (`resolved`), by kind: its
+        last kept token (LAST), the tokens it drew (DRAWN) and its drafter's drafts (DRAFTED; none without
+        a drafter), each kind's columns zero-padded to C; with `verifying`, the drafts past those the
+        drafter would verify are -1, which no draw equals."""
+        last = self.token_ids.gather(1, (self.num_accepted - 1).unsqueeze(1))
+        drafts = self.token_ids[:, :0] if self.drafts is None else self.drafts
+        if verifying and self.drafts is not None:
+            made = torch.arange(drafts.shape[1], device=drafts.device) < self.num_drafts.unsqueeze(1)
+            drafts = torch.where(made, drafts, -1)
+        kinds = (last, self.token_ids, drafts)
+        width = max(kind.shape[1] for kind in kinds)
+        return torch.stack([torch.nn.functional.pad(kind, (0, width - kind.shape[1])) for kind in kinds], dim=1)
+
     def send_to_host(self) -> None:
         """Queue the copy of everything but `hidden` to the host (once the step's tensors are all set)."""
         self.download = Download({f.name: getattr(self, f.name) for f in fields(self)
@@ -204,17 +223,23 @@ class ModelRunner:
         graphed = self.graphs is not None and shaped
         captures = self._graph_count()
         host_batch, rows = self.build_batch(chunks, graph_bucket if graphed else bucket,
-                                            self.draft_tokens if shaped and drafting else None)
+                                            self.draft_tokens if shaped and drafting else None,
+                                            in_flight.token_ids.shape[1] - 1 if in_flight is not None else 0)
         rows.update(SamplingBatch.host_tensors([(c.seq.params, c.seq.seed, c.draws_at + j)
                                                 for c in sampling for j in range(1 + c.num_draft)]))
         batch, rows = host_batch.to(self.device, rows)  # the step's one upload
+        params = SamplingBatch.from_tensors(rows)
         if any(chunk.resolves_input for chunk in chunks):
             if in_flight is None:
                 raise RuntimeError("a step takes placeholder tokens as input but no step is in flight")
-            self._resolve_placeholders(batch, in_flight.token_ids[:, 0])
+            ahead = in_flight.ahead()
+            self._resolve_placeholders(batch, ahead)
             if drafting:
-                rows["next_ids"] = resolved(rows["next_ids"], in_flight.token_ids[:, 0])
-        params = SamplingBatch.from_tensors(rows)
+                rows["next_ids"] = resolved(rows["next_ids"], ahead)
+            if any(chunk.num_draft for chunk in chunks):  # drafts still on the device verify as the drafter made them
+                rows["drafts"] = resolved(rows["drafts"], in_flight.ahead(verifying=True), first=FIRST_DRAFT)
+        if "follows" in rows:
+            self._move_on(batch, rows, params, in_flight.num_accepted - 1)
         streams_at: dict[int, torch.Tensor] = {}
         graph = None
         if graphed:
@@ -282,21 +307,42 @@ class ModelRunner:
         for chunk in sampling:
             pending = []
             if chunk.seq.grammar is not None and chunk.resolves_input:
-                flight = flight if flight is not None else in_flight.download.wait()["token_ids"]
-                pending = [int(flight[-1 - chunk.seq.token_ids[chunk.draws_at - 1], 0])]
+                flight = flight if flight is not None else in_flight.download.wait()
+                row = placeholder_row(chunk.seq.token_ids[chunk.draws_at - 1])
+                pending = [int(flight["token_ids"][row, flight["num_accepted"][row] - 1])]
             rows.append((chunk.seq.grammar, pending, chunk.draft_ids))
         masks = upload({"masks": step_masks(rows, self.config.vocab_size)}, self.device)["masks"]
         return allowed_tokens(masks, self.config.vocab_size)
 
-    def _resolve_placeholders(self, batch: StepBatch, sampled: torch.Tensor) -> None:
-        """Put the tokens `sampled` by the step in flight in place of their placeholders in `batch`'s
-        input ids (and, for Engram, in its compressed ids and lookback, through the compressed map)."""
-        batch.input_ids = resolved(batch.input_ids, sampled)
+    def _resolve_placeholders(self, batch: StepBatch, ahead: torch.Tensor) -> None:
+        """Put the tokens of the step in flight (`ahead`: `RunnerOutput.ahead`) in place of their
+        placeholders in `batch`'s input ids (and, for Engram, in its compressed ids and lookback,
+        through the compressed map)."""
+        batch.input_ids = resolved(batch.input_ids, ahead)
         if batch.engram_ids is not None:
             if self.compressed_ids is None:
                 self.compressed_ids = self.model.engram_tokens.compressed.to(self.device)
-            batch.engram_ids = resolved(batch.engram_ids, sampled, self.compressed_ids)
-            batch.engram_lookback = resolved(batch.engram_lookback, sampled, self.compressed_ids)
+            batch.engram_ids = resolved(batch.engram_ids, ahead, self.compressed_ids)
+            batch.engram_lookback = resolved(batch.engram_lookback, ahead, self.compressed_ids)
+
+    def _move_on(self, batch: StepBatch, rows: dict[str, torch.Tensor], params: SamplingBatch,
+                 kept: torch.Tensor) -> None:
+        """Move each chunk that decodes an in-flight row's last kept token (`rows["follows"]`, per token
+        and per sequence row) on by the drafts that row kept (`kept` [S]): its positions, its draws'
+        sampling positions and first index, and its Engram lookback, which the host laid out with the
+        row's drawn tokens after the known ones (`build_batch`)."""
+        def moved(follows: torch.Tensor) -> torch.Tensor:
+            return torch.where(follows >= 0, kept[follows.clamp(min=0)], 0)
+
+        follows, chunk_follows = rows["follows"], rows["chunk_follows"]
+        batch.positions = batch.positions + moved(follows)
+        params.position = params.position + moved(follows[batch.sample_index[rows["sample_rows"]]])
+        rows["draws_at"] = rows["draws_at"] + moved(chunk_follows[rows["sample_chunks"]])
+        if batch.engram_lookback is not None:
+            extra = batch.engram_lookback.shape[1] - self.model.engram_tokens.lookback
+            start = torch.where(chunk_follows >= 0, moved(chunk_follows), extra)
+            columns = start.unsqueeze(1) + torch.arange(self.model.engram_tokens.lookback, device=start.device)
+            batch.engram_lookback = batch.engram_lookback.gather(1, columns)
 
     def _graph(self, batch: StepBatch, tap_streams: bool) -> StepGraph:
         """The graph of a decode step's forward shaped like `batch` (captured on first sight), with
@@ -314,7 +360,7 @@ class ModelRunner:
         return self.draft_graphs[key]
 
     def build_batch(self, chunks: list[ScheduledChunk], table_bucket: Callable[[int], int] = bucket,
-                    draft_columns: int | None = None) -> tuple[StepBatch, dict[str, torch.Tensor]]:
+                    draft_columns: int | None = None, drawn_ahead: int = 0) -> tuple[StepBatch, dict[str, torch.Tensor]]:
         """The step's model input on the host, padded to its buckets (`deepinfer.model.batch`; block
         tables to `table_bucket` of the longest, `graph_bucket` for graphed steps), and
         the rows of the model's output that each sampling chunk samples from (`sample_rows`) and each
@@ -328,14 +374,23 @@ class ModelRunner:
         for padding, placeholders resolved on the device like the input ids; a model drafter's input,
         made only for one). With `draft_columns`, the sampling rows are padded to one per bucketed
         sequence row and to that many draft columns (padding repeats the first sampling chunk, with no
-        drafts), so that a graphed drafter's inputs have the step bucket's shapes."""
+        drafts), so that a graphed drafter's inputs have the step bucket's shapes. `drawn_ahead`: the
+        drafts each row of the step in flight may have kept (0 for a plain one); when some may have,
+        `follows` [T] and `chunk_follows` [B] name per token and per sequence row the in-flight row
+        whose last kept token the chunk decodes (-1 elsewhere), which `execute` moves them on by, and an
+        Engram lookback is that many columns wider: such a chunk's history ends with the in-flight row's
+        drawn tokens as placeholders, every other's with that many more known tokens."""
         num_tokens = sum(chunk.num_tokens for chunk in chunks)
         ids, positions, query_start = [], [], []
         sample_index, sample_rows, score_rows, score_targets = [], [], [], []
         width = max([chunk.num_draft for chunk in chunks] + [draft_columns or 0])
         verify_columns, drafts, sample_chunks, draws_at, next_ids = [], [], [], [], []
+        chunk_follows = [-1 if chunk.follows is None else chunk.follows for chunk in chunks] if drawn_ahead else []
+        follows = []
         for index, chunk in enumerate(chunks):  # Python lists, one tensor each at the end: a step has hundreds
             seq = chunk.seq
+            if chunk_follows:
+                follows.extend([chunk_follows[index]] * chunk.num_tokens)
             query_start.append(len(ids))
             score_rows.extend(range(len(sample_index), len(sample_index) + len(chunk.scored)))
             score_targets.extend(seq.prompt_token_ids[chunk.scored.start + 1:chunk.scored.stop + 1])
@@ -373,8 +428,12 @@ class ModelRunner:
         )
         engram = self.model.engram_tokens
         if engram is not None:
-            histories = [chunk.seq.token_ids[max(chunk.start - engram.lookback, 0):chunk.start] for chunk in chunks]
-            batch.engram_ids, batch.engram_lookback = engram.step_inputs(batch.input_ids, histories, seq_rows)
+            reach = engram.lookback + (drawn_ahead if chunk_follows else 0)
+            histories = [chunk.seq.token_ids[max(chunk.start - reach, 0):chunk.start] for chunk in chunks]
+            for history, row in zip(histories, chunk_follows):
+                if row >= 0:
+                    history.extend(placeholder(row, DRAWN, j) for j in range(drawn_ahead))
+            batch.engram_ids, batch.engram_lookback = engram.step_inputs(batch.input_ids, histories, seq_rows, reach)
             if self.model.engram_on_host:
                 batch.engram_memory = self.model.engram_memory(batch)
         rows = {name: torch.tensor(values, dtype=torch.long) for name, values in
@@ -382,6 +441,9 @@ class ModelRunner:
                  ("sample_chunks", sample_chunks), ("draws_at", draws_at))}
         if self.drafts is not None:
             rows["next_ids"] = torch.tensor(next_ids + padding, dtype=torch.long)
+        if chunk_follows:
+            rows["follows"] = torch.tensor(follows + [-1] * len(padding), dtype=torch.long)
+            rows["chunk_follows"] = torch.tensor(chunk_follows + [-1] * (seq_rows - len(chunks)), dtype=torch.long)
         rows["verify_columns"] = torch.tensor(verify_columns, dtype=torch.long).reshape(len(drafts), width + 1)
         rows["drafts"] = torch.tensor(drafts, dtype=torch.long).reshape(len(drafts), width)
         return batch, rows
@@ -399,11 +461,18 @@ class ModelRunner:
         return torch.from_numpy(out)
 
 
-def resolved(ids: torch.Tensor, sampled: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
-    """`ids` with each placeholder (`deepinfer.engine.sequence.placeholder(row)`) replaced by
-    `sampled[row]`, mapped through `table` when given; on the device, no sync."""
-    rows = (-1 - ids).clamp(min=0)
-    tokens = sampled[rows]
+FIRST_DRAFT = placeholder(0, DRAFTED)  # every draft placeholder is at most this
+
+
+def resolved(ids: torch.Tensor, ahead: torch.Tensor, table: torch.Tensor | None = None, first: int = -1
+             ) -> torch.Tensor:
+    """`ids` with each placeholder (`deepinfer.engine.sequence.placeholder`) at most `first` replaced
+    by the token it names in `ahead` (`RunnerOutput.ahead`), mapped through `table` when given; on the
+    device, no sync."""
+    index = (-1 - ids).clamp(min=0)
+    rest = index // ROW_LIMIT
+    rows, kinds, columns = index % ROW_LIMIT, rest // COLUMN_LIMIT, rest % COLUMN_LIMIT
+    tokens = ahead[rows, kinds, columns]
     if table is not None:
         tokens = table[tokens]
-    return torch.where(ids < 0, tokens, ids)
+    return torch.where(ids <= first, tokens, ids)

@@ -22,7 +22,7 @@ sequences.
 With async scheduling, step t + 1 is scheduled before step t's results are read: a sequence whose
 token is still a placeholder decodes it anyway (the runner resolves it on the device), so a
 sequence that stops at t (end token, stop string, non-finite logits) has one step of work at t + 1
-that `update` discards. A sequence that will be full once its placeholders resolve (max_tokens,
+that `update` discards. A sequence that may be full once its placeholders resolve (max_tokens,
 context length) is not scheduled. Batch composition never changes a request's bits, so the
 outputs are the same with and without it.
 
@@ -33,11 +33,20 @@ kept tokens. That is the whole rollback: every cache row (window KV, compressor 
 entries, indexer keys, the draft's context) is keyed by its absolute position and depends only on
 the tokens up to it, so the rows the failed drafts wrote (at most k) are rewritten by the steps
 that compute those positions again before anything reads them, and nothing before the rollback
-point is ever recomputed (replayed). Drafts need the sequence's last token, so a step that
-speculates (`SchedulerOutput.speculative`: it verifies drafts, or the drafter runs after it) is read
-back before the next is scheduled; under `verify_policy="throughput"` a step speculates only while
-drafts are expected to pay (`deepinfer.engine.verify_plan`), and the others are plain steps, which async
-scheduling may overlap.
+point is ever recomputed (replayed). A step's drafts count as computed only once they hold: the
+commit counts a chunk's tokens up to its last known one, and `update` adds the drafts kept.
+
+Under async scheduling a speculative step (`SchedulerOutput.speculative`: it verifies drafts, or a
+device drafter runs after it) is queued behind the one before as a plain step is, when its drafts are
+made on the device: a sequence's next chunk is its in-flight row's last kept token (`placeholder(row)`)
+followed by that row's drafts (`placeholder(row, DRAFTED, j)`), laid out at the positions the host
+knows, which the runner moves on by the drafts the row kept, on the device. The host reserves cache
+room for every draft in flight (`Sequence.num_unsettled`) and checks lengths against the furthest the
+sequence may have gone; `update` of the step before then shifts the queued chunk to where its tokens
+landed. A step is read back at once (`SchedulerOutput.synchronous`) where its drafts need the host:
+prompt lookup reads the tokens, and a structured constraint cuts drafts and builds masks from them.
+Under `verify_policy="throughput"` a step speculates only while drafts are expected to pay
+(`deepinfer.engine.verify_plan`), and the others are plain steps.
 
 A sequence with a structured constraint (`deepinfer.engine.structured`) holds a matcher, which
 `update` advances over every token it keeps (the runner only reads it to build masks, leaving it as
@@ -55,7 +64,7 @@ from typing import TYPE_CHECKING, Protocol
 from deepinfer.engine.cache import BlockTables, CacheManager
 from deepinfer.engine.drafter import Drafter
 from deepinfer.engine.prefix import PrefixCache
-from deepinfer.engine.sequence import Sequence, Status, is_placeholder, placeholder
+from deepinfer.engine.sequence import DRAFTED, Sequence, Status, is_placeholder, placeholder, placeholder_row
 from deepinfer.engine.verify_plan import DRAFTER_PRIOR, HeadLevels, HoldRates, StepCost, confidences, plan_verify
 
 if TYPE_CHECKING:  # produced by the runner, which imports this module
@@ -103,15 +112,29 @@ class ScheduledChunk:
         """Whether the chunk's last token from its sequence is a placeholder of the step in flight."""
         return is_placeholder(self.seq.token_ids[self.draws_at - 1])
 
+    @property
+    def follows(self) -> int | None:
+        """The in-flight output row whose last kept token this chunk decodes (its positions move on by
+        the drafts that row keeps); None for a chunk whose positions the host knows."""
+        first = self.seq.token_ids[self.start]
+        return placeholder_row(first) if self.draws_at - self.start == 1 and is_placeholder(first) else None
+
+    @property
+    def num_verified(self) -> int:
+        """Drafts the chunk verifies: a drafter that made fewer than the chunk has rows for leaves -1 in
+        their place (`Scheduler.update` puts the device's drafts in for the placeholders), never held."""
+        return sum(token != -1 for token in self.draft_ids)
+
 
 @dataclass
 class SchedulerOutput:
-    """One step's work, in the order the runner lays it out; `speculative`: the step drafts (a device
-    drafter runs after it) and is read back before the next step is scheduled, whose drafts follow the
-    tokens it keeps."""
+    """One step's work, in the order the runner lays it out; `speculative`: the step verifies drafts or
+    a device drafter runs after it; `synchronous`: it must be read back before the next step is
+    scheduled (its drafts are the host's to make)."""
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     speculative: bool = False
+    synchronous: bool = False
 
     @property
     def sampling(self) -> list[ScheduledChunk]:
@@ -159,6 +182,8 @@ class Scheduler:
         self.forget_verification()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.latest: SchedulerOutput | None = None  # the step scheduled last (it may be in flight)
+        self.latest_before: SchedulerOutput | None = None  # the one before it, `latest` again after an undo
         self.num_preemptions = 0
         self.num_prefix_query_tokens = 0  # tokens of the sequences admitted while prefix caching is on
         self.num_prefix_hit_tokens = 0  # of those, the ones whose rows came from the prefix cache
@@ -196,7 +221,7 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         proposals: list[Sequence] = []  # the sequences the drafter could draft for
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING or budget == 0 or self.rules.full(seq, len(seq.token_ids)):
+            if seq.status is not Status.RUNNING or budget == 0 or self.rules.full(seq, self._furthest(seq)):
                 continue
             n = self._chunk_len(seq, budget)
             if n == 0:
@@ -205,15 +230,16 @@ class Scheduler:
             if drafts is not None:
                 proposals.append(seq)
             drafts = drafts or []
-            if not self._fits(seq.blocks, seq.num_computed + n + len(drafts)):
+            end = seq.num_computed + seq.num_unsettled + n  # as far as its rows may reach
+            if not self._fits(seq.blocks, end + len(drafts)):
                 drafts = []  # drafts never cost another sequence its blocks
-            while not self._fits(seq.blocks, seq.num_computed + n):
+            while not self._fits(seq.blocks, end):
                 self._preempt(self.running[-1])
                 if seq.status is not Status.RUNNING:
                     break
             if seq.status is not Status.RUNNING:
                 continue
-            self.cache.grow(seq.blocks, seq.num_computed + n + len(drafts))
+            self.cache.grow(seq.blocks, end + len(drafts))
             chunks.append(self._chunk(seq, seq.num_computed, n, drafts))
             budget -= n + len(drafts)
         if self.step_cost is not None:
@@ -224,6 +250,9 @@ class Scheduler:
             seq = self.waiting[index]
             if self.rules.full(seq, len(seq.token_ids)):
                 break
+            if seq.num_unsettled:  # preempted with drafts in flight: its tokens are not all placed yet
+                index += 1
+                continue
             if not self._take_prefix(seq):
                 index += 1
                 continue
@@ -244,7 +273,19 @@ class Scheduler:
         self._commit(chunks)
         speculative = self._speculates(chunks)
         self.num_speculating_steps += speculative
-        return SchedulerOutput(chunks, speculative)
+        self.latest_before = self.latest
+        self.latest = SchedulerOutput(chunks, speculative, speculative and not self._drafts_on_device(chunks))
+        return self.latest
+
+    def _drafts_on_device(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether the next step can take this one's drafts on the device: they are made there, and no
+        sampling chunk has a structured constraint (which cuts drafts on the host)."""
+        return self.drafter.on_device and all(chunk.seq.grammar is None for chunk in chunks if chunk.samples)
+
+    @staticmethod
+    def _furthest(seq: Sequence) -> int:
+        """The most tokens `seq` may have once its steps in flight resolve (each draft may hold)."""
+        return len(seq.token_ids) + seq.num_unsettled
 
     def _plan(self, base_rows: int, base_tokens: int, survivals: list[list[float]]) -> list[int]:
         return plan_verify(base_rows, base_tokens, survivals, self.step_cost.speculating.seconds,
@@ -286,8 +327,8 @@ class Scheduler:
         speculating = [chunk for chunk in chunks if chunk.num_draft]
         if not speculating:
             return 0
-        for chunk in speculating:
-            survivals = self.drafter.survivals(chunk.seq)
+        for chunk in speculating:  # drafts still on the device come with no confidence the host can read
+            survivals = None if is_placeholder(chunk.draft_ids[0]) else self.drafter.survivals(chunk.seq)
             chunk.confidences = None if survivals is None else confidences(survivals[:chunk.num_draft])
         survivals = [self._survivals(chunk) for chunk in speculating]
         lengths = self._plan(sum(chunk.num_tokens - chunk.num_draft for chunk in chunks),
@@ -315,9 +356,11 @@ class Scheduler:
             survivals.append(survival)
         return survivals
 
-    def observe_step(self, scheduled: SchedulerOutput, plain_seconds: float, wall_seconds: float | None) -> None:
+    def observe_step(self, scheduled: SchedulerOutput, plain_seconds: float, speculating_seconds: float) -> None:
         """What a step cost, for throughput-aware verification: `plain_seconds`, what it would have taken
-        as a plain step, and, for a speculative step read back at once, `wall_seconds`, its whole time.
+        as a plain step, and for a speculative step `speculating_seconds`, its whole time (read back at
+        once: its wall time, host work included; queued behind another: its forward, sampling and
+        drafter on the device's clock, the host's work overlapping them as it does a plain step's).
         Only decode steps teach the curves: the plan weighs decode steps with drafts against decode steps
         without, and a step holding a prompt's chunk runs eagerly and costs what the prompt does (the
         first step of a run is one: speculative, as the drafter runs after it)."""
@@ -325,8 +368,8 @@ class Scheduler:
             return
         rows = sum(chunk.num_tokens for chunk in scheduled.chunks)
         self.step_cost.plain.observe(rows, plain_seconds)
-        if scheduled.speculative and wall_seconds is not None:
-            self.step_cost.speculating.observe(rows, wall_seconds)
+        if scheduled.speculative:
+            self.step_cost.speculating.observe(rows, speculating_seconds)
 
     def _take_prefix(self, seq: Sequence) -> bool:
         """Start a waiting sequence at its longest cached prefix, sharing that prefix's blocks; or
@@ -386,16 +429,22 @@ class Scheduler:
         """Draft tokens for a decoding sequence (its one uncomputed token known): as many as the
         drafter proposes up to `draft_tokens`, the step's budget, and the tokens the sequence may
         still have (a draft past max_tokens or the context would be computed for nothing), cut before
-        the first one its structured constraint forbids (it could not be kept). None where the
-        drafter had no chance to draft (see `Drafter.propose`)."""
-        length = len(seq.token_ids)
-        if self.drafter is None or n != 1 or seq.num_uncomputed != 1 or is_placeholder(seq.token_ids[-1]):
+        the first one its structured constraint forbids (it could not be kept). A sequence whose last
+        token is still in flight takes the drafts the device drafted after it, as placeholders, where a
+        device drafter ran after that step. None where the drafter had no chance to draft (see
+        `Drafter.propose`)."""
+        if self.drafter is None or n != 1 or seq.num_uncomputed != 1:
+            return None
+        last = seq.token_ids[-1]
+        if is_placeholder(last) and not (self.drafter.on_device and self.latest.speculative):
             return None
         limit = 0
-        while limit < min(self.draft_tokens, budget - 1) and not self.rules.full(seq, length + limit + 1):
+        while limit < min(self.draft_tokens, budget - 1) and not self.rules.full(seq, self._furthest(seq) + limit + 1):
             limit += 1
         if not limit:
             return None
+        if is_placeholder(last):
+            return [placeholder(placeholder_row(last), DRAFTED, j) for j in range(limit)]
         drafts = self.drafter.propose(seq, limit)
         if drafts is None:
             return None
@@ -404,13 +453,14 @@ class Scheduler:
 
     @staticmethod
     def _commit(chunks: list[ScheduledChunk]) -> None:
-        """Count the step's work as done: its tokens computed, its positions scored, and a placeholder
-        for each token it samples (its row in the step's output), so the next step can be scheduled
-        before this one's results are read."""
+        """Count the step's work as done: its tokens computed (drafts once they hold: `update`), its
+        positions scored, its drafts in flight, and a placeholder for each token it samples (its row in
+        the step's output), so the next step can be scheduled before this one's results are read."""
         row = 0
         for chunk in chunks:
             seq = chunk.seq
-            seq.num_computed = chunk.end
+            seq.num_computed = chunk.draws_at
+            seq.num_unsettled += chunk.num_draft
             if chunk.scored:
                 seq.num_scored = chunk.scored.stop
             if chunk.samples:
@@ -437,9 +487,11 @@ class Scheduler:
     def undo(self, scheduled: SchedulerOutput) -> None:
         """Take back the commit of a step that did not run (computed and scored counts, placeholders),
         so the next `schedule()` gives its sequences the same work again; admissions and blocks stay."""
+        self.latest = self.latest_before
         for chunk in reversed(scheduled.chunks):
             seq = chunk.seq
             seq.num_computed = chunk.start
+            seq.num_unsettled -= chunk.num_draft
             if chunk.scored:
                 seq.num_scored = chunk.scored.start
             if chunk.samples:
@@ -453,25 +505,32 @@ class Scheduler:
         now = time.perf_counter()
         finished = []
         verified = [(chunk, len(result.tokens[row]) - 1) for row, chunk in enumerate(scheduled.sampling)
-                    if chunk.num_draft]
-        self.drafter_holds.observe_step([(chunk.num_draft, kept) for chunk, kept in verified])
-        self.head_levels.observe_step([(chunk.confidences, chunk.num_draft, kept) for chunk, kept in verified
+                    if chunk.num_verified and chunk.seq.status is not Status.FINISHED]
+        self.drafter_holds.observe_step([(chunk.num_verified, kept) for chunk, kept in verified])
+        self.head_levels.observe_step([(chunk.confidences, chunk.num_verified, kept) for chunk, kept in verified
                                        if chunk.confidences is not None])
+        queued = {} if self.latest is scheduled else {id(chunk.seq): chunk for chunk in self.latest.chunks}
         scoring = iter(zip(result.prompt_logprobs, result.prompt_top))
         sampled = iter(range(len(result.tokens)))
         for chunk in scheduled.chunks:
             seq = chunk.seq
             prompt = next(scoring) if chunk.scored else None
             row = next(sampled) if chunk.samples else None
+            seq.num_unsettled -= chunk.num_draft
             if seq.status is Status.FINISHED:
                 continue
             if prompt is not None:
                 seq.prompt_logprobs.extend(prompt[0])
                 seq.prompt_top_logprobs.extend(prompt[1])
             if row is not None:
-                self._resolve(seq, chunk, result, row, now)
+                following = queued.get(id(seq))
+                self._resolve(seq, chunk, result, row, now, following)
                 if result.drafts is not None and seq.status is Status.RUNNING:
-                    self.drafter.observe(seq, result.drafts[row], result.draft_survivals[row])
+                    self.drafter.observe(seq, chunk.draws_at + len(result.tokens[row]), result.drafts[row],
+                                         result.draft_survivals[row])
+                    if following is not None and following.num_draft and is_placeholder(following.draft_ids[0]):
+                        made = result.drafts[row][:following.num_draft]
+                        following.draft_ids = made + [-1] * (following.num_draft - len(made))
             if seq.status is Status.FINISHED:
                 (self.running if seq in self.running else self.waiting).remove(seq)
                 self._offer_prefix(seq)
@@ -482,19 +541,22 @@ class Scheduler:
                 self.cache.release_behind(seq.blocks, seq.num_computed)
         return finished
 
-    def _resolve(self, seq: Sequence, chunk: ScheduledChunk, result: StepResult, row: int, now: float) -> None:
+    def _resolve(self, seq: Sequence, chunk: ScheduledChunk, result: StepResult, row: int, now: float,
+                 following: ScheduledChunk | None) -> None:
         """The tokens `chunk` drew, in its output row `row`, from token `chunk.draws_at` on: the first
-        in place of its placeholder, the ones drawn after drafts that held appended (a sequence with
-        drafts has no later placeholders: a speculative step is read back before the next is
-        scheduled), each followed by the stop checks (a finished sequence drops the tokens after its
-        last), then the computed count taken back to the tokens that held."""
+        in place of its placeholder, the ones drawn after drafts that held inserted after it (before
+        the placeholder of a step queued behind this one), each followed by the stop checks (a finished
+        sequence drops the tokens after its last), then the drafts kept counted as computed and
+        `following` (the sequence's chunk in the step queued behind, which the runner laid out on the
+        device past them) moved on past them."""
         index, drawn = chunk.draws_at, result.tokens[row]
-        self.num_drafted += chunk.num_draft
-        self.num_draft_kept += len(drawn) - 1
-        self.num_verify_chunks += chunk.num_draft > 0
-        if chunk.num_draft:
-            self.verify_lengths[chunk.num_draft] = self.verify_lengths.get(chunk.num_draft, 0) + 1
-            seq.hold_rates.observe(chunk.num_draft, len(drawn) - 1)
+        verified, kept = chunk.num_verified, len(drawn) - 1
+        self.num_drafted += verified
+        self.num_draft_kept += kept
+        self.num_verify_chunks += verified > 0
+        if verified:
+            self.verify_lengths[verified] = self.verify_lengths.get(verified, 0) + 1
+            seq.hold_rates.observe(verified, kept)
         for j, token in enumerate(drawn):
             if not result.finite[row][j]:
                 del seq.token_ids[index + j:]
@@ -504,7 +566,7 @@ class Scheduler:
             if j == 0:
                 seq.token_ids[index] = token
             else:
-                seq.token_ids.append(token)
+                seq.token_ids.insert(index + j, token)
             if seq.grammar is not None and not seq.grammar.advance(token):
                 del seq.token_ids[index + j:]
                 seq.finish("error", error=f"token {token} at position {index + j} breaks the request's structured "
@@ -520,7 +582,9 @@ class Scheduler:
                 del seq.token_ids[index + j + 1:]
                 seq.finish(*stopped)
                 return
-        if chunk.num_draft:
-            seq.num_computed = index + len(drawn) - 1
-            self.num_rollbacks += seq.num_computed < chunk.end
-            self.num_rollback_rows += chunk.end - seq.num_computed
+        self.num_rollbacks += kept < chunk.num_draft
+        self.num_rollback_rows += chunk.num_draft - kept
+        if seq.status is Status.RUNNING:  # a sequence preempted meanwhile is recomputed from its tokens
+            seq.num_computed += kept
+            if following is not None:
+                following.start += kept

@@ -1,9 +1,13 @@
 """A request's life inside the engine: its tokens, how many are computed, its cache blocks.
 
 A token the device is still sampling is held in `Sequence.token_ids` as a placeholder: a negative
-id, `placeholder(row)`, naming the row of the in-flight step's output that will hold it. The runner
-resolves placeholders on the device (a step can take them as input before the host knows them);
-`Scheduler.update` replaces them with the real tokens once the step's results come down.
+id, `placeholder(row)`, naming the row of the in-flight step's output whose last kept token it is (the
+token it drew, or where that row verified drafts, the one drawn after the last draft that held). The
+runner resolves placeholders on the device (a step can take them as input before the host knows them);
+`Scheduler.update` replaces them with the real tokens once the step's results come down. A step queued
+behind a speculative one also names what the device holds of its rows in other columns: the tokens a row
+drew (`placeholder(row, DRAWN, j)`, what a shifted Engram lookback reads) and the drafts its drafter made
+(`placeholder(row, DRAFTED, j)`, verified without the host seeing them).
 """
 
 from __future__ import annotations
@@ -18,9 +22,20 @@ from deepinfer.engine.verify_plan import HoldRates
 from deepinfer.sampling_params import SamplingParams
 
 
-def placeholder(row: int) -> int:
-    """The stand-in for the token a step samples in its output row `row`."""
-    return -1 - row
+ROW_LIMIT = 1 << 20  # output rows a step may have, as placeholders encode them
+COLUMN_LIMIT = 1 << 10  # columns of one kind a row may have
+LAST, DRAWN, DRAFTED = 0, 1, 2  # the kinds of token a placeholder stands for
+
+
+def placeholder(row: int, kind: int = LAST, column: int = 0) -> int:
+    """The stand-in for a token of the in-flight step's output row `row`: its last kept token (LAST), the
+    token it drew in `column` (DRAWN), or its drafter's draft `column` (DRAFTED)."""
+    return -1 - (row + ROW_LIMIT * (column + COLUMN_LIMIT * kind))
+
+
+def placeholder_row(token: int) -> int:
+    """The output row a placeholder names."""
+    return (-1 - token) % ROW_LIMIT
 
 
 def is_placeholder(token: int) -> bool:
@@ -41,6 +56,9 @@ class Sequence:
     seed: int
     token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose cache rows are written, or scheduled to be by a step in flight
+    # drafts that steps in flight verify for it: once they resolve its tokens may lie up to that many
+    # positions further on than `token_ids` places them now (0 while no speculative step is in flight)
+    num_unsettled: int = 0
     num_scored: int = 0  # prompt positions whose logprobs are scheduled (`prompt_logprobs` may lag behind)
     status: Status = Status.WAITING
     blocks: BlockTables = field(default_factory=BlockTables)

@@ -203,19 +203,20 @@ class EngramTokens:
     pad: int
     lookback: int
 
-    def step_inputs(self, input_ids: torch.Tensor, histories: list[list[int]], rows: int
+    def step_inputs(self, input_ids: torch.Tensor, histories: list[list[int]], rows: int, width: int | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A step's compressed ids [T] (of `input_ids`, padding included) and lookback [rows,
-        lookback]: per row, the compressed ids of the tokens before its first token this step
-        (`histories[b]`, the row's earlier tokens, of which the last `lookback` are read; pad rows and
+        """A step's compressed ids [T] (of `input_ids`, padding included) and lookback [rows, width]
+        (default `lookback`): per row, the compressed ids of the tokens before its first token this step
+        (`histories[b]`, the row's earlier tokens, of which the last `width` are read; pad rows and
         missing tokens get the pad). Placeholders (negative ids, tokens the device is still sampling)
         stay as they are. Every row is compressed at once: a step has up to hundreds."""
-        tails = [history[max(len(history) - self.lookback, 0):] for history in histories]
+        width = width or self.lookback
+        tails = [history[max(len(history) - width, 0):] for history in histories]
         tails += [[]] * (rows - len(tails))
-        shape = (rows, self.lookback)
-        ids = torch.tensor([lookback_ids(tail, self.lookback, 0) for tail in tails], dtype=torch.long).reshape(shape)
+        shape = (rows, width)
+        ids = torch.tensor([lookback_ids(tail, width, 0) for tail in tails], dtype=torch.long).reshape(shape)
         lengths = torch.tensor([len(tail) for tail in tails], dtype=torch.long)
-        present = torch.arange(self.lookback) >= self.lookback - lengths.unsqueeze(1)  # the last len(tail) columns
+        present = torch.arange(width) >= width - lengths.unsqueeze(1)  # the last len(tail) columns
         return self.compress(input_ids), torch.where(present, self.compress(ids), self.pad)
 
     def compress(self, ids: torch.Tensor) -> torch.Tensor:
