@@ -7,9 +7,11 @@
 Runs the standard request set (greedy and seeded sampling, logprobs) without speculation, then with
 drafts taken from those outputs (`harness.invariance.ReferenceDrafter`: every `--wrong-every`-th
 position wrong, so steps keep some drafts and reject others) at 1, 3 and 5 drafts per step, with
-prompt-lookup drafts, and with the preset's own draft model (MTP or DSpark; random weights: they
-rarely hold); each configuration runs twice in one engine, so the second run takes its prompts
-from the prefix cache (cold, then hot). Per run: the requests whose token ids or logprob bits
+prompt-lookup drafts, with the preset's own draft model (MTP or DSpark; random weights: they
+rarely hold), and with that draft model's pass followed by the same known continuations looked up on
+the device (`ReferenceDrafts`: drafts that hold reach the step queued behind, under CUDA graphs and
+async scheduling, without the host seeing them); each configuration runs twice in one engine, so the
+second run takes its prompts from the prefix cache (cold, then hot). Per run: the requests whose token ids or logprob bits
 differ from plain decoding (there must be none), drafts made and kept, engine steps and wall time.
 
 With `--speed-batches`, decode speed with and without speculation: B greedy requests of
@@ -43,7 +45,7 @@ import torch
 from deepinfer import LLM, EngineConfig, SamplingParams
 from deepinfer.checkpoint import preset_config
 from deepinfer.engine.runner import RunnerOutput
-from deepinfer.harness.invariance import ReferenceDrafter, signature, standard_requests
+from deepinfer.harness.invariance import ReferenceDrafter, ReferenceDrafts, signature, standard_requests
 from deepinfer.harness.sweep import checkpoint_drafter
 
 
@@ -104,19 +106,27 @@ def main() -> None:
 def bitwise(llm: LLM, model: str, requests, wrong_every: int, report: dict) -> None:
     """The standard requests without speculation, then under each drafter (`model`'s own included),
     cold and hot prefix cache: the requests whose bits differ from plain decoding's go to `report`'s runs."""
+    # every request seeded (greedy ones too: their bits do not depend on it), so the device's reference
+    # drafts find each row's stream by its seed
+    requests = [replace(r, params=replace(r.params, seed=7000 + i if r.params.seed is None else r.params.seed))
+                for i, r in enumerate(requests)]
     cold, _, _ = run(llm, requests)  # warm-up: kernels compiled and decode graphs captured outside the timed runs
     reference, steps, seconds = run(llm, requests)
     streams = [r.prompt + list(sig[0]) for r, sig in zip(requests, reference)]
+    by_seed = {r.params.seed: stream for r, stream in zip(requests, streams)}
     report["runs"] += [{"speculation": "off", "prefix_cache": "cold", "diverged":
                         [i for i, (a, b) in enumerate(zip(reference, cold)) if a != b]},
                        {"speculation": "off", "prefix_cache": "hot", "steps": steps, "seconds": round(seconds, 3)}]
     drafters = [(f"reference-{k}", "ngram", k, ReferenceDrafter(streams, wrong_every)) for k in (1, 3, 5)]
     drafters.append(("ngram-5", "ngram", 5, None))
-    drafters += [(f"{name}-{k}", name, k, None) for name in [checkpoint_drafter(model)] if name is not None
-                 for k in (1, 3, 5)]
+    for name in [checkpoint_drafter(model)] if checkpoint_drafter(model) is not None else []:
+        drafters += [(f"{name}-{k}", name, k, None) for k in (1, 3, 5)]
+        drafters += [(f"{name}-reference-{k}", name, k, "on the device") for k in (1, 3, 5)]
     for name, speculation, k, drafter in drafters:
         spec = llm.with_engine(replace(llm.engine_config, speculation=speculation, draft_tokens=k))
-        if drafter is not None:
+        if drafter == "on the device":
+            spec.runner.drafts = ReferenceDrafts(spec.runner.drafts, by_seed, wrong_every, spec.runner.device)
+        elif drafter is not None:
             spec.scheduler.drafter = drafter
         for cache in ("cold", "hot"):  # the first run fills the prefix cache, the second reads it
             scheduler = spec.scheduler

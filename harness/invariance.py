@@ -86,8 +86,7 @@ class ReferenceDrafter:
     """Drafts from known continuations (a run's prompt + output streams), deliberately wrong at every
     `wrong_every`-th token position of a sequence, so that verification both keeps and rejects
     drafts: outputs must not change either way (speculation's contract), and the share kept sets
-    how much a step yields (an oracle drafter at a chosen acceptance rate). It reads the host's tokens,
-    so speculative steps are read back at once."""
+    how much a step yields (an oracle drafter at a chosen acceptance rate)."""
 
     on_device = False
 
@@ -98,7 +97,7 @@ class ReferenceDrafter:
         return None  # no confidence: throughput-aware verification goes by the rates it observes
 
     def propose(self, seq: Sequence, limit: int) -> list[int]:
-        token_ids = seq.token_ids
+        token_ids = seq.known_token_ids
         for stream in self.streams:
             if stream[:len(token_ids)] == token_ids:
                 drafts = stream[len(token_ids):len(token_ids) + limit]

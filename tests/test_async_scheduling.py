@@ -8,9 +8,10 @@ t's tokens are read, with placeholders for them resolved on the device.
   step; every cache block is free at the end;
 - Engram tables in host memory need the tokens on the host, so those engines run synchronously (and
   record that they did);
-- a device drafter's speculative steps are queued behind each other, the next step verifying drafts
-  still on the device at positions the device moves on by the drafts kept: plain decoding's bits with
-  drafts that hold (MTP; DSpark with Engram), under both verify policies.
+- speculative steps are queued behind each other, the next step verifying drafts still on the device
+  (a device drafter's, or prompt lookup's past the tokens the step in flight kept) at positions the
+  device moves on by the drafts kept: plain decoding's bits with drafts that hold (MTP; DSpark and
+  prompt lookup with Engram), under both verify policies.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from hypothesis import strategies as st
 from deepinfer import LLM, EngineConfig, RequestOutput, SamplingParams
 from deepinfer.engine.config import add_engine_flags, config_from_flags
 from deepinfer.errors import DeepInferError
-from deepinfer.harness.invariance import ReferenceDrafts
+from deepinfer.harness.invariance import ReferenceDrafter, ReferenceDrafts
 
 SYNC = EngineConfig(max_model_len=128, async_scheduling=False)
 TIMING = {f.name for f in dataclasses.fields(RequestOutput) if not f.compare}  # timing, not output
@@ -209,15 +210,19 @@ def test_a_step_that_fails_to_run_is_redone_by_the_next(tiny, async_scheduling):
 
 
 def reference_drafting(llm: LLM, streams: dict[int, list[int]], wrong_every: int) -> list[int]:
-    """Make `llm`'s device drafter draft from `streams` (by request seed, `ReferenceDrafts`); the list it
-    returns counts, as steps run, the drafts kept by the step in flight when the next one was queued
-    (each such step laid out its chunks at positions the device moved on)."""
-    llm.runner.drafts = ReferenceDrafts(llm.runner.drafts, streams, wrong_every, llm.runner.device)
+    """Make `llm`'s drafter draft from `streams` (by request seed): its device drafter
+    (`ReferenceDrafts`), or for prompt lookup a host one (`ReferenceDrafter`). The list it returns
+    counts, as steps run, the drafts kept by the step in flight when the next one was queued (each such
+    step laid out its chunks at positions the device moved on)."""
+    if llm.runner.drafts is not None:
+        llm.runner.drafts = ReferenceDrafts(llm.runner.drafts, streams, wrong_every, llm.runner.device)
+    else:
+        llm.scheduler.drafter = ReferenceDrafter(list(streams.values()), wrong_every)
     shifted = []
     execute = llm.runner.execute
 
     def counting(scheduled, in_flight=None):
-        if in_flight is not None and in_flight.drafts is not None:
+        if in_flight is not None:
             shifted.append(int((in_flight.num_accepted - 1).sum()))
         return execute(scheduled, in_flight)
 
@@ -225,7 +230,7 @@ def reference_drafting(llm: LLM, streams: dict[int, list[int]], wrong_every: int
     return shifted
 
 
-SPECULATION_PRESETS = [("tiny", "mtp"), ("v41-tiny", "dspark")]
+SPECULATION_PRESETS = [("tiny", "mtp"), ("v41-tiny", "dspark"), ("v41-tiny", "ngram")]
 
 
 def queued_speculation(model: LLM, speculation: str, **settings) -> LLM:
@@ -255,8 +260,8 @@ def queued_speculation(model: LLM, speculation: str, **settings) -> LLM:
 @pytest.mark.parametrize("policy", ["fixed", "throughput"])
 def test_speculative_steps_queued_behind_each_other_decode_as_plain_steps(tiny, v41_tiny, preset, speculation,
                                                                           policy):
-    """A device drafter's drafts are verified by the step queued behind the one that made them, at
-    positions the device moves on by the drafts kept (for V4.1 with Engram's lookback too), in a cache
+    """Drafts are verified by the step queued behind the one whose tokens they follow, at positions the
+    device moves on by the drafts kept (for V4.1 with Engram's lookback too), in a cache
     small enough to preempt sequences with drafts in flight: plain decoding's bits."""
     model = (tiny if preset == "tiny" else v41_tiny).with_engine(dataclasses.replace(SYNC, block_size=4))
     spec = queued_speculation(model, speculation, verify_policy=policy, num_cache_blocks=24,

@@ -37,7 +37,7 @@ class Recording(DeviceDrafter):
     the device drafts after them start past the chunk's first drawn token."""
 
     def __init__(self, streams: list[list[int]] | None = None, wrong_every: int = 3) -> None:
-        self.on_device = streams is None  # proposing the streams reads the host's tokens
+        self.on_device = streams is None  # proposing the streams makes it a host drafter
         self.seen: list[tuple[list[int], list[int]]] = []
         self.streams, self.wrong_every, self.proposals = streams, wrong_every, 0
 
@@ -51,7 +51,7 @@ class Recording(DeviceDrafter):
     def propose(self, seq: Sequence, limit: int) -> list[int] | None:
         if self.streams is None:
             return super().propose(seq, limit)
-        length = len(seq.token_ids)
+        length = len(seq.known_token_ids)
         stream = next(s for s in self.streams if s[:len(seq.prompt_token_ids)] == seq.prompt_token_ids)
         self.proposals += 1
         drafts = stream[length:length + limit]

@@ -87,30 +87,40 @@ def test_held_drafts_cut_by_stop_rules_budget_and_preemption(tiny_checkpoint) ->
             assert spec.scheduler.num_preemptions > 0
 
 
-def test_perfect_drafts_take_fewer_steps(tiny_checkpoint) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_perfect_drafts_take_fewer_steps(tiny_checkpoint, async_scheduling: bool) -> None:
+    """Synchronously, or queued behind the step in flight (drafted past the tokens it may keep)."""
     llm = LLM(tiny_checkpoint)
     prompt = _requests(1)[0].prompt
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     stream = prompt + llm.generate([prompt], params)[0].token_ids
-    spec = _speculating(llm, draft_tokens=5)
+    spec = _speculating(llm, draft_tokens=5, async_scheduling=async_scheduling)
     spec.scheduler.drafter = ReferenceDrafter([stream], wrong_every=10**9)
     spec.add_request(prompt, params)
     steps = 0
+    execute = spec.runner.execute
+
+    def counting(scheduled, in_flight=None):
+        nonlocal steps
+        steps += 1
+        return execute(scheduled, in_flight)
+
+    spec.runner.execute = counting
     while spec.has_unfinished():
         spec.step()
-        steps += 1
     # the prompt's step draws token 1; then 6, 6, 6 tokens (5 drafts held + 1), then 5: max_tokens
     # leaves room for 4 drafts only
     assert steps == 1 + 4
     assert spec.scheduler.num_draft_kept == spec.scheduler.num_drafted == 5 * 3 + 4
 
 
-def test_ngram_speculation_keeps_outputs_and_turns_async_scheduling_off(tiny_checkpoint) -> None:
+def test_ngram_speculation_keeps_outputs_under_async_scheduling(tiny_checkpoint) -> None:
     """Prompt lookup on the standard requests (long random prompts: a generated token has often
-    been seen before, so drafts are made, and nearly all are rejected)."""
+    been seen before, so drafts are made, and nearly all are rejected), its steps queued behind each
+    other (every fourth request is structured: those steps are read back at once)."""
     llm = LLM(tiny_checkpoint)
     spec = _speculating(llm)
-    assert spec.engine_config.async_scheduling is False and llm.engine_config.async_scheduling is True
+    assert spec.engine_config.async_scheduling is True
     requests = _requests(8)
     assert _run(spec, requests)[0] == _run(llm, requests)[0]
     assert spec.scheduler.num_drafted > 0

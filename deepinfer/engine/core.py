@@ -3,8 +3,8 @@
 A step is `Scheduler.schedule()`, `ModelRunner.execute()`, then `Scheduler.update()` (the scheduler
 owns every change to a queued sequence). With async scheduling the update of a step comes after the
 next step is queued, so the host schedules and prepares step t + 1 while the device runs step t; a
-step whose drafts the host must make (`SchedulerOutput.synchronous`: prompt lookup, structured
-constraints) is read back at once, since the next step's drafts follow the tokens it keeps.
+speculative step with a structured constraint (`SchedulerOutput.synchronous`) is read back at once,
+since the constraint cuts the next step's drafts from the tokens it keeps.
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ class PromptTooLongError(RequestError):
 
 class EngineCore:
     """An engine over `host`'s model, run as `config` says; it resolves the config (`max_model_len`
-    and `weight_storage` filled in, `async_scheduling` off where the Engram tables are in host memory,
-    every step drafts on the host (prompt lookup under the fixed verify policy) or the expert exchange
-    has a fixed capacity, CUDA graphs off where ranks step in lockstep) and keeps it as `engine_config`."""
+    and `weight_storage` filled in, `async_scheduling` off where the Engram tables are in host memory
+    or the expert exchange has a fixed capacity, CUDA graphs off where ranks step in lockstep) and
+    keeps it as `engine_config`."""
 
     def __init__(self, host: ModelHost, config: EngineConfig) -> None:
         self.host = host
@@ -56,9 +56,6 @@ class EngineCore:
         if host.model.engram_tokens is not None and host.model.engram_on_host:
             # the step's Engram rows are gathered on the host from its tokens: no step can be queued
             # before the tokens of the one before are read
-            config = replace(config, async_scheduling=False)
-        if config.speculation == "ngram" and config.verify_policy == "fixed":
-            # prompt lookup follows a sequence's last token, which must be known: every step is read back
             config = replace(config, async_scheduling=False)
         if config.expert_capacity is not None:
             # a step that overflows the exchange runs again before its results apply: none may be queued behind it

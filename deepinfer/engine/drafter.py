@@ -21,12 +21,14 @@ DEVICE_SPECULATION = ("dspark", "mtp")  # drafted on the device by the checkpoin
 
 
 class Drafter(Protocol):
-    on_device: bool  # its drafts are made on the device, where a step queued behind can take them
+    on_device: bool  # its drafts are made on the device by a pass after each step (`draft_runner`)
 
     def propose(self, seq: Sequence, limit: int) -> list[int] | None:
-        """At most `limit` tokens to follow `seq.token_ids` (every one known: no placeholders); None
-        when the drafter had no chance to draft there (a device drafter that did not run after the
-        sequence's last step), where [] means it looked and had nothing. A drafter may keep what it
+        """At most `limit` tokens to follow `seq.known_token_ids` (a step in flight may yield tokens
+        after them: the scheduler asks a host drafter for that many more and the device picks the
+        drafts that follow what the step kept); None when the drafter had no chance to draft there (a
+        device drafter that did not run after the sequence's last step), where [] means it looked and
+        had nothing. A drafter may keep what it
         learns of a sequence in `seq.draft_state`, which nothing else touches."""
 
     def survivals(self, seq: Sequence) -> list[float] | None:
@@ -64,7 +66,7 @@ class NgramDrafter:
         return None  # a lookup has no confidence of its own
 
     def propose(self, seq: Sequence, limit: int) -> list[int]:
-        ids = seq.token_ids
+        ids = seq.known_token_ids
         index = seq.draft_state
         if not isinstance(index, NgramIndex) or index.length > len(ids):  # a stopped sequence can shrink
             index = seq.draft_state = NgramIndex(self.max_ngram)

@@ -126,17 +126,12 @@ class RunnerOutput:
     clock: StepClock | None = field(default=None, repr=False)
     download: Download | None = field(default=None, repr=False)
 
-    def ahead(self, verifying: bool = False) -> torch.Tensor:
+    def ahead(self, drafts: torch.Tensor | None) -> torch.Tensor:
         """[S, 3, C] per output row, what placeholders of this step stand for (`resolved`), by kind: its
-        last kept token (LAST), the tokens it drew (DRAWN) and its drafter's drafts (DRAFTED; none without
-        a drafter), each kind's columns zero-padded to C; with `verifying`, the drafts past those the
-        drafter would verify are -1, which no draw equals."""
+        last kept token (LAST), the tokens it drew (DRAWN) and the drafts to follow it (DRAFTED: `drafts`
+        [S, B], `ModelRunner.execute` says whose), each kind's columns zero-padded to C."""
         last = self.token_ids.gather(1, (self.num_accepted - 1).unsqueeze(1))
-        drafts = self.token_ids[:, :0] if self.drafts is None else self.drafts
-        if verifying and self.drafts is not None:
-            made = torch.arange(drafts.shape[1], device=drafts.device) < self.num_drafts.unsqueeze(1)
-            drafts = torch.where(made, drafts, -1)
-        kinds = (last, self.token_ids, drafts)
+        kinds = (last, self.token_ids, self.token_ids[:, :0] if drafts is None else drafts)
         width = max(kind.shape[1] for kind in kinds)
         return torch.stack([torch.nn.functional.pad(kind, (0, width - kind.shape[1])) for kind in kinds], dim=1)
 
@@ -232,12 +227,13 @@ class ModelRunner:
         if any(chunk.resolves_input for chunk in chunks):
             if in_flight is None:
                 raise RuntimeError("a step takes placeholder tokens as input but no step is in flight")
-            ahead = in_flight.ahead()
+            verified = self._drafts_ahead(in_flight, rows)
+            ahead = in_flight.ahead(None if verified is None else verified.clamp(min=0))
             self._resolve_placeholders(batch, ahead)
             if drafting:
                 rows["next_ids"] = resolved(rows["next_ids"], ahead)
-            if any(chunk.num_draft for chunk in chunks):  # drafts still on the device verify as the drafter made them
-                rows["drafts"] = resolved(rows["drafts"], in_flight.ahead(verifying=True), first=FIRST_DRAFT)
+            if verified is not None:  # drafts still on the device verify as made, -1 where none was
+                rows["drafts"] = resolved(rows["drafts"], in_flight.ahead(verified), first=FIRST_DRAFT)
         if "follows" in rows:
             self._move_on(batch, rows, params, in_flight.num_accepted - 1)
         streams_at: dict[int, torch.Tensor] = {}
@@ -324,6 +320,31 @@ class ModelRunner:
                 self.compressed_ids = self.model.engram_tokens.compressed.to(self.device)
             batch.engram_ids = resolved(batch.engram_ids, ahead, self.compressed_ids)
             batch.engram_lookback = resolved(batch.engram_lookback, ahead, self.compressed_ids)
+
+    @staticmethod
+    def _drafts_ahead(in_flight: RunnerOutput, rows: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """[S, B] per row of the step in flight, the drafts this step's draft placeholders stand for, -1
+        where there is none to verify: its device drafter's, up to the number it would verify, or a host
+        drafter's candidates (`rows["candidates"]` [C, W], for the rows `rows["candidate_rows"]` [C]) past
+        the tokens the row kept, where the candidates before them predicted those. None when it has none."""
+        if "candidates" in rows:
+            candidates, follows = rows["candidates"], rows["candidate_rows"]
+            kept, drawn = in_flight.num_accepted[follows], in_flight.token_ids[follows]
+            width = candidates.shape[1]
+            columns = torch.arange(drawn.shape[1], device=drawn.device)
+            predicted = candidates.gather(1, columns.clamp(max=width - 1).expand_as(drawn))
+            predicted = torch.where(columns < width, predicted, -1)
+            held = ((predicted == drawn) | (columns >= kept.unsqueeze(1))).all(dim=1)
+            index = kept.unsqueeze(1) + torch.arange(width, device=drawn.device)
+            picked = candidates.gather(1, index.clamp(max=width - 1))
+            picked = torch.where(held.unsqueeze(1) & (index < width), picked, -1)
+            drafts = torch.full((in_flight.token_ids.shape[0], width), -1, dtype=torch.long, device=drawn.device)
+            return drafts.index_copy(0, follows, picked)
+        if in_flight.drafts is None:
+            return None
+        drafts = in_flight.drafts
+        made = torch.arange(drafts.shape[1], device=drafts.device) < in_flight.num_drafts.unsqueeze(1)
+        return torch.where(made, drafts, -1)
 
     def _move_on(self, batch: StepBatch, rows: dict[str, torch.Tensor], params: SamplingBatch,
                  kept: torch.Tensor) -> None:
@@ -441,6 +462,12 @@ class ModelRunner:
                  ("sample_chunks", sample_chunks), ("draws_at", draws_at))}
         if self.drafts is not None:
             rows["next_ids"] = torch.tensor(next_ids + padding, dtype=torch.long)
+        looked_up = [chunk for chunk in chunks if chunk.candidates is not None]
+        if looked_up:
+            longest = max(len(chunk.candidates) for chunk in looked_up)
+            rows["candidates"] = torch.tensor([chunk.candidates + [-1] * (longest - len(chunk.candidates))
+                                               for chunk in looked_up], dtype=torch.long)
+            rows["candidate_rows"] = torch.tensor([chunk.follows for chunk in looked_up], dtype=torch.long)
         if chunk_follows:
             rows["follows"] = torch.tensor(follows + [-1] * len(padding), dtype=torch.long)
             rows["chunk_follows"] = torch.tensor(chunk_follows + [-1] * (seq_rows - len(chunks)), dtype=torch.long)

@@ -40,11 +40,13 @@ Under async scheduling a speculative step (`SchedulerOutput.speculative`: it ver
 device drafter runs after it) is queued behind the one before as a plain step is, when its drafts are
 made on the device: a sequence's next chunk is its in-flight row's last kept token (`placeholder(row)`)
 followed by that row's drafts (`placeholder(row, DRAFTED, j)`), laid out at the positions the host
-knows, which the runner moves on by the drafts the row kept, on the device. The host reserves cache
-room for every draft in flight (`Sequence.num_unsettled`) and checks lengths against the furthest the
-sequence may have gone; `update` of the step before then shifts the queued chunk to where its tokens
-landed. A step is read back at once (`SchedulerOutput.synchronous`) where its drafts need the host:
-prompt lookup reads the tokens, and a structured constraint cuts drafts and builds masks from them.
+knows, which the runner moves on by the drafts the row kept, on the device. A host drafter (prompt
+lookup) drafts from the tokens the host knows, as many more as the row may yield (`candidates`), and
+the device takes the ones past what the row kept, if the row kept what they predicted. The host
+reserves cache room for every draft in flight (`Sequence.num_unsettled`) and checks lengths against
+the furthest the sequence may have gone; `update` of the step before then shifts the queued chunk to
+where its tokens landed. A speculative step with a structured constraint is read back at once
+(`SchedulerOutput.synchronous`): the constraint cuts drafts and builds masks from the tokens.
 Under `verify_policy="throughput"` a step speculates only while drafts are expected to pay
 (`deepinfer.engine.verify_plan`), and the others are plain steps.
 
@@ -79,7 +81,9 @@ class ScheduledChunk:
     sequence's last token, so the step draws token `draws_at`; `draft_ids`: draft tokens run after
     the sequence's last token (they are the chunk's last inputs, counted in `num_tokens`), so the
     step also draws the tokens after each of them; `confidences`: a model drafter's confidence in each
-    draft, where throughput-aware verification weighed them (what `HeadLevels` learn from)."""
+    draft, where throughput-aware verification weighed them (what `HeadLevels` learn from);
+    `candidates`: a host drafter's tokens to follow the sequence's known tokens, when its last token is
+    still in flight (its drafts are then placeholders, for the candidates past what that step kept)."""
 
     seq: Sequence
     start: int
@@ -88,6 +92,7 @@ class ScheduledChunk:
     samples: bool = False
     draft_ids: list[int] = field(default_factory=list)
     confidences: list[float] | None = None
+    candidates: list[int] | None = None
 
     @property
     def end(self) -> int:
@@ -226,10 +231,10 @@ class Scheduler:
             n = self._chunk_len(seq, budget)
             if n == 0:
                 continue
-            drafts = self._drafts(seq, n, budget)
-            if drafts is not None:
+            proposed = self._drafts(seq, n, budget)
+            if proposed is not None:
                 proposals.append(seq)
-            drafts = drafts or []
+            drafts, candidates = proposed or ([], None)
             end = seq.num_computed + seq.num_unsettled + n  # as far as its rows may reach
             if not self._fits(seq.blocks, end + len(drafts)):
                 drafts = []  # drafts never cost another sequence its blocks
@@ -241,6 +246,7 @@ class Scheduler:
                 continue
             self.cache.grow(seq.blocks, end + len(drafts))
             chunks.append(self._chunk(seq, seq.num_computed, n, drafts))
+            chunks[-1].candidates = candidates if drafts else None
             budget -= n + len(drafts)
         if self.step_cost is not None:
             budget += self._plan_verification(chunks)
@@ -274,13 +280,10 @@ class Scheduler:
         speculative = self._speculates(chunks)
         self.num_speculating_steps += speculative
         self.latest_before = self.latest
-        self.latest = SchedulerOutput(chunks, speculative, speculative and not self._drafts_on_device(chunks))
+        # a constraint cuts drafts on the host, from the tokens before them
+        constrained = any(chunk.seq.grammar is not None for chunk in chunks if chunk.samples)
+        self.latest = SchedulerOutput(chunks, speculative, speculative and constrained)
         return self.latest
-
-    def _drafts_on_device(self, chunks: list[ScheduledChunk]) -> bool:
-        """Whether the next step can take this one's drafts on the device: they are made there, and no
-        sampling chunk has a structured constraint (which cuts drafts on the host)."""
-        return self.drafter.on_device and all(chunk.seq.grammar is None for chunk in chunks if chunk.samples)
 
     @staticmethod
     def _furthest(seq: Sequence) -> int:
@@ -425,31 +428,40 @@ class Scheduler:
         return ScheduledChunk(seq, start, n + len(drafts), scored_positions(seq, start, end),
                               samples=end == len(seq.token_ids), draft_ids=drafts)
 
-    def _drafts(self, seq: Sequence, n: int, budget: int) -> list[int] | None:
+    def _drafts(self, seq: Sequence, n: int, budget: int) -> tuple[list[int], list[int] | None] | None:
         """Draft tokens for a decoding sequence (its one uncomputed token known): as many as the
         drafter proposes up to `draft_tokens`, the step's budget, and the tokens the sequence may
         still have (a draft past max_tokens or the context would be computed for nothing), cut before
         the first one its structured constraint forbids (it could not be kept). A sequence whose last
-        token is still in flight takes the drafts the device drafted after it, as placeholders, where a
-        device drafter ran after that step. None where the drafter had no chance to draft (see
+        token is still in flight (and has no constraint) takes placeholders: for the drafts a device
+        drafter made after it, where one ran after that step, or for a host drafter's `candidates` past
+        the tokens that step keeps. Returns the drafts and those candidates (None where the drafts
+        are not placeholders for them), or None where the drafter had no chance to draft (see
         `Drafter.propose`)."""
         if self.drafter is None or n != 1 or seq.num_uncomputed != 1:
             return None
         last = seq.token_ids[-1]
-        if is_placeholder(last) and not (self.drafter.on_device and self.latest.speculative):
+        if is_placeholder(last) and (seq.grammar is not None or self.drafter.on_device and not self.latest.speculative):
             return None
         limit = 0
         while limit < min(self.draft_tokens, budget - 1) and not self.rules.full(seq, self._furthest(seq) + limit + 1):
             limit += 1
         if not limit:
             return None
+        candidates = None
+        if is_placeholder(last) and not self.drafter.on_device:
+            # the in-flight step yields 1 to num_unsettled + 1 tokens: draft past the most it may keep
+            candidates = self.drafter.propose(seq, seq.num_unsettled + 1 + limit)
+            if candidates is None:
+                return None
+            limit = min(limit, len(candidates) - 1)
         if is_placeholder(last):
-            return [placeholder(placeholder_row(last), DRAFTED, j) for j in range(limit)]
+            return [placeholder(placeholder_row(last), DRAFTED, j) for j in range(limit)], candidates
         drafts = self.drafter.propose(seq, limit)
         if drafts is None:
             return None
         drafts = drafts[:limit]
-        return drafts[:seq.grammar.allows(drafts)] if seq.grammar is not None else drafts
+        return (drafts[:seq.grammar.allows(drafts)] if seq.grammar is not None else drafts), None
 
     @staticmethod
     def _commit(chunks: list[ScheduledChunk]) -> None:
@@ -528,9 +540,8 @@ class Scheduler:
                 if result.drafts is not None and seq.status is Status.RUNNING:
                     self.drafter.observe(seq, chunk.draws_at + len(result.tokens[row]), result.drafts[row],
                                          result.draft_survivals[row])
-                    if following is not None and following.num_draft and is_placeholder(following.draft_ids[0]):
-                        made = result.drafts[row][:following.num_draft]
-                        following.draft_ids = made + [-1] * (following.num_draft - len(made))
+                if seq.status is Status.RUNNING and following is not None and following.num_draft:
+                    following.draft_ids = self._placed_drafts(following, result, row)
             if seq.status is Status.FINISHED:
                 (self.running if seq in self.running else self.waiting).remove(seq)
                 self._offer_prefix(seq)
@@ -540,6 +551,22 @@ class Scheduler:
                 self._offer_prefix(seq)
                 self.cache.release_behind(seq.blocks, seq.num_computed)
         return finished
+
+    @staticmethod
+    def _placed_drafts(following: ScheduledChunk, result: StepResult, row: int) -> list[int]:
+        """The drafts the device put in for `following`'s draft placeholders once the step before it
+        (this `result`, its sequence in output `row`) kept what it kept: its drafter's, or `following`'s
+        candidates past the tokens kept if those predicted them; -1 where it put in none (those never
+        hold). A chunk whose drafts the host made keeps them."""
+        if not is_placeholder(following.draft_ids[0]):
+            return following.draft_ids
+        if following.candidates is None:
+            made = result.drafts[row]
+        else:
+            drawn, candidates = result.tokens[row], following.candidates
+            made = candidates[len(drawn):] if candidates[:len(drawn)] == drawn else []
+        made = made[:following.num_draft]
+        return made + [-1] * (following.num_draft - len(made))
 
     def _resolve(self, seq: Sequence, chunk: ScheduledChunk, result: StepResult, row: int, now: float,
                  following: ScheduledChunk | None) -> None:

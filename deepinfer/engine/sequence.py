@@ -90,6 +90,11 @@ class Sequence:
         return self.token_ids[len(self.prompt_token_ids):]
 
     @property
+    def known_token_ids(self) -> list[int]:
+        """The tokens the host knows: all but a placeholder at the end (the step in flight's)."""
+        return self.token_ids[:-1] if self.token_ids and is_placeholder(self.token_ids[-1]) else self.token_ids
+
+    @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
 

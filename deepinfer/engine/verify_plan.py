@@ -4,11 +4,11 @@ verifies.
 A draft is worth its row only if it is likely to hold and the row costs little: verifying j drafts of a
 sequence yields, in expectation, 1 + a_1 + ... + a_j tokens, where a_j (its survival) is the chance that
 drafts 1..j all hold, and the step takes longer the more rows it has. Speculating also costs a step of
-its own kind: one that verifies drafts runs the drafter after it and is read back before the next is
-scheduled (the next drafts follow the tokens it keeps), while a plain step (no drafts, no drafter) runs
-under async scheduling, its host work hidden behind the device's. `plan_verify` picks the lengths by
-greedy global admission over every sequence's drafts (most likely first, which keeps each sequence's
-admitted drafts a prefix of its own), stopping at the count that maximises expected tokens per second,
+its own kind: one that verifies drafts has more rows and may run a drafter after it (and with a
+structured request is read back before the next step is scheduled), while a plain step has neither.
+`plan_verify` picks the lengths by greedy global admission over every sequence's drafts (most likely
+first, which keeps each sequence's admitted drafts a prefix of its own), stopping at the count that
+maximises expected tokens per second,
 against a plain step's tokens per second: admitting none means the step runs plain. `StepCost` holds the
 two time curves it reads (rows in a step -> seconds: recent steps' median per row bucket, linear between
 buckets), `HoldRates` a sequence's survivals, learnt from its own verifications (the chance that each
