@@ -269,6 +269,29 @@ def test_speculative_steps_queued_behind_each_other_decode_as_plain_steps(tiny, 
     assert spec.scheduler.num_preemptions > 0
 
 
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(requests=st.lists(request, min_size=1, max_size=5), budget=st.sampled_from([6, 24, 256]),
+       blocks=st.sampled_from([None, 20]), draft_tokens=st.integers(1, 4), wrong_every=st.sampled_from([2, 3, 5]),
+       speculation=st.sampled_from(["mtp", "ngram"]), policy=st.sampled_from(["fixed", "throughput"]))
+def test_queued_speculation_keeps_the_synchronous_outputs(tiny, requests, budget, blocks, draft_tokens, wrong_every,
+                                                          speculation, policy):
+    """Any mix of requests, stops, budgets that cut drafts and caches that preempt: speculative steps
+    queued behind each other, their drafts holding where known continuations say, give the outputs
+    of synchronous plain decoding."""
+    config = dataclasses.replace(SYNC, max_num_batched_tokens=budget, block_size=4, num_cache_blocks=blocks)
+    plain = tiny.with_engine(config)
+    prompts = [r["prompt"] for r in requests]
+    params = [SamplingParams(seed=100 + i, **{k: v for k, v in r.items() if k != "prompt"})
+              for i, r in enumerate(requests)]
+    reference = plain.generate(prompts, params)
+    want = outcome(plain, prompts, params)
+    spec = tiny.with_engine(dataclasses.replace(config, speculation=speculation, draft_tokens=draft_tokens,
+                                                verify_policy=policy, async_scheduling=True))
+    reference_drafting(spec, {p.seed: prompt + out.token_ids for p, prompt, out in zip(params, prompts, reference)},
+                       wrong_every)
+    assert outcome(spec, prompts, params) == want
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("preset, speculation", SPECULATION_PRESETS)
 def test_cuda_speculative_steps_queued_from_graphs_decode_as_plain_steps(preset, speculation):
