@@ -2,9 +2,9 @@
 (or of our own small kernels) does in several, and gives the same bits as that chain on the GPU.
 
 A decode step is hundreds of tiny launches (rotary, the hyper-connection mixing around every block,
-SwiGLU, the MoE combine); each costs a few microseconds of GPU time whatever its size. The kernels
-here replace them, one program per row (or per row and column block), so a row's bits never depend
-on the batch. How the bits stay those of the unfused ops:
+SwiGLU, the MoE combine, the caches' quantize-dequantize); each costs a few microseconds of GPU time
+whatever its size. The kernels here replace them, one program per row (or per row and column block),
+so a row's bits never depend on the batch. How the bits stay those of the unfused ops:
 
 - every elementwise step is the same IEEE fp32 operation, in the same order, rounded to the same
   dtype at the same points as the PyTorch op chain does (a bf16 op computes in fp32 and rounds its
@@ -15,7 +15,10 @@ on the batch. How the bits stay those of the unfused ops:
   `exp`, `cos`, `sin` and `div_rn`, the same functions (the GPU tests compare them with torch's bit for
   bit);
 - sums keep the reference's order: the collapse's fixed tree (`invariant.ordered_sum`), the MoE
-  combine's rank order (`fast.combine_ranks`), Sinkhorn's tile code shared with `sinkhorn`.
+  combine's rank order (`fast.combine_ranks`), Sinkhorn's tile code shared with `sinkhorn`;
+- the cache formats' roundings are done on the bits: E4M3 ties to even by adding the dropped bits'
+  half less one plus the kept lowest bit (below 2^-6, adding 2^14 rounds to the 2^-9 grid), E2M1 by
+  counting the midpoints passed; every division is by a power of two or `div_rn`.
 
 `mix_streams` (comb^T @ streams with K = hc_mult) is defined here rather than by a library matmul:
 the comb entries rounded to the streams' dtype, products summed over the source streams in order in
@@ -355,6 +358,116 @@ def weighted_combine(slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor
     return out
 
 
+# cache quantize-dequantize ---------------------------------------------------------------------
+
+QDQ_BLOCK = 128  # channels per cache-QDQ program: whole groups of every format (16 and 32 divide it)
+QDQ_FORMATS = {"fp8_ue8m0": 32, "mxfp4": 32, "nvfp4": 16}  # format -> the reference's default group
+
+
+@triton.jit
+def _not_below(x, floor):
+    """torch.clamp_min(x, floor): NaN stays NaN."""
+    return tl.where(x != x, x, tl.maximum(x, floor))
+
+
+@triton.jit
+def _within(x, bound):
+    """torch.clamp(x, -bound, bound): NaN stays NaN, infinities saturate."""
+    return tl.where(x != x, x, tl.minimum(tl.maximum(x, -bound), bound))
+
+
+@triton.jit
+def _pow2_at_or_above(x):
+    """`quant._pow2_at_or_above`: the mantissa carried into the exponent, then dropped (NaN -> -0.0)."""
+    magnitude = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return ((magnitude + 0x7FFFFF) & -0x800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_round(x):
+    """x (fp32, |x| <= 448 or NaN) rounded to the nearest E4M3 number, ties to even, as an fp32 value:
+    3 mantissa bits from 2^-6 up (the dropped bits added with the kept lowest bit, then cut), the 2^-9
+    grid of E4M3's subnormals below (adding 2^14, whose ulp is 2^-9, rounds there). Zeros and NaN keep
+    their bits."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = bits & -0x80000000
+    magnitude = (bits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    normal = ((bits & 0x7FFFFFFF) + 0x7FFFF + ((bits >> 20) & 1)) & 0x7FF00000
+    tiny = ((magnitude + 16384.0) - 16384.0).to(tl.int32, bitcast=True)
+    rounded = tl.where(magnitude >= 0.015625, normal, tiny)
+    return tl.where(x != x, x, (rounded | sign).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _e2m1_round(x, scale):
+    """`quant._e2m1_round`: x / scale clamped to +-6, rounded to the nearest E2M1 magnitude (ties to
+    the even code; NaN beyond every midpoint: 6), its sign copied back, times scale."""
+    scaled = _within(tl.math.div_rn(x, scale), 6.0)
+    magnitude = tl.abs(scaled)
+    code = ((magnitude > 0.25).to(tl.int32) + (magnitude >= 0.75).to(tl.int32) + (magnitude > 1.25).to(tl.int32)
+            + (magnitude >= 1.75).to(tl.int32) + (magnitude > 2.5).to(tl.int32) + (magnitude >= 3.5).to(tl.int32)
+            + (magnitude > 5.0).to(tl.int32))
+    code = tl.where(magnitude != magnitude, 7, code)
+    exponent, mantissa = code >> 1, code & 1
+    quarters = tl.where(exponent == 0, 2 * mantissa, (2 + mantissa) << exponent)
+    value = quarters.to(tl.float32) * 0.25
+    signed = (value.to(tl.int32, bitcast=True) | (scaled.to(tl.int32, bitcast=True) & -0x80000000))
+    return signed.to(tl.float32, bitcast=True) * scale
+
+
+@triton.jit
+def _cache_qdq_kernel(x_ptr, out_ptr, width, x_stride, FORMAT: tl.constexpr, GROUP: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """Program (row, channel block): each group of GROUP channels quantized and dequantized as
+    `quant.<FORMAT>_qdq` does, channels past the row's end read as the reference's zero padding."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < width
+    x = tl.load(x_ptr + row * x_stride + cols, mask=ok, other=0.0).to(tl.float32)
+    groups = tl.reshape(x, (BLOCK // GROUP, GROUP))
+    magnitudes = tl.abs(groups)
+    has_nan = tl.max((magnitudes != magnitudes).to(tl.int32), axis=1)
+    amax = tl.where(has_nan > 0, float("nan"), tl.max(magnitudes, axis=1))[:, None]
+    if FORMAT == "fp8_ue8m0":
+        scale = _pow2_at_or_above(_not_below(amax, 1e-4) * (1.0 / 448.0))
+        out = _e4m3_round(_within(tl.math.div_rn(groups, scale), 448.0)) * scale
+    elif FORMAT == "mxfp4":
+        scale = _pow2_at_or_above(_not_below(amax, 6.0 * 2.0 ** -126) * (1.0 / 6.0))
+        out = _e2m1_round(groups, scale)
+    else:
+        scale = tl.math.div_rn(_not_below(amax, 6.0 * 2.0 ** -9), 6.0)
+        scale = _e4m3_round(tl.where(scale != scale, scale, tl.minimum(scale, 448.0)))
+        out = _e2m1_round(groups, scale)
+    tl.store(out_ptr + row * width + cols, tl.reshape(out, (BLOCK,)).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _cache_qdq(fmt: str, x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """`quant.<fmt>_qdq(x)` in one launch (its default group size only): x [..., D] -> x's shape and dtype."""
+    if group_size != QDQ_FORMATS[fmt]:
+        raise ValueError(f"{fmt}_qdq: the fused kernel groups {QDQ_FORMATS[fmt]} channels, got {group_size}")
+    width = x.shape[-1]
+    rows = x.reshape(-1, width)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if out.numel():
+        _fused(_cache_qdq_kernel, (rows.shape[0], triton.cdiv(width, QDQ_BLOCK)), rows, out, width, rows.stride(0),
+               FORMAT=fmt, GROUP=QDQ_FORMATS[fmt], BLOCK=QDQ_BLOCK)
+    return out.view(x.shape)
+
+
+def fp8_ue8m0_qdq(x: torch.Tensor, group_size: int = 32) -> torch.Tensor:
+    return _cache_qdq("fp8_ue8m0", x, group_size)
+
+
+def mxfp4_qdq(x: torch.Tensor, group_size: int = 32) -> torch.Tensor:
+    return _cache_qdq("mxfp4", x, group_size)
+
+
+def nvfp4_qdq(x: torch.Tensor, group_size: int = 16) -> torch.Tensor:
+    return _cache_qdq("nvfp4", x, group_size)
+
+
 OPS = {
     "rotary": rotary,
     "rotary_table": rotary_table,
@@ -364,4 +477,7 @@ OPS = {
     "mix_streams": mix_streams,
     "hyper_expand": hyper_expand,
     "clamped_swiglu": clamped_swiglu,
+    "fp8_ue8m0_qdq": fp8_ue8m0_qdq,
+    "mxfp4_qdq": mxfp4_qdq,
+    "nvfp4_qdq": nvfp4_qdq,
 }

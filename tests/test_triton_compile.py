@@ -91,6 +91,8 @@ kernels = {
                                           "gate_stride": "i32", "up_stride": "i32", "limit": "fp32"}, {"BLOCK": 256}),
     "combine": (f._combine_kernel, {"slots_ptr": bf16, "weights_ptr": fp32, "out_ptr": bf16, "H": "i32"},
                 {"TOP_K": 6, "BLOCK": 256}),
+    **{fmt: (f._cache_qdq_kernel, {"x_ptr": bf16, "out_ptr": bf16, "width": "i32", "x_stride": "i32"},
+             {"FORMAT": fmt, "GROUP": group, "BLOCK": f.QDQ_BLOCK}) for fmt, group in f.QDQ_FORMATS.items()},
 }
 for name, (fn, signature, constexprs) in kernels.items():
     contracted = {fusion: "fma.rn.f32" in compile_kernel(fn, signature, constexprs, enable_fp_fusion=fusion)
@@ -101,9 +103,9 @@ for name, (fn, signature, constexprs) in kernels.items():
 
 def test_fused_kernels_compile_for_hopper_without_contraction():
     """No fused multiply-add where the op chain rounds a product before adding (rotary, the collapse
-    and mixing sums, the combine); in rotary and the expansion the compiler does fuse them when allowed,
-    so the option is what keeps their bits. (The rotary table, coefficients and SwiGLU are left out:
-    libdevice's exp, cos and sin use FMAs by design.)"""
+    and mixing sums, the combine, the cache formats); in rotary and the expansion the compiler does fuse
+    them when allowed, so the option is what keeps their bits. (The rotary table, coefficients and
+    SwiGLU are left out: libdevice's exp, cos and sin use FMAs by design.)"""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     helper = COMPILE.split("results = []")[0]
     done = subprocess.run([sys.executable, "-c", FUSED], input=helper, capture_output=True, text=True, env=env,
@@ -111,6 +113,8 @@ def test_fused_kernels_compile_for_hopper_without_contraction():
     assert done.returncode == 0, done.stderr[-3000:]
     contracted = {name: (off == "True", on == "True") for name, off, on in
                   (line.split() for line in done.stdout.strip().splitlines())}
-    assert set(contracted) == {"rotary", "rotary_table", "coefficients", "collapse", "expand", "swiglu", "combine"}
-    assert not any(contracted[name][0] for name in ("rotary", "collapse", "expand", "combine")), contracted
+    formats = ("fp8_ue8m0", "mxfp4", "nvfp4")
+    assert set(contracted) == {"rotary", "rotary_table", "coefficients", "collapse", "expand", "swiglu", "combine",
+                               *formats}
+    assert not any(contracted[name][0] for name in ("rotary", "collapse", "expand", "combine", *formats)), contracted
     assert contracted["rotary"][1] and contracted["expand"][1], contracted

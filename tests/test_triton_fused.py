@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_triton_kernels import _assert_same_bits, _interpreter_patches, _randn  # noqa: F401  (fixture)
 
-from deepinfer.kernels import composite, fast, invariant, triton_fused
+from deepinfer.kernels import composite, fast, invariant, quant, triton_fused
 
 FEW = settings(max_examples=8, deadline=None)
 N = 4  # hc_mult of every V4 and V4.1 configuration
@@ -193,3 +193,58 @@ def test_empty_inputs_launch_nothing() -> None:
         (0, N), (0, N), (0, N, N)]
     combined = triton_fused.weighted_combine(_randn(0, 2, 8, seed=0, dtype=torch.bfloat16), _randn(0, 2, seed=0))
     assert combined.shape == (0, 8) and combined.dtype == torch.bfloat16
+
+
+# cache quantize-dequantize --------------------------------------------------------------------------
+
+def _cache_values(rows: int, width: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """Activations spanning the formats' cases: magnitudes from 1e-9 to 1e4 (group scales at the
+    floors and far above them), exact zeros of both signs, and values on the E2M1 midpoints and
+    halfway between E4M3 numbers of their group's scale (ties)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=generator) * 10.0 ** torch.randint(-9, 5, (rows, 1), generator=generator)
+    pick = torch.rand(rows, width, generator=generator)
+    x = torch.where(pick < 0.05, torch.zeros(()), x)
+    x = torch.where((pick >= 0.05) & (pick < 0.08), -torch.zeros(()), x)
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 1.0625, 0.1171875, 17.0, 0.013671875 / 2])
+    spots = torch.randint(0, len(ties), (rows, width), generator=generator)
+    x = torch.where((pick >= 0.08) & (pick < 0.3), ties[spots] * torch.sign(torch.randn(rows, width, generator=generator)),
+                    x)
+    return x.to(dtype).to(DEVICE)
+
+
+def _assert_qdq_bits(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Bitwise, except that a NaN's sign and payload are the device's (quant's docstring)."""
+    nan = ref.isnan()
+    assert torch.equal(out.isnan(), nan)
+    _assert_same_bits(torch.where(nan, 0.0, out.float()).to(out.dtype), torch.where(nan, 0.0, ref.float()).to(ref.dtype))
+
+
+@pytest.mark.parametrize("fmt", ["fp8_ue8m0", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [16, 40, 128, 300])
+def test_cache_qdq_is_the_reference_bit_for_bit(fmt: str, dtype: torch.dtype, width: int) -> None:
+    """Whole groups and a short last one (zero-padded by the reference), several channel blocks."""
+    x = _cache_values(6, width, seed=width, dtype=dtype)
+    reference = getattr(quant, f"{fmt}_qdq")
+    _assert_same_bits(getattr(triton_fused, f"{fmt}_qdq")(x), reference(x))
+    strided = _cache_values(3, 2 * width, seed=width + 1, dtype=dtype)[:, ::2]
+    _assert_same_bits(getattr(triton_fused, f"{fmt}_qdq")(strided), reference(strided))
+
+
+SPECIALS = st.sampled_from([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 448.0, 2688.0, 1e-40, 3e38])
+
+
+@FEW
+@given(fmt=st.sampled_from(["fp8_ue8m0", "mxfp4", "nvfp4"]),
+       values=st.lists(st.one_of(st.floats(-1e5, 1e5, width=32), SPECIALS), min_size=1, max_size=70))
+def test_cache_qdq_follows_the_reference_on_any_values(fmt: str, values: list[float]) -> None:
+    """Infinities, NaNs, fp32 subnormals and values past every saturation: the reference's bits (a
+    NaN's sign and payload aside)."""
+    x = torch.tensor([values], dtype=torch.float32).to(DEVICE)
+    _assert_qdq_bits(getattr(triton_fused, f"{fmt}_qdq")(x), getattr(quant, f"{fmt}_qdq")(x))
+
+
+def test_cache_qdq_refuses_another_group_size() -> None:
+    with pytest.raises(ValueError, match="mxfp4_qdq: the fused kernel groups 32 channels, got 16"):
+        triton_fused.mxfp4_qdq(_randn(2, 64, seed=0), 16)

@@ -508,11 +508,16 @@ def test_sinkhorn_does_not_depend_on_batch(batch: tuple[int, int], seed: int) ->
 
 
 def test_every_registered_op_keeps_the_reference_signature() -> None:
-    """Each CUDA op takes what the op it replaces takes: the PyTorch primitive's parameters, or a
-    composite's (less the primitives `kernels.bind` supplies as keywords)."""
-    from deepinfer.kernels import composite
+    """Each CUDA op takes what the op it replaces takes: the PyTorch primitive's parameters, a cache
+    format's (with its defaults), or a composite's (less the primitives `kernels.bind` supplies as
+    keywords)."""
+    from deepinfer.kernels import composite, quant
 
     for name, fn in {**triton_ops.OPS, **triton_fused.OPS}.items():
-        reference = getattr(invariant, name, None) or getattr(composite, name)
-        expected = [p for p, spec in inspect.signature(reference).parameters.items() if spec.kind != spec.KEYWORD_ONLY]
-        assert list(inspect.signature(fn).parameters) == expected, name
+        reference = getattr(invariant, name, None) or getattr(quant, name, None) or getattr(composite, name)
+        expected = [(p, spec.default) for p, spec in inspect.signature(reference).parameters.items()
+                    if spec.kind != spec.KEYWORD_ONLY]
+        got = [(p, spec.default) for p, spec in inspect.signature(fn).parameters.items()]
+        assert [p for p, _ in got] == [p for p, _ in expected], name
+        if name.endswith("_qdq"):
+            assert got == expected, name
