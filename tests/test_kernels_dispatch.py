@@ -32,11 +32,15 @@ def test_composites_use_the_tables_own_primitives():
 
 def test_cuda_fast_table_reads_nothing_on_the_host():
     """On CUDA the fast table's matmuls and experts are `kernels/fast_cuda.py`'s (grouped GEMMs, and the
-    Triton kernels for stored weights), so fast steps are captured in CUDA graphs; the rest is PyTorch's."""
+    Triton kernels for stored weights), so fast steps are captured in CUDA graphs; its cache formats are
+    the invariant table's one-launch kernels (quant's bits); the rest is PyTorch's."""
     fast_cuda = pytest.importorskip("deepinfer.kernels.fast_cuda")
+    triton_fused = pytest.importorskip("deepinfer.kernels.triton_fused")
     cuda = kernels.bind("fast", "cuda")
     for name, op in fast_cuda.OPS.items():
         assert getattr(cuda, name) is op
+    for name in ("fp8_ue8m0_qdq", "mxfp4_qdq", "nvfp4_qdq"):
+        assert getattr(cuda, name) is triton_fused.OPS[name] is getattr(kernels.bind("batch_invariant", "cuda"), name)
     assert cuda.sink_attention is fast.sink_attention and cuda.weighted_combine is fast.weighted_combine
 
 
