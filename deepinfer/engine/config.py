@@ -80,7 +80,8 @@ class EngineConfig:
                                 "checkpoint's MTP block drafts draft_tokens tokens one after another); the model "
                                 "verifies a sequence's drafts in one step and keeps each only where it equals the "
                                 "token it samples there, so with batch_invariant numerics outputs are the same bits "
-                                "either way; a step that speculates is read back before the next is scheduled",
+                                "either way; under async scheduling speculative steps are queued behind each other (the next step "
+                                "takes their drafts on the device), except steps with a structured request",
                                 choices=SPECULATION)
     draft_tokens: int = _setting(5, f"with speculation: most draft tokens one sequence verifies per step (1 to "
                                     f"{MAX_DRAFT_TOKENS}; dspark: at most its block size)")

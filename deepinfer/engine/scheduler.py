@@ -305,8 +305,8 @@ class Scheduler:
         self.drafter_proposes.observe_step([(1, did) for did in drafted])
 
     def _speculates(self, chunks: list[ScheduledChunk]) -> bool:
-        """Whether the step is speculative: it verifies drafts (it must then be read back before the next
-        step is scheduled), or drafting pays."""
+        """Whether the step is speculative: it verifies drafts, or drafting pays (a device drafter then
+        runs after it)."""
         if self.drafter is None or not chunks:
             return False
         return any(chunk.num_draft for chunk in chunks) or self._drafting_pays(chunks)

@@ -197,10 +197,11 @@ class TimeCurve:
 
 @dataclass
 class StepCost:
-    """The curves a plan reads: `speculating`, the wall time of a step that verifies drafts and runs the
-    drafter after it, read back before the next step is scheduled (what `EngineCore.step` times); `plain`,
-    what a step without them costs (its forward and sampling on the device's clock when async scheduling
-    hides the host's work, else its wall time without the drafter's)."""
+    """The curves a plan reads: `speculating`, what a step that verifies drafts and may run the drafter
+    after it costs (its wall time where it is read back at once, as `EngineCore.step` times it; queued
+    behind another, its forward, sampling and drafter on the device's clock); `plain`, what a step
+    without them costs (its forward and sampling on the device's clock when async scheduling hides the
+    host's work, else its wall time without the drafter's)."""
 
     speculating: TimeCurve = field(default_factory=TimeCurve)
     plain: TimeCurve = field(default_factory=TimeCurve)
