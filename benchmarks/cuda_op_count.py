@@ -1,0 +1,111 @@
+"""What a decode step's forward launches on CUDA outside the Triton kernels, counted on a CPU machine.
+
+    python benchmarks/cuda_op_count.py [--preset v41-tiny] [--top 30] [--out counts.json]
+
+Binds the invariant CUDA table (`kernels.bind("batch_invariant", "cuda")`: the Triton matmuls, norms,
+attention and fused ops) to a model on the CPU, its Triton kernels run by the interpreter, and counts
+the PyTorch ops one decode step's forward dispatches outside them, by the innermost line of ours that
+called each: on the GPU each is a kernel launch (a few microseconds in a decode step however small), so
+the lines with the most are where fusing pays. Ops that launch nothing are left out: views, empty
+tensors, scalars read from CPU tensors, and casts or `contiguous` calls that return their input. The
+model is built for the CPU, so a weight laid out for oneDNN (column-major) shows a copy the GPU build
+does not make; the counts are otherwise the GPU's op chains. No GPU time: a proxy to choose what to
+fuse before a profile on the device (`decode_step_profile.py`) confirms it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import traceback
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from triton.language.extra import libdevice  # noqa: E402
+
+from deepinfer import LLM, EngineConfig, SamplingParams  # noqa: E402
+from deepinfer.engine import host  # noqa: E402
+from deepinfer.kernels import invariant  # noqa: E402
+import deepinfer.kernels as kernels  # noqa: E402
+
+SILENT = {"empty", "empty_like", "empty_strided", "new_empty", "lift_fresh", "detach", "detach_", "item",
+          "_local_scalar_dense", "view", "_unsafe_view", "slice", "select", "unsqueeze", "squeeze", "reshape",
+          "flatten", "unflatten", "expand", "t", "transpose", "permute", "split", "split_with_sizes", "unbind",
+          "alias", "as_strided"}
+MAYBE_SILENT = {"to", "_to_copy", "contiguous", "clone"}  # silent where they return their input
+
+
+class Counting(TorchDispatchMode):
+    """Counts the ops that launch something, by the innermost frame under `root` that called them
+    (ops inside the interpreter's Triton kernels are theirs, not ours: left out)."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__()
+        self.root = root
+        self.sites: collections.Counter = collections.Counter()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in SILENT or (name in MAYBE_SILENT and isinstance(out, torch.Tensor) and args
+                              and isinstance(args[0], torch.Tensor) and out.data_ptr() == args[0].data_ptr()):
+            return out
+        stack = traceback.extract_stack()
+        if any("triton/runtime" in frame.filename for frame in stack):
+            return out
+        ours = [frame for frame in stack[:-1] if frame.filename.startswith(self.root)
+                and "site-packages" not in frame.filename and frame.filename != __file__]
+        site = f"{Path(ours[-1].filename).relative_to(self.root)}:{ours[-1].lineno} {ours[-1].line}" if ours else "?"
+        self.sites[site] += 1
+        self.ops[name] += 1
+        return out
+
+
+def cuda_table_on_cpu() -> kernels.Ops:
+    """The invariant CUDA table, bound for CPU tensors: libdevice's exp, cos and sin (which the interpreter
+    lacks) become the interpreter's, and the CPU start self-test is skipped (it checks CPU primitives)."""
+    for name in ("exp", "cos", "sin"):
+        setattr(libdevice, name, lambda x, _name=name, **_: getattr(triton.language, _name)(x))
+    return kernels.Ops("batch_invariant", "cuda", kernels._table("batch_invariant", "cuda", invariant.CANONICAL),
+                       invariant.CANONICAL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="v41-tiny")
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--top", type=int, default=30, help="lines printed, most launches first")
+    parser.add_argument("--out", help="write the counts as JSON here")
+    args = parser.parse_args()
+    ops = cuda_table_on_cpu()
+    host.checked_cpu_ops = lambda dtype: ops
+    llm = LLM(f"preset:{args.preset}", EngineConfig(max_model_len=4 * args.prompt_tokens, async_scheduling=False,
+                                                    dtype="bfloat16"))
+    llm.add_request(list(range(5, 5 + args.prompt_tokens)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    while not llm.scheduler.running or not llm.scheduler.running[0].output_token_ids:
+        llm.step()
+    scheduled = llm.scheduler.schedule()  # a decode step, counted but never run by the engine
+    batch, _ = llm.runner.build_batch(scheduled.chunks)
+    counting = Counting(str(Path(__file__).resolve().parents[1]) + os.sep)
+    with torch.inference_mode(), counting:
+        llm.model(batch, llm.cache.layer_views)
+    total = sum(counting.sites.values())
+    layers = llm.config.num_hidden_layers
+    print(f"{args.preset}: {total} launches outside Triton kernels in one decode forward ({total / layers:.0f} a layer)")
+    for site, count in counting.sites.most_common(args.top):
+        print(f"{count:5d}  {site[:140]}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"preset": args.preset, "layers": layers, "launches": total,
+                                              "by_op": dict(counting.ops.most_common()),
+                                              "by_line": dict(counting.sites.most_common())}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
