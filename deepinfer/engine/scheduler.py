@@ -521,7 +521,8 @@ class Scheduler:
         self.drafter_holds.observe_step([(chunk.num_verified, kept) for chunk, kept in verified])
         self.head_levels.observe_step([(chunk.confidences, chunk.num_verified, kept) for chunk, kept in verified
                                        if chunk.confidences is not None])
-        queued = {} if self.latest is scheduled else {id(chunk.seq): chunk for chunk in self.latest.chunks}
+        later = None if self.latest is scheduled else self.latest  # the step queued behind this one, if any
+        queued = {} if later is None else {id(chunk.seq): chunk for chunk in later.chunks}
         scoring = iter(zip(result.prompt_logprobs, result.prompt_top))
         sampled = iter(range(len(result.tokens)))
         for chunk in scheduled.chunks:
