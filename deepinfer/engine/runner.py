@@ -130,6 +130,8 @@ class RunnerOutput:
         """[S, 3, C] per output row, what placeholders of this step stand for (`resolved`), by kind: its
         last kept token (LAST), the tokens it drew (DRAWN) and the drafts to follow it (DRAFTED: `drafts`
         [S, B], `ModelRunner.execute` says whose), each kind's columns zero-padded to C."""
+        if drafts is None and self.token_ids.shape[1] == 1:  # a plain step's: its one token, as a view
+            return self.token_ids.unsqueeze(1).expand(-1, 3, -1)
         last = self.token_ids.gather(1, (self.num_accepted - 1).unsqueeze(1))
         kinds = (last, self.token_ids, self.token_ids[:, :0] if drafts is None else drafts)
         width = max(kind.shape[1] for kind in kinds)
