@@ -14,7 +14,7 @@ so a row's bits never depend on the batch. How the bits stay those of the unfuse
   `expf` and an IEEE division, and its cos and sin are `cosf` and `sinf`: the kernels use libdevice's
   `exp`, `cos`, `sin` and `div_rn`, the same functions (the GPU tests compare them with torch's bit for
   bit);
-- sums keep the reference's order: the collapse's fixed tree (`invariant.ordered_sum`), the MoE
+- sums keep the reference's order: `invariant.ordered_sum`'s fixed tree (alone and in the collapse), the MoE
   combine's rank order (`fast.combine_ranks`), Sinkhorn's tile code shared with `sinkhorn`;
 - the cache formats' roundings are done on the bits: E4M3 ties to even by adding the dropped bits'
   half less one plus the kept lowest bit (below 2^-6, adding 2^14 rounds to the 2^-9 grid), E2M1 by
@@ -199,6 +199,65 @@ def hyper_coefficients(
     return pre, post, comb
 
 
+# sums over one dimension --------------------------------------------------------------------------
+
+ORDERED_SUM_ELEMENTS = 4096  # leaves a program holds (8 warps): sums per program = this / a tree's leaves
+
+
+@triton.jit
+def _ordered_sum_kernel(x_ptr, out_ptr, outputs, inner, n, LEVELS: tl.constexpr, ROWS: tl.constexpr):
+    """Program: ROWS sums r = o * inner + i, each of x[o, :, i] over its n terms by `invariant.ordered_sum`'s
+    tree (first half plus second half, an odd last term carried up), rounded to x's dtype after every add.
+
+    That tree is a halving tree of 2^LEVELS leaves (leaf p pairs with p + half, level by level) whose
+    leaves hold the terms in another order and, where the odd-carry tree has no partner, nothing: leaf
+    p's term is found by walking from the root down the bits of p. Where a pair's second leaf holds
+    nothing, the first passes up unchanged (no add)."""
+    LEAVES: tl.constexpr = 1 << LEVELS
+    sums = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    ok = sums < outputs
+    outer, column = sums // inner, sums % inner
+    leaf = tl.arange(0, LEAVES)
+    term = tl.zeros([LEAVES], dtype=tl.int64)  # the root: the odd-carry tree's one top node
+    for step in tl.static_range(LEVELS):
+        level = LEVELS - 1 - step  # the odd-carry tree's level below `term`'s nodes: ceil(n / 2^level) nodes
+        half = ((n + (1 << level) - 1) >> level) // 2
+        second = ((leaf >> step) & 1) == 1  # bit `step` of p: leaf p lies under its node's second child
+        first_child = tl.where(term < half, term, tl.where(term == half, 2 * half, -1))
+        second_child = tl.where(term < half, term + half, -1)
+        term = tl.where(term < 0, -1, tl.where(second, second_child, first_child))
+    real = term >= 0
+    offsets = (outer * n * inner + column)[:, None] + term[None, :] * inner
+    terms = tl.load(x_ptr + offsets, mask=ok[:, None] & real[None, :], other=0.0).to(tl.float32)
+    held = tl.broadcast_to(real[None, :], (ROWS, LEAVES))
+    for step in tl.static_range(LEVELS):
+        first, second = tl.split(tl.permute(tl.reshape(terms, (ROWS, 2, LEAVES >> (step + 1))), (0, 2, 1)))
+        first_held, second_held = tl.split(
+            tl.permute(tl.reshape(held.to(tl.int8), (ROWS, 2, LEAVES >> (step + 1))), (0, 2, 1)))
+        paired = (first + second).to(out_ptr.dtype.element_ty).to(tl.float32)
+        terms = tl.where(second_held != 0, paired, first)
+        held = (first_held | second_held) != 0
+    tl.store(out_ptr + sums, tl.reshape(terms, (ROWS,)).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """`invariant.ordered_sum` in one launch (fp32, bf16 and fp16; other dtypes, and dimensions of
+    fewer than two terms, take the op chain)."""
+    n = x.shape[dim]
+    if n < 2 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return invariant.ordered_sum(x, dim)
+    dim %= x.ndim
+    x = x.contiguous()
+    shape = x.shape[:dim] + x.shape[dim + 1:]
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    if out.numel():
+        levels = (n - 1).bit_length()
+        rows = max(1, ORDERED_SUM_ELEMENTS >> levels)
+        _fused(_ordered_sum_kernel, (triton.cdiv(out.numel(), rows),), x, out, out.numel(),
+               x.shape[dim + 1:].numel(), n, LEVELS=levels, ROWS=rows, num_warps=8)
+    return out
+
+
 # collapse, stream mixing and expansion ------------------------------------------------------------
 
 @triton.jit
@@ -222,10 +281,10 @@ def _hyper_collapse_kernel(pre_ptr, streams_ptr, out_ptr, H, N: tl.constexpr, LE
 
 def hyper_collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     """`composite.hyper_collapse` with `invariant.ordered_sum`, in one launch (a power-of-two stream count;
-    any other runs the op chain)."""
+    any other takes two: the products, then `ordered_sum`)."""
     tokens, n, width = streams.shape
     if n & (n - 1):
-        return composite.hyper_collapse(pre, streams, ordered_sum=invariant.ordered_sum)
+        return composite.hyper_collapse(pre, streams, ordered_sum=ordered_sum)
     out = torch.empty(tokens, width, dtype=streams.dtype, device=streams.device)
     if out.numel():
         _fused(_hyper_collapse_kernel, (tokens, triton.cdiv(width, BLOCK_H)), pre.float().contiguous(),
@@ -473,6 +532,7 @@ OPS = {
     "rotary_table": rotary_table,
     "sinkhorn": sinkhorn,
     "hyper_coefficients": hyper_coefficients,
+    "ordered_sum": ordered_sum,
     "hyper_collapse": hyper_collapse,
     "mix_streams": mix_streams,
     "hyper_expand": hyper_expand,

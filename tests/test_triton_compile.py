@@ -91,6 +91,8 @@ kernels = {
                                           "gate_stride": "i32", "up_stride": "i32", "limit": "fp32"}, {"BLOCK": 256}),
     "combine": (f._combine_kernel, {"slots_ptr": bf16, "weights_ptr": fp32, "out_ptr": bf16, "H": "i32"},
                 {"TOP_K": 6, "BLOCK": 256}),
+    "ordered_sum": (f._ordered_sum_kernel, {"x_ptr": bf16, "out_ptr": bf16, "outputs": "i32", "inner": "i32",
+                                            "n": "i32"}, {"LEVELS": 13, "ROWS": 1}),
     **{fmt: (f._cache_qdq_kernel, {"x_ptr": bf16, "out_ptr": bf16, "width": "i32", "x_stride": "i32"},
              {"FORMAT": fmt, "GROUP": group, "BLOCK": f.QDQ_BLOCK}) for fmt, group in f.QDQ_FORMATS.items()},
 }
@@ -115,6 +117,7 @@ def test_fused_kernels_compile_for_hopper_without_contraction():
                   (line.split() for line in done.stdout.strip().splitlines())}
     formats = ("fp8_ue8m0", "mxfp4", "nvfp4")
     assert set(contracted) == {"rotary", "rotary_table", "coefficients", "collapse", "expand", "swiglu", "combine",
-                               *formats}
-    assert not any(contracted[name][0] for name in ("rotary", "collapse", "expand", "combine", *formats)), contracted
+                               "ordered_sum", *formats}
+    assert not any(contracted[name][0] for name in ("rotary", "collapse", "expand", "combine", "ordered_sum",
+                                                    *formats)), contracted
     assert contracted["rotary"][1] and contracted["expand"][1], contracted

@@ -21,6 +21,7 @@ from deepinfer.kernels import composite, fast, invariant, quant, triton_fused
 
 FEW = settings(max_examples=8, deadline=None)
 N = 4  # hc_mult of every V4 and V4.1 configuration
+SPECIALS = st.sampled_from([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 448.0, 2688.0, 1e-40, 3e38])
 
 
 def _assert_transcendental(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -31,6 +32,13 @@ def _assert_transcendental(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert out.dtype == ref.dtype and out.shape == ref.shape
     tol = 1e-2 if out.dtype == torch.bfloat16 else 1e-6
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol, equal_nan=True)
+
+
+def _assert_bits_nan_aside(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Bitwise, except that a NaN's sign and payload are the device's (quant's docstring)."""
+    nan = ref.isnan()
+    assert torch.equal(out.isnan(), nan)
+    _assert_same_bits(torch.where(nan, 0.0, out.float()).to(out.dtype), torch.where(nan, 0.0, ref.float()).to(ref.dtype))
 
 
 def _rope(tokens: int, half: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,6 +74,47 @@ def test_rotary_table_is_the_op_chain() -> None:
         for out, ref in zip(fused, reference):
             _assert_transcendental(out, ref)
     assert [t.shape for t in triton_fused.rotary_table(positions[:0], inv_freq, 1.0)] == [(0, 32), (0, 32)]
+
+
+# sums over one dimension ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [2, 3, 5, 6, 7, 64, 300])
+def test_ordered_sum_is_the_tree_of_adds_bit_for_bit(dtype: torch.dtype, n: int) -> None:
+    """Every dimension of a 3-d tensor (rows of n terms, and n terms strided by the columns after
+    them), magnitudes from 1e-4 to 1e4 so that the order of the adds shows in the bits."""
+    x = _randn(3, n, 5, seed=n, dtype=dtype) * torch.exp(_randn(3, n, 5, seed=n + 1) * 4).to(dtype)
+    for dim in (0, 1, 2, -1):
+        _assert_same_bits(triton_fused.ordered_sum(x, dim), invariant.ordered_sum(x, dim))
+
+
+def test_ordered_sum_over_a_flash_width_row() -> None:
+    """V4.1-Flash's hidden size, 5120 = 5 * 2^10: a tree of 8192 leaves with odd carries near the top."""
+    x = _randn(2, 5120, seed=21) * torch.exp(_randn(2, 5120, seed=22) * 4)
+    _assert_same_bits(triton_fused.ordered_sum(x, -1), invariant.ordered_sum(x, -1))
+    _assert_same_bits(triton_fused.ordered_sum(x[:, :4099], -1), invariant.ordered_sum(x[:, :4099], -1))
+
+
+@FEW
+@given(shape=st.lists(st.integers(1, 9), min_size=1, max_size=3), n=st.integers(2, 70), at=st.integers(0, 3),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31 - 1), specials=st.lists(SPECIALS, max_size=6))
+def test_ordered_sum_follows_the_tree_on_any_values(shape: list[int], n: int, at: int, dtype: torch.dtype,
+                                                    seed: int, specials: list[float]) -> None:
+    """Any shape and summed dimension, with infinities, NaNs, signed zeros and subnormals among the
+    terms: the tree's bits (a NaN's sign and payload aside)."""
+    dim = at % (len(shape) + 1)
+    shape.insert(dim, n)
+    x = _randn(*shape, seed=seed).flatten()
+    picks = torch.randperm(x.numel(), generator=torch.Generator().manual_seed(seed))[:len(specials)]
+    x[picks.to(x.device)] = torch.tensor(specials, device=x.device)[:picks.numel()]
+    x = x.view(shape).to(dtype)
+    _assert_bits_nan_aside(triton_fused.ordered_sum(x, dim), invariant.ordered_sum(x, dim))
+
+
+def test_ordered_sum_of_one_term_or_of_no_rows() -> None:
+    x = _randn(4, 1, 3, seed=23)
+    _assert_same_bits(triton_fused.ordered_sum(x, 1), invariant.ordered_sum(x, 1))
+    assert triton_fused.ordered_sum(_randn(0, 7, seed=0), -1).shape == (0,)
 
 
 # hyper-connections -----------------------------------------------------------------------------------
@@ -176,6 +225,8 @@ def test_fused_rows_do_not_depend_on_the_batch(batch: tuple[int, int], dtype: to
     streams, block_out = _randn(rows, N, 40, seed=seed + 3, dtype=dtype), _randn(rows, 40, seed=seed + 4, dtype=dtype)
     pre, post, comb = whole
     _assert_same_bits(triton_fused.hyper_collapse(pre, streams)[one], triton_fused.hyper_collapse(pre[one], streams[one]))
+    _assert_same_bits(triton_fused.ordered_sum(streams, 1)[one], triton_fused.ordered_sum(streams[one], 1))
+    _assert_same_bits(triton_fused.ordered_sum(streams, -1)[one], triton_fused.ordered_sum(streams[one], -1))
     _assert_same_bits(triton_fused.hyper_expand(post, comb, block_out, streams)[one],
                       triton_fused.hyper_expand(post[one], comb[one], block_out[one], streams[one]))
     gate, up = _randn(rows, 2, 40, seed=seed + 5, dtype=dtype).unbind(1)
@@ -213,13 +264,6 @@ def _cache_values(rows: int, width: int, seed: int, dtype: torch.dtype) -> torch
     return x.to(dtype).to(DEVICE)
 
 
-def _assert_qdq_bits(out: torch.Tensor, ref: torch.Tensor) -> None:
-    """Bitwise, except that a NaN's sign and payload are the device's (quant's docstring)."""
-    nan = ref.isnan()
-    assert torch.equal(out.isnan(), nan)
-    _assert_same_bits(torch.where(nan, 0.0, out.float()).to(out.dtype), torch.where(nan, 0.0, ref.float()).to(ref.dtype))
-
-
 @pytest.mark.parametrize("fmt", ["fp8_ue8m0", "mxfp4", "nvfp4"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [16, 40, 128, 300])
@@ -232,9 +276,6 @@ def test_cache_qdq_is_the_reference_bit_for_bit(fmt: str, dtype: torch.dtype, wi
     _assert_same_bits(getattr(triton_fused, f"{fmt}_qdq")(strided), reference(strided))
 
 
-SPECIALS = st.sampled_from([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 448.0, 2688.0, 1e-40, 3e38])
-
-
 @FEW
 @given(fmt=st.sampled_from(["fp8_ue8m0", "mxfp4", "nvfp4"]),
        values=st.lists(st.one_of(st.floats(-1e5, 1e5, width=32), SPECIALS), min_size=1, max_size=70))
@@ -242,7 +283,7 @@ def test_cache_qdq_follows_the_reference_on_any_values(fmt: str, values: list[fl
     """Infinities, NaNs, fp32 subnormals and values past every saturation: the reference's bits (a
     NaN's sign and payload aside)."""
     x = torch.tensor([values], dtype=torch.float32).to(DEVICE)
-    _assert_qdq_bits(getattr(triton_fused, f"{fmt}_qdq")(x), getattr(quant, f"{fmt}_qdq")(x))
+    _assert_bits_nan_aside(getattr(triton_fused, f"{fmt}_qdq")(x), getattr(quant, f"{fmt}_qdq")(x))
 
 
 def test_cache_qdq_refuses_another_group_size() -> None:
