@@ -446,6 +446,66 @@ def _expert_matmul_kernel(
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=slot_ok[:, None] & col_ok[None, :])
 
 
+ROUTE_MAX_SLOTS = 1024  # slots `route_slots` sorts in one program (a decode step's); more take torch's sorts
+ROUTE_TERMS = 4096  # comparisons a program holds at once
+
+
+@triton.jit
+def _route_kernel(experts_ptr, rows_ptr, order_ptr, source_ptr, offsets_ptr, active_ptr, S, E, per_row, listed,
+                  BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, HAS_ROWS: tl.constexpr):
+    """One program: slot s's place in the stable sort by expert is the number of slots with a smaller
+    expert plus those before it with the same one; offsets[j] counts the slots of experts below j;
+    the experts with slots are listed first, ascending, then the empty ones (the first `listed`)."""
+    slot = tl.arange(0, BLOCK_S)
+    slot_ok = slot < S
+    expert = tl.load(experts_ptr + slot, mask=slot_ok, other=0)
+    column = tl.arange(0, BLOCK_E)
+    place = tl.zeros([BLOCK_S], dtype=tl.int32)
+    below = tl.zeros([BLOCK_E], dtype=tl.int32)
+    served = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for start in range(0, S, CHUNK):
+        other = start + tl.arange(0, CHUNK)
+        other_ok = other < S
+        theirs = tl.load(experts_ptr + other, mask=other_ok, other=0)[None, :]
+        ahead = (theirs < expert[:, None]) | ((theirs == expert[:, None]) & (other[None, :] < slot[:, None]))
+        place += tl.sum((ahead & other_ok[None, :]).to(tl.int32), axis=1)
+        below += tl.sum(((theirs < column[:, None]) & other_ok[None, :]).to(tl.int32), axis=1)
+        served += tl.sum(((theirs == column[:, None]) & other_ok[None, :]).to(tl.int32), axis=1)
+    if HAS_ROWS:
+        source = tl.load(rows_ptr + slot, mask=slot_ok, other=0)
+    else:
+        source = (slot // per_row).to(tl.int64)
+    tl.store(order_ptr + place, slot.to(tl.int64), mask=slot_ok)
+    tl.store(source_ptr + place, source, mask=slot_ok)
+    tl.store(offsets_ptr + column, below.to(tl.int64), mask=column <= E)
+    busy = ((served > 0) & (column < E)).to(tl.int32)
+    idle = ((served == 0) & (column < E)).to(tl.int32)
+    rank = tl.where(busy != 0, tl.cumsum(busy, axis=0), tl.sum(busy, axis=0) + tl.cumsum(idle, axis=0)) - 1
+    tl.store(active_ptr + rank, column.to(tl.int64), mask=(column < E) & (rank < listed))
+
+
+def route_slots(experts: torch.Tensor, n_experts: int, rows: torch.Tensor | None = None, per_row: int = 1,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Slots experts [S] (int64) grouped by expert: `order` and `offsets` as `fast.sort_by_expert` gives
+    them, `active_experts(offsets, S)`, and each sorted slot's source row: rows[order] (order // per_row
+    when rows is None). One launch up to ROUTE_MAX_SLOTS slots (integers: the same values as the
+    torch chain, which runs past it)."""
+    count = experts.shape[0]
+    if count > ROUTE_MAX_SLOTS:
+        order, offsets = fast.sort_by_expert(experts.unsqueeze(-1), n_experts)
+        return order, offsets, active_experts(offsets, count), order // per_row if rows is None else rows[order]
+    device = experts.device
+    order, source = (torch.empty(count, dtype=torch.long, device=device) for _ in range(2))
+    offsets = torch.empty(n_experts + 1, dtype=torch.long, device=device)
+    active = torch.empty(min(n_experts, count), dtype=torch.long, device=device)
+    block_s, block_e = triton.next_power_of_2(max(count, 1)), triton.next_power_of_2(n_experts + 1)
+    chunk = max(1, ROUTE_TERMS // max(block_s, block_e))
+    _route_kernel[(1,)](experts.contiguous(), experts if rows is None else rows.contiguous(), order, source, offsets,
+                        active, count, n_experts, per_row, active.shape[0], BLOCK_S=block_s, BLOCK_E=block_e,
+                        CHUNK=chunk, HAS_ROWS=rows is not None)
+    return order, offsets, active, source
+
+
 def active_experts(offsets: torch.Tensor, slots: int) -> torch.Tensor:
     """The experts with at least one of the `slots` slots first (ascending), then empty ones: the first
     min(E, slots) of them cover every slot. A fixed-shape compaction on the device (no host read), so
@@ -486,9 +546,13 @@ def expert_outputs(
     """`kernels.fast.expert_outputs` with the invariant matmul and SwiGLU, as two grouped launches over
     the slots sorted by expert on the device, the second writing each slot's row in place: the same
     bits, no host sync."""
-    order, offsets = fast.sort_by_expert(experts.unsqueeze(-1), w13.shape[0])
-    active = active_experts(offsets, order.shape[0])
-    hidden = expert_matmul(x, order if rows is None else rows[order], offsets, w13, active)
+    return _expert_outputs(x, route_slots(experts, w13.shape[0], rows), w13, w2, limit)
+
+
+def _expert_outputs(x: torch.Tensor, routed: tuple, w13: torch.Tensor | QuantizedWeight,
+                    w2: torch.Tensor | QuantizedWeight, limit: float) -> torch.Tensor:
+    order, offsets, active, source = routed
+    hidden = expert_matmul(x, source, offsets, w13, active)
     gate, up = hidden.chunk(2, dim=-1)
     act = triton_fused.clamped_swiglu(gate, up, limit)
     return expert_matmul(act, None, offsets, w2, active, dest=order)
@@ -498,8 +562,10 @@ def moe_experts(
     x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor | QuantizedWeight,
     w2: torch.Tensor | QuantizedWeight, limit: float,
 ) -> torch.Tensor:
-    """`kernels.fast.routed_experts` on the grouped kernels and the fused weighted combine."""
-    slots = expert_outputs(x, indices.reshape(-1), w13, w2, limit, rows=fast.slot_rows(indices))
+    """`kernels.fast.routed_experts` on the grouped kernels and the fused weighted combine (slot s of
+    indices [T, k] reads token s // k: `fast.slot_rows`)."""
+    routed = route_slots(indices.reshape(-1), w13.shape[0], per_row=indices.shape[-1])
+    slots = _expert_outputs(x, routed, w13, w2, limit)
     return triton_fused.weighted_combine(slots.view(*indices.shape, -1), weights)
 
 

@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepinfer.kernels import invariant, triton_fused, triton_ops
+from deepinfer.kernels import fast, invariant, triton_fused, triton_ops
 
 ROWS = (1, 3, 17, 40)
 FEW = settings(max_examples=10, deadline=None)
@@ -198,6 +198,28 @@ def test_active_experts_come_first_and_cover_every_slot(counts: list[int]) -> No
     listed = triton_ops.active_experts(offsets, slots).tolist()
     busy = [e for e, n in enumerate(counts) if n]
     assert len(listed) == min(len(counts), slots) and listed[:len(busy)] == busy
+
+
+@given(slots=st.integers(0, 70), experts=st.integers(1, 40), per_row=st.integers(1, 6), seed=st.integers(0, 2**31 - 1),
+       with_rows=st.booleans())
+def test_route_slots_give_the_sorts_values(slots: int, experts: int, per_row: int, seed: int, with_rows: bool) -> None:
+    """The one-program routing is the torch chain's sort by expert, offsets, active list and sources,
+    with repeated experts, unused ones and no slots at all."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, experts, (slots,), generator=generator).to(DEVICE)
+    rows = torch.randint(0, 1000, (slots,), generator=generator).to(DEVICE) if with_rows else None
+    order, offsets = fast.sort_by_expert(ids.unsqueeze(-1), experts)
+    got = triton_ops.route_slots(ids, experts, rows, per_row)
+    want = (order, offsets, triton_ops.active_experts(offsets, slots), order // per_row if rows is None else rows[order])
+    for out, ref in zip(got, want, strict=True):
+        assert out.dtype == ref.dtype and torch.equal(out, ref)
+
+
+def test_route_slots_past_one_program_take_the_torch_chain() -> None:
+    ids = torch.randint(0, 384, (triton_ops.ROUTE_MAX_SLOTS + 1,), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    order, offsets, active, source = triton_ops.route_slots(ids, 384, per_row=6)
+    assert torch.equal(order, torch.sort(ids, stable=True).indices) and torch.equal(source, order // 6)
+    assert offsets[-1] == ids.shape[0] and active.shape == (384,)
 
 
 def _all_tiles(dtype: torch.dtype) -> list[triton_ops.Tiles]:
