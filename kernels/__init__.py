@@ -38,11 +38,11 @@ NUMERICS = ("batch_invariant", "fast")
 OPS = (
     "clamped_swiglu", "cos_sin", "expert_outputs", "fp8_ue8m0_qdq", "grouped_linear", "hyper_coefficients",
     "hyper_collapse", "hyper_expand", "indexer_scores", "linear", "log", "log_softmax", "matmul_layout",
-    "mix_streams", "moe_experts", "mxfp4_qdq", "nvfp4_qdq", "ordered_sum", "paged_indexer_scores",
+    "mix_streams", "moe_experts", "moe_gate", "mxfp4_qdq", "nvfp4_qdq", "ordered_sum", "paged_indexer_scores",
     "paged_sink_attention", "rms_norm", "rotary", "rotary_table", "sigmoid", "sink_attention", "sinkhorn",
     "softmax", "softplus", "topk_indices", "unweighted_rms_norm", "weighted_combine", "window_pool",
 )
-_COMPOSITES = ("expert_outputs", "hyper_coefficients", "hyper_collapse", "hyper_expand", "moe_experts",
+_COMPOSITES = ("expert_outputs", "hyper_coefficients", "hyper_collapse", "hyper_expand", "moe_experts", "moe_gate",
                "paged_indexer_scores", "paged_sink_attention", "rotary_table")
 # the release's cache formats (kernels/quant.py): one implementation, the same bits in every table
 _CACHE_FORMATS = ("fp8_ue8m0_qdq", "mxfp4_qdq", "nvfp4_qdq")
@@ -81,7 +81,13 @@ def _complete(table: dict) -> dict:
                                                    sinkhorn=table["sinkhorn"]))
     table.setdefault("hyper_collapse", partial(composite.hyper_collapse, ordered_sum=table["ordered_sum"]))
     table.setdefault("hyper_expand", partial(composite.hyper_expand, mix_streams=table["mix_streams"]))
+    table.setdefault("moe_gate", _composite_gate(table))
     return table
+
+
+def _composite_gate(table: dict) -> Callable:
+    return partial(composite.moe_gate, softplus=table["softplus"], softmax=table["softmax"], sigmoid=table["sigmoid"],
+                   topk_indices=table["topk_indices"], ordered_sum=table["ordered_sum"])
 
 
 def _table(numerics: str, device_type: str, row_tiles: invariant.RowTiles) -> dict:
@@ -95,6 +101,7 @@ def _table(numerics: str, device_type: str, row_tiles: invariant.RowTiles) -> di
 
         table.update(triton_ops.OPS, **triton_fused.OPS, moe_experts=triton_ops.moe_experts,
                      expert_outputs=triton_ops.expert_outputs, weighted_combine=triton_fused.weighted_combine)
+        table["moe_gate"] = partial(triton_fused.moe_gate, composed=_composite_gate(table))
     elif device_type == "cuda":
         from deepinfer.kernels import fast_cuda, triton_fused
 

@@ -1,8 +1,8 @@
 """Ops composed from a numerics table's own primitives: attention and indexer scores over keys read
-from the paged caches, the rotary table and the hyper-connection ops (DeepSeek-V4's
-manifold-constrained residual streams). `kernels.bind` builds them from the table's
+from the paged caches, the rotary table, the hyper-connection ops (DeepSeek-V4's
+manifold-constrained residual streams) and the MoE router's routing. `kernels.bind` builds them from the table's
 `sink_attention`, `indexer_scores`, `cos_sin`, `sigmoid`, `sinkhorn`, `ordered_sum` and
-`mix_streams`, so their bits in each mode are those of that mode's primitives. The batch-invariant
+`mix_streams` (and the MoE router's from its score functions, `topk_indices` and `ordered_sum`), so their bits in each mode are those of that mode's primitives. The batch-invariant
 CUDA table replaces them with Triton kernels that compute the same bits: the paged ones read keys
 through their slots instead of gathering them (`kernels/triton_ops.py`), the others fuse a chain of
 launches into one (`kernels/triton_fused.py`).
@@ -78,3 +78,27 @@ def hyper_expand(
     """New streams = post * block output + comb^T @ old streams (comb mixes over its first axis):
     post [T, n], comb [T, n, n] fp32, block_out [T, hidden], streams [T, n, hidden]."""
     return post.to(streams.dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mix_streams(comb, streams)
+
+
+def gate_scores(logits: torch.Tensor, score_func: str, *, softplus: Op, softmax: Op, sigmoid: Op) -> torch.Tensor:
+    """The router's expert scores from its logits [T, E], in the logits' dtype."""
+    if score_func == "sqrtsoftplus":
+        return softplus(logits).sqrt()
+    if score_func == "softmax":
+        return softmax(logits).to(logits.dtype)
+    if score_func == "sigmoid":
+        return sigmoid(logits)
+    raise ValueError(f"unknown scoring function {score_func!r}")
+
+
+def moe_gate(logits: torch.Tensor, score_func: str, bias: torch.Tensor | None, chosen: torch.Tensor | None,
+             top_k: int, scale: float, *, softplus: Op, softmax: Op, sigmoid: Op, topk_indices: Op,
+             ordered_sum: Op) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing from the router's logits [T, E]: each token's experts (the top_k of score + bias, ties
+    to the lowest index; or `chosen` [T, top_k], a hash layer's) and their weights, the scores
+    normalised to sum to one (`ordered_sum`) times `scale` (int64 [T, top_k], the logits' dtype)."""
+    scores = gate_scores(logits, score_func, softplus=softplus, softmax=softmax, sigmoid=sigmoid)
+    indices = topk_indices(scores + bias, top_k) if chosen is None else chosen
+    weights = scores.gather(1, indices)
+    weights = weights / (ordered_sum(weights, dim=-1).unsqueeze(-1) + 1e-20)
+    return indices, weights * scale

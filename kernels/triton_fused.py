@@ -205,20 +205,13 @@ ORDERED_SUM_ELEMENTS = 4096  # leaves a program holds (8 warps): sums per progra
 
 
 @triton.jit
-def _ordered_sum_kernel(x_ptr, out_ptr, outputs, inner, n, LEVELS: tl.constexpr, ROWS: tl.constexpr):
-    """Program: ROWS sums r = o * inner + i, each of x[o, :, i] over its n terms by `invariant.ordered_sum`'s
-    tree (first half plus second half, an odd last term carried up), rounded to x's dtype after every add.
-
-    That tree is a halving tree of 2^LEVELS leaves (leaf p pairs with p + half, level by level) whose
-    leaves hold the terms in another order and, where the odd-carry tree has no partner, nothing: leaf
-    p's term is found by walking from the root down the bits of p. Where a pair's second leaf holds
-    nothing, the first passes up unchanged (no add)."""
-    LEAVES: tl.constexpr = 1 << LEVELS
-    sums = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    ok = sums < outputs
-    outer, column = sums // inner, sums % inner
-    leaf = tl.arange(0, LEAVES)
-    term = tl.zeros([LEAVES], dtype=tl.int64)  # the root: the odd-carry tree's one top node
+def _tree_leaves(n, LEVELS: tl.constexpr):
+    """`invariant.ordered_sum`'s tree over n terms (first half plus second half, an odd last term
+    carried up) as a halving tree of 2^LEVELS leaves, leaf p pairing with p + half level by level: the
+    term each leaf holds, -1 where the odd-carry tree has no partner. Leaf p's term is found by walking
+    from the root down the bits of p."""
+    leaf = tl.arange(0, 1 << LEVELS)
+    term = tl.zeros([1 << LEVELS], dtype=tl.int64)  # the root: the odd-carry tree's one top node
     for step in tl.static_range(LEVELS):
         level = LEVELS - 1 - step  # the odd-carry tree's level below `term`'s nodes: ceil(n / 2^level) nodes
         half = ((n + (1 << level) - 1) >> level) // 2
@@ -226,18 +219,38 @@ def _ordered_sum_kernel(x_ptr, out_ptr, outputs, inner, n, LEVELS: tl.constexpr,
         first_child = tl.where(term < half, term, tl.where(term == half, 2 * half, -1))
         second_child = tl.where(term < half, term + half, -1)
         term = tl.where(term < 0, -1, tl.where(second, second_child, first_child))
+    return term
+
+
+@triton.jit
+def _tree_sum(terms, held, ROWS: tl.constexpr, LEVELS: tl.constexpr, DTYPE: tl.constexpr):
+    """Sum rows of fp32 terms [ROWS, 2^LEVELS] laid out by `_tree_leaves` (`held`: the leaves holding a
+    term) by the halving tree, rounding to DTYPE after every add; where a pair's second leaf holds
+    nothing, the first passes up unchanged (no add). -> [ROWS] fp32."""
+    for step in tl.static_range(LEVELS):
+        first, second = tl.split(tl.permute(tl.reshape(terms, (ROWS, 2, (1 << LEVELS) >> (step + 1))), (0, 2, 1)))
+        first_held, second_held = tl.split(
+            tl.permute(tl.reshape(held.to(tl.int8), (ROWS, 2, (1 << LEVELS) >> (step + 1))), (0, 2, 1)))
+        paired = (first + second).to(DTYPE).to(tl.float32)
+        terms = tl.where(second_held != 0, paired, first)
+        held = (first_held | second_held) != 0
+    return tl.reshape(terms, (ROWS,))
+
+
+@triton.jit
+def _ordered_sum_kernel(x_ptr, out_ptr, outputs, inner, n, LEVELS: tl.constexpr, ROWS: tl.constexpr):
+    """Program: ROWS sums r = o * inner + i, each of x[o, :, i] over its n terms by `invariant.ordered_sum`'s
+    tree, rounded to x's dtype after every add (`_tree_leaves`, `_tree_sum`)."""
+    sums = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    ok = sums < outputs
+    outer, column = sums // inner, sums % inner
+    term = _tree_leaves(n, LEVELS)
     real = term >= 0
     offsets = (outer * n * inner + column)[:, None] + term[None, :] * inner
     terms = tl.load(x_ptr + offsets, mask=ok[:, None] & real[None, :], other=0.0).to(tl.float32)
-    held = tl.broadcast_to(real[None, :], (ROWS, LEAVES))
-    for step in tl.static_range(LEVELS):
-        first, second = tl.split(tl.permute(tl.reshape(terms, (ROWS, 2, LEAVES >> (step + 1))), (0, 2, 1)))
-        first_held, second_held = tl.split(
-            tl.permute(tl.reshape(held.to(tl.int8), (ROWS, 2, LEAVES >> (step + 1))), (0, 2, 1)))
-        paired = (first + second).to(out_ptr.dtype.element_ty).to(tl.float32)
-        terms = tl.where(second_held != 0, paired, first)
-        held = (first_held | second_held) != 0
-    tl.store(out_ptr + sums, tl.reshape(terms, (ROWS,)).to(out_ptr.dtype.element_ty), mask=ok)
+    held = tl.broadcast_to(real[None, :], (ROWS, 1 << LEVELS))
+    total = _tree_sum(terms, held, ROWS, LEVELS, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + sums, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -256,6 +269,78 @@ def ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
         _fused(_ordered_sum_kernel, (triton.cdiv(out.numel(), rows),), x, out, out.numel(),
                x.shape[dim + 1:].numel(), n, LEVELS=levels, ROWS=rows, num_warps=8)
     return out
+
+
+# the MoE router ---------------------------------------------------------------------------------------
+
+GATE_MAX_EXPERTS = 4096  # experts a router program holds; more take the op chain
+
+
+@triton.jit
+def _first_largest(keys, candidates, columns, BLOCK: tl.constexpr):
+    """The column of the largest key among `candidates`, ties to the lowest column, NaN above every
+    number (as a stable descending sort orders them)."""
+    nan = candidates & (keys != keys)
+    first_nan = tl.min(tl.where(nan, columns, BLOCK), axis=0)
+    numbers = candidates & (keys == keys)
+    top = tl.max(tl.where(numbers, keys, float("-inf")), axis=0)
+    first_top = tl.min(tl.where(numbers & (keys == top), columns, BLOCK), axis=0)
+    return tl.where(first_nan < BLOCK, first_nan, first_top)
+
+
+@triton.jit
+def _sqrtsoftplus_gate_kernel(logits_ptr, bias_ptr, chosen_ptr, indices_ptr, weights_ptr, E, scale,
+                              K: tl.constexpr, LEVELS: tl.constexpr, BLOCK_E: tl.constexpr, CHOSEN: tl.constexpr):
+    """Program per token: scores sqrt(softplus(logits)) rounded to the logits' dtype after each function
+    (torch's softplus: x above 20, else log1p(exp(x))), the experts picked one by one as the first
+    largest score + bias (or read from `chosen`), their scores summed by `invariant.ordered_sum`'s tree
+    (leaves filled as the experts are picked), then each divided by sum + 1e-20 and times `scale`, all
+    rounded to the logits' dtype as the op chain rounds them."""
+    DTYPE: tl.constexpr = weights_ptr.dtype.element_ty
+    token = tl.program_id(0).to(tl.int64)
+    columns = tl.arange(0, BLOCK_E)
+    ok = columns < E
+    logits = tl.load(logits_ptr + token * E + columns, mask=ok, other=0.0).to(tl.float32)
+    soft = tl.where(logits > 20.0, logits, libdevice.log1p(libdevice.exp(logits))).to(DTYPE).to(tl.float32)
+    scores = tl.sqrt_rn(soft).to(DTYPE).to(tl.float32)
+    if not CHOSEN:
+        keys = scores + tl.load(bias_ptr + columns, mask=ok, other=0.0)
+    ranks = tl.arange(0, 1 << LEVELS)
+    leaves = _tree_leaves(K, LEVELS)
+    picked_scores = tl.zeros([1 << LEVELS], dtype=tl.float32)
+    leaf_scores = tl.zeros([1 << LEVELS], dtype=tl.float32)
+    left = ok
+    for rank in tl.static_range(K):
+        if CHOSEN:
+            expert = tl.load(chosen_ptr + token * K + rank)
+        else:
+            expert = _first_largest(keys, left, columns, BLOCK_E)
+            left = left & (columns != expert)
+            tl.store(indices_ptr + token * K + rank, expert.to(tl.int64))
+        score = tl.sum(tl.where(columns == expert, scores, 0.0), axis=0)  # the one score (scores are >= +0)
+        picked_scores = tl.where(ranks == rank, score, picked_scores)
+        leaf_scores = tl.where(leaves == rank, score, leaf_scores)
+    total = _tree_sum(leaf_scores[None, :], (leaves >= 0)[None, :], 1, LEVELS, DTYPE)
+    denominator = (total + 1e-20).to(DTYPE).to(tl.float32)
+    weights = tl.math.div_rn(picked_scores, denominator).to(DTYPE).to(tl.float32) * scale
+    tl.store(weights_ptr + token * K + ranks, weights.to(DTYPE), mask=ranks < K)
+
+
+def moe_gate(logits: torch.Tensor, score_func: str, bias: torch.Tensor | None, chosen: torch.Tensor | None,
+             top_k: int, scale: float, *, composed) -> tuple[torch.Tensor, torch.Tensor]:
+    """`composite.moe_gate` in one launch for sqrtsoftplus scores of fp32 or bf16 logits [T, E]
+    (E <= GATE_MAX_EXPERTS); anything else runs `composed`, the op chain of the same table."""
+    tokens, experts = logits.shape
+    if score_func != "sqrtsoftplus" or logits.dtype not in (torch.float32, torch.bfloat16) or experts > GATE_MAX_EXPERTS:
+        return composed(logits, score_func, bias, chosen, top_k, scale)
+    weights = torch.empty(tokens, top_k, dtype=logits.dtype, device=logits.device)
+    indices = torch.empty(tokens, top_k, dtype=torch.long, device=logits.device) if chosen is None else chosen
+    if tokens:
+        _fused(_sqrtsoftplus_gate_kernel, (tokens,), logits.contiguous(),
+               logits if bias is None else bias.float().contiguous(), indices.contiguous(), indices, weights,
+               experts, scale, K=top_k, LEVELS=(top_k - 1).bit_length(), BLOCK_E=triton.next_power_of_2(experts),
+               CHOSEN=chosen is not None)
+    return indices, weights
 
 
 # collapse, stream mixing and expansion ------------------------------------------------------------

@@ -117,6 +117,61 @@ def test_ordered_sum_of_one_term_or_of_no_rows() -> None:
     assert triton_fused.ordered_sum(_randn(0, 7, seed=0), -1).shape == (0,)
 
 
+# the MoE router ----------------------------------------------------------------------------------------
+
+def _gate_reference(logits, bias, chosen, top_k, scale=1.5):
+    return composite.moe_gate(logits, "sqrtsoftplus", bias, chosen, top_k, scale, softplus=invariant.softplus,
+                              softmax=invariant.softmax, sigmoid=invariant.sigmoid,
+                              topk_indices=invariant.topk_indices, ordered_sum=invariant.ordered_sum)
+
+
+def _fused_gate(logits, bias, chosen, top_k, scale=1.5, score_func="sqrtsoftplus"):
+    def composed(*args):
+        raise AssertionError("the fused router fell back to the op chain")
+    return triton_fused.moe_gate(logits, score_func, bias, chosen, top_k, scale, composed=composed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("experts, top_k", [(384, 6), (16, 2), (32, 4), (7, 3), (5, 1)])
+def test_moe_gate_is_the_op_chain_bit_for_bit(dtype: torch.dtype, experts: int, top_k: int) -> None:
+    """Logits above softplus' threshold (softplus(x) = x: no exp or log1p, so the interpreter's bits are
+    the GPU's too) with repeated values (ties go to the lowest expert), a NaN row and a hash layer's
+    chosen experts: the chain's experts and weights bit for bit."""
+    generator = torch.Generator().manual_seed(experts)
+    logits = (20.5 + torch.randint(0, 40, (9, experts), generator=generator) * 0.25).to(dtype).to(DEVICE)
+    logits[3, experts // 2] = float("nan")
+    bias = (torch.randint(-4, 4, (experts,), generator=generator) * 0.125).to(DEVICE)
+    for got, want in zip(_fused_gate(logits, bias, None, top_k), _gate_reference(logits, bias, None, top_k)):
+        assert got.dtype == want.dtype
+        _assert_bits_nan_aside(got, want) if got.is_floating_point() else torch.testing.assert_close(got, want)
+    chosen = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(9)]).to(DEVICE)
+    for got, want in zip(_fused_gate(logits, None, chosen, top_k), _gate_reference(logits, None, chosen, top_k)):
+        _assert_bits_nan_aside(got, want) if got.is_floating_point() else torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_gate_over_any_logits_is_the_op_chain(dtype: torch.dtype) -> None:
+    """Logits through softplus' exp and log1p (the interpreter's are NumPy's: weights within a few ulps
+    there, bitwise compiled), spread so that the picks do not hang on a last bit."""
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.stack([torch.randperm(384, generator=generator) * 0.05 - 10 for _ in range(6)]).to(dtype).to(DEVICE)
+    bias = (torch.randn(384, generator=generator) * 1e-3).to(DEVICE)
+    indices, weights = _fused_gate(logits, bias, None, 6)
+    want_indices, want_weights = _gate_reference(logits, bias, None, 6)
+    torch.testing.assert_close(indices, want_indices)
+    _assert_transcendental(weights, want_weights)
+
+
+def test_moe_gate_hands_other_routers_to_the_op_chain() -> None:
+    logits = _randn(3, 8, seed=24)
+    calls = []
+    triton_fused.moe_gate(logits, "sigmoid", None, None, 2, 1.0, composed=lambda *args: calls.append(args))
+    triton_fused.moe_gate(logits.double(), "sqrtsoftplus", None, None, 2, 1.0, composed=lambda *args: calls.append(args))
+    assert [args[1] for args in calls] == ["sigmoid", "sqrtsoftplus"]
+    indices, weights = _fused_gate(logits[:0], torch.zeros(8, device=DEVICE), None, 2)
+    assert indices.shape == weights.shape == (0, 2)
+
+
 # hyper-connections -----------------------------------------------------------------------------------
 
 def _site(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -227,6 +282,9 @@ def test_fused_rows_do_not_depend_on_the_batch(batch: tuple[int, int], dtype: to
     _assert_same_bits(triton_fused.hyper_collapse(pre, streams)[one], triton_fused.hyper_collapse(pre[one], streams[one]))
     _assert_same_bits(triton_fused.ordered_sum(streams, 1)[one], triton_fused.ordered_sum(streams[one], 1))
     _assert_same_bits(triton_fused.ordered_sum(streams, -1)[one], triton_fused.ordered_sum(streams[one], -1))
+    logits, bias = _randn(rows, 24, seed=seed + 8, dtype=dtype) * 4, _randn(24, seed=seed + 9)
+    for whole, alone in zip(_fused_gate(logits, bias, None, 4), _fused_gate(logits[one], bias, None, 4)):
+        assert torch.equal(whole[one], alone)
     _assert_same_bits(triton_fused.hyper_expand(post, comb, block_out, streams)[one],
                       triton_fused.hyper_expand(post[one], comb[one], block_out[one], streams[one]))
     gate, up = _randn(rows, 2, 40, seed=seed + 5, dtype=dtype).unbind(1)

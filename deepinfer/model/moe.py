@@ -9,13 +9,6 @@ from deepinfer.families.v4.config import ModelConfig
 from deepinfer.model.layers import Linear, empty
 from deepinfer.kernels import Ops
 
-SCORE_FUNCS = {
-    "sqrtsoftplus": lambda ops, logits: ops.softplus(logits).sqrt(),
-    "softmax": lambda ops, logits: ops.softmax(logits).to(logits.dtype),
-    "sigmoid": lambda ops, logits: ops.sigmoid(logits),
-}
-
-
 class Gate(nn.Module):
     """Router. Top-k layers pick experts by score + `bias`; hash layers look them up in `tid2eid`."""
 
@@ -27,7 +20,7 @@ class Gate(nn.Module):
         self.hashed = hashed
         self.top_k = config.num_experts_per_tok
         self.scale = config.routed_scaling_factor
-        self.score = SCORE_FUNCS[config.scoring_func]
+        self.score_func = config.scoring_func
         self.weight = empty(config.n_routed_experts, config.hidden_size, dtype=dtype, device=device)
         if hashed:
             self.tid2eid = nn.Buffer(torch.zeros(config.vocab_size, self.top_k, dtype=torch.long, device=device))
@@ -35,14 +28,9 @@ class Gate(nn.Module):
             self.bias = empty(config.n_routed_experts, dtype=torch.float32, device=device)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = self.score(self.ops, self.ops.linear(x, self.weight))
-        if self.hashed:
-            indices = self.tid2eid[input_ids]
-        else:
-            indices = self.ops.topk_indices(scores + self.bias, self.top_k)
-        weights = scores.gather(1, indices)
-        weights = weights / (self.ops.ordered_sum(weights, dim=-1).unsqueeze(-1) + 1e-20)
-        return indices, weights * self.scale
+        chosen = self.tid2eid[input_ids] if self.hashed else None
+        return self.ops.moe_gate(self.ops.linear(x, self.weight), self.score_func, None if self.hashed else self.bias,
+                                 chosen, self.top_k, self.scale)
 
 
 class Experts(nn.Module):
