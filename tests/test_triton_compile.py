@@ -93,6 +93,12 @@ kernels = {
                 {"TOP_K": 6, "BLOCK": 256}),
     "ordered_sum": (f._ordered_sum_kernel, {"x_ptr": bf16, "out_ptr": bf16, "outputs": "i32", "inner": "i32",
                                             "n": "i32"}, {"LEVELS": 13, "ROWS": 1}),
+    "gate": (f._sqrtsoftplus_gate_kernel, {"logits_ptr": bf16, "bias_ptr": fp32, "chosen_ptr": "*i64",
+                                            "indices_ptr": "*i64", "weights_ptr": bf16, "E": "i32", "scale": "fp32"},
+             {"K": 6, "LEVELS": 3, "BLOCK_E": 512, "CHOSEN": False}),
+    "engram": (f._engram_mix_kernel, {"streams_ptr": bf16, "kv_ptr": bf16, "q_ptr": fp32, "k_ptr": fp32,
+                                      "out_ptr": bf16, "H": "i32", "inverse_h": "fp32", "eps": "fp32",
+                                      "scale": "fp32", "floor": "fp32"}, {"N": 4, "LEVELS": 13, "BLOCK": 1024}),
     **{fmt: (f._cache_qdq_kernel, {"x_ptr": bf16, "out_ptr": bf16, "width": "i32", "x_stride": "i32"},
              {"FORMAT": fmt, "GROUP": group, "BLOCK": f.QDQ_BLOCK}) for fmt, group in f.QDQ_FORMATS.items()},
 }
@@ -107,7 +113,8 @@ def test_fused_kernels_compile_for_hopper_without_contraction():
     """No fused multiply-add where the op chain rounds a product before adding (rotary, the collapse
     and mixing sums, the combine, the cache formats); in rotary and the expansion the compiler does fuse
     them when allowed, so the option is what keeps their bits. (The rotary table, coefficients and
-    SwiGLU are left out: libdevice's exp, cos and sin use FMAs by design.)"""
+    SwiGLU, the router and Engram's gating are left out: libdevice's exp, log1p, rsqrt, cos and sin use
+    FMAs by design; they are compiled here all the same.)"""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     helper = COMPILE.split("results = []")[0]
     done = subprocess.run([sys.executable, "-c", FUSED], input=helper, capture_output=True, text=True, env=env,
@@ -117,7 +124,7 @@ def test_fused_kernels_compile_for_hopper_without_contraction():
                   (line.split() for line in done.stdout.strip().splitlines())}
     formats = ("fp8_ue8m0", "mxfp4", "nvfp4")
     assert set(contracted) == {"rotary", "rotary_table", "coefficients", "collapse", "expand", "swiglu", "combine",
-                               "ordered_sum", *formats}
+                               "ordered_sum", "gate", "engram", *formats}
     assert not any(contracted[name][0] for name in ("rotary", "collapse", "expand", "combine", "ordered_sum",
                                                     *formats)), contracted
     assert contracted["rotary"][1] and contracted["expand"][1], contracted
