@@ -343,64 +343,6 @@ def moe_gate(logits: torch.Tensor, score_func: str, bias: torch.Tensor | None, c
     return indices, weights
 
 
-# V4.1's Engram gating ----------------------------------------------------------------------------------
-
-ENGRAM_BLOCK = 1024  # columns per step of the output loop
-
-
-@triton.jit
-def _leaf_row(row_ptr, term, real):
-    """One row's values (fp32) in the leaf order of `_tree_leaves` (0 where a leaf holds nothing)."""
-    return tl.load(row_ptr + term, mask=real, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _engram_mix_kernel(streams_ptr, kv_ptr, q_ptr, k_ptr, out_ptr, H, inverse_h, eps, scale, floor,
-                       N: tl.constexpr, LEVELS: tl.constexpr, BLOCK: tl.constexpr):
-    """Program per (token, stream): `composite.engram_mix`'s fp32 chain for one stream. Its three sums
-    over H (the stream's and the key's squares, the weighted products) run `invariant.ordered_sum`'s
-    tree on values loaded in its leaf order (`_tree_leaves`); the output is written column block by
-    column block. The mean of the squares multiplies by 1/H (`inverse_h`, fp32): PyTorch's CUDA division
-    by a host scalar is a multiplication by its reciprocal."""
-    row = tl.program_id(0).to(tl.int64)
-    token, stream = row // N, row % N
-    term = _tree_leaves(H, LEVELS)
-    real = term >= 0
-    held = real[None, :]
-    hidden_row = streams_ptr + row * H
-    key_row = kv_ptr + (token * (N + 1) + stream) * H
-    hidden, key = _leaf_row(hidden_row, term, real), _leaf_row(key_row, term, real)
-    hidden_squares = tl.sum(_tree_sum((hidden * hidden)[None, :], held, 1, LEVELS, tl.float32), axis=0)
-    key_squares = tl.sum(_tree_sum((key * key)[None, :], held, 1, LEVELS, tl.float32), axis=0)
-    qk = _leaf_row(q_ptr + stream * H, term, real) * _leaf_row(k_ptr + stream * H, term, real)
-    dot = tl.sum(_tree_sum(((hidden * qk) * key)[None, :], held, 1, LEVELS, tl.float32), axis=0)
-    rstd = libdevice.rsqrt(hidden_squares * inverse_h + eps) * libdevice.rsqrt(key_squares * inverse_h + eps)
-    dot = dot * rstd * scale
-    magnitude = tl.sqrt_rn(tl.where(tl.abs(dot) < floor, floor, tl.abs(dot)))  # NaN stays NaN, as clamp_min
-    sign = dot.to(tl.uint32, bitcast=True) & 0x80000000
-    gate = _sigmoid((magnitude.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True))  # copysign
-    value_row = kv_ptr + (token * (N + 1) + N) * H
-    for start in range(0, H, BLOCK):
-        columns = start + tl.arange(0, BLOCK)
-        ok = columns < H
-        stream_part = tl.load(hidden_row + columns, mask=ok, other=0.0).to(tl.float32)
-        value = tl.load(value_row + columns, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * H + columns, (stream_part + gate * value).to(out_ptr.dtype.element_ty), mask=ok)
-
-
-def engram_mix(streams: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-               floor: float) -> torch.Tensor:
-    """`composite.engram_mix` with `invariant.ordered_sum` and torch's sigmoid, in one launch."""
-    tokens, n, width = streams.shape
-    out = torch.empty_like(streams)
-    if out.numel():
-        levels = (width - 1).bit_length()
-        _fused(_engram_mix_kernel, (tokens * n,), streams.contiguous(), kv.contiguous(), q_weight.float().contiguous(),
-               k_weight.float().contiguous(), out, width, 1.0 / width, eps, width ** -0.5, floor, N=n, LEVELS=levels,
-               BLOCK=min(ENGRAM_BLOCK, triton.next_power_of_2(width)), num_warps=16 if levels > 11 else 8)
-    return out
-
-
 # collapse, stream mixing and expansion ------------------------------------------------------------
 
 @triton.jit
@@ -677,7 +619,6 @@ OPS = {
     "hyper_coefficients": hyper_coefficients,
     "ordered_sum": ordered_sum,
     "hyper_collapse": hyper_collapse,
-    "engram_mix": engram_mix,
     "mix_streams": mix_streams,
     "hyper_expand": hyper_expand,
     "clamped_swiglu": clamped_swiglu,

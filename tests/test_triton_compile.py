@@ -70,10 +70,14 @@ FUSED = """
 import sys
 sys.argv = sys.argv[:1]
 exec(sys.stdin.read())  # compile_kernel
-from deepinfer.kernels import triton_fused as f
+from deepinfer.kernels import triton_fused as f, triton_ops
 
 bf16, fp32 = "*bf16", "*fp32"
 kernels = {
+    "route": (triton_ops._route_kernel, {**{name: "*i64" for name in ("experts_ptr", "rows_ptr", "order_ptr",
+                                                                       "source_ptr", "offsets_ptr", "active_ptr")},
+                                         "S": "i32", "E": "i32", "per_row": "i32", "listed": "i32"},
+              {"BLOCK_S": 512, "BLOCK_E": 512, "CHUNK": 8, "HAS_ROWS": False}),
     "rotary": (f._rotary_kernel, {"x_ptr": bf16, "cos_ptr": fp32, "sin_ptr": fp32, "out_ptr": bf16, "rows": "i32",
                                   "per_token": "i32", "D": "i32", "HALF": "i32"},
                {"ROWS": 16, "BLOCK_D": 512, "BLOCK_HALF": 32}),
@@ -96,9 +100,6 @@ kernels = {
     "gate": (f._sqrtsoftplus_gate_kernel, {"logits_ptr": bf16, "bias_ptr": fp32, "chosen_ptr": "*i64",
                                             "indices_ptr": "*i64", "weights_ptr": bf16, "E": "i32", "scale": "fp32"},
              {"K": 6, "LEVELS": 3, "BLOCK_E": 512, "CHOSEN": False}),
-    "engram": (f._engram_mix_kernel, {"streams_ptr": bf16, "kv_ptr": bf16, "q_ptr": fp32, "k_ptr": fp32,
-                                      "out_ptr": bf16, "H": "i32", "inverse_h": "fp32", "eps": "fp32",
-                                      "scale": "fp32", "floor": "fp32"}, {"N": 4, "LEVELS": 13, "BLOCK": 1024}),
     **{fmt: (f._cache_qdq_kernel, {"x_ptr": bf16, "out_ptr": bf16, "width": "i32", "x_stride": "i32"},
              {"FORMAT": fmt, "GROUP": group, "BLOCK": f.QDQ_BLOCK}) for fmt, group in f.QDQ_FORMATS.items()},
 }
@@ -112,9 +113,9 @@ for name, (fn, signature, constexprs) in kernels.items():
 def test_fused_kernels_compile_for_hopper_without_contraction():
     """No fused multiply-add where the op chain rounds a product before adding (rotary, the collapse
     and mixing sums, the combine, the cache formats); in rotary and the expansion the compiler does fuse
-    them when allowed, so the option is what keeps their bits. (The rotary table, coefficients and
-    SwiGLU, the router and Engram's gating are left out: libdevice's exp, log1p, rsqrt, cos and sin use
-    FMAs by design; they are compiled here all the same.)"""
+    them when allowed, so the option is what keeps their bits. (The rotary table, the coefficients,
+    SwiGLU and the router are left out: libdevice's exp, log1p, cos and sin use FMAs by design; they are
+    compiled here all the same, with the experts' routing, integer work.)"""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     helper = COMPILE.split("results = []")[0]
     done = subprocess.run([sys.executable, "-c", FUSED], input=helper, capture_output=True, text=True, env=env,
@@ -124,7 +125,7 @@ def test_fused_kernels_compile_for_hopper_without_contraction():
                   (line.split() for line in done.stdout.strip().splitlines())}
     formats = ("fp8_ue8m0", "mxfp4", "nvfp4")
     assert set(contracted) == {"rotary", "rotary_table", "coefficients", "collapse", "expand", "swiglu", "combine",
-                               "ordered_sum", "gate", "engram", *formats}
+                               "ordered_sum", "gate", "route", *formats}
     assert not any(contracted[name][0] for name in ("rotary", "collapse", "expand", "combine", "ordered_sum",
-                                                    *formats)), contracted
+                                                    "route", *formats)), contracted
     assert contracted["rotary"][1] and contracted["expand"][1], contracted

@@ -172,33 +172,6 @@ def test_moe_gate_hands_other_routers_to_the_op_chain() -> None:
     assert indices.shape == weights.shape == (0, 2)
 
 
-# V4.1's Engram gating ------------------------------------------------------------------------------
-
-def _engram_inputs(tokens: int, width: int, seed: int, dtype: torch.dtype):
-    streams = _randn(tokens, N, width, seed=seed, dtype=dtype)
-    kv = _randn(tokens, (N + 1) * width, seed=seed + 1, dtype=dtype)
-    return streams, kv, _randn(N, width, seed=seed + 2), _randn(N, width, seed=seed + 3)
-
-
-def _engram_reference(streams, kv, q_weight, k_weight):
-    return composite.engram_mix(streams, kv, q_weight, k_weight, 1e-6, 1e-6, ordered_sum=invariant.ordered_sum,
-                                sigmoid=torch.sigmoid)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("width", [64, 300, 5120])
-def test_engram_mix_is_the_op_chain(dtype: torch.dtype, width: int) -> None:
-    """Every stream's gate and sum, including a dot product below the clamp's floor and a NaN stream:
-    bitwise compiled; under the interpreter within a few ulps (its rsqrt and exp are NumPy's, and
-    the host's division by H is exact where CUDA multiplies by 1/H)."""
-    streams, kv, q_weight, k_weight = _engram_inputs(3, width, seed=width, dtype=dtype)
-    q_weight[1] = 0.0  # stream 1's dot product is 0: the gate is sigmoid(sqrt(floor))
-    streams[2, 3, 7] = float("nan")
-    fused = triton_fused.engram_mix(streams, kv, q_weight, k_weight, 1e-6, 1e-6)
-    _assert_transcendental(fused, _engram_reference(streams, kv, q_weight, k_weight))
-    assert fused[2, 3].isnan().all() and not fused[2, :3].isnan().any()
-
-
 # hyper-connections -----------------------------------------------------------------------------------
 
 def _site(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -312,9 +285,6 @@ def test_fused_rows_do_not_depend_on_the_batch(batch: tuple[int, int], dtype: to
     logits, bias = _randn(rows, 24, seed=seed + 8, dtype=dtype) * 4, _randn(24, seed=seed + 9)
     for whole, alone in zip(_fused_gate(logits, bias, None, 4), _fused_gate(logits[one], bias, None, 4)):
         assert torch.equal(whole[one], alone)
-    streams, kv, q_weight, k_weight = _engram_inputs(rows, 40, seed=seed + 10, dtype=dtype)
-    _assert_same_bits(triton_fused.engram_mix(streams, kv, q_weight, k_weight, 1e-6, 1e-6)[one],
-                      triton_fused.engram_mix(streams[one], kv[one], q_weight, k_weight, 1e-6, 1e-6))
     _assert_same_bits(triton_fused.hyper_expand(post, comb, block_out, streams)[one],
                       triton_fused.hyper_expand(post[one], comb[one], block_out[one], streams[one]))
     gate, up = _randn(rows, 2, 40, seed=seed + 5, dtype=dtype).unbind(1)

@@ -303,8 +303,8 @@ class Engram(nn.Module):
     Stream s gets gate * value, where gate = sigmoid(signed sqrt(dot)) and dot is the
     (q_weight * k_weight)-weighted dot product of the stream with its key, each RMS-normalised
     (eps = rms_norm_eps) and scaled by hidden_size^-1/2. All of it in fp32; sums over the hidden
-    dimension go through `ops.ordered_sum`, so a row's bits depend only on that row (`ops.engram_mix`;
-    one launch on CUDA). (With the
+    dimension go through `ops.ordered_sum`, so a row's bits depend only on that row (`ops.engram_mix`).
+    (With the
     batch-invariant ops that order differs from a library sum's, and near dot = 0 the signed square
     root magnifies the last-bit difference: a few 1e-6 in the output against NeMo at worst.)
     `q_weight` and `k_weight` are kept in fp32 (the release's bf16 widens exactly).
