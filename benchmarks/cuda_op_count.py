@@ -19,6 +19,7 @@ import argparse
 import collections
 import json
 import os
+import sys
 import traceback
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from triton.language.extra import libdevice  # noqa: E402
 
 from deepinfer import LLM, EngineConfig, SamplingParams  # noqa: E402
 from deepinfer.engine import host  # noqa: E402
-from deepinfer.kernels import invariant  # noqa: E402
+from deepinfer.kernels import cpu_isa, invariant  # noqa: E402
 import deepinfer.kernels as kernels  # noqa: E402
 
 SILENT = {"empty", "empty_like", "empty_strided", "new_empty", "lift_fresh", "detach", "detach_", "item",
@@ -104,7 +105,10 @@ def main() -> None:
     for site, count in counting.sites.most_common(args.top):
         print(f"{count:5d}  {site[:140]}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"preset": args.preset, "layers": layers, "launches": total,
+        command = " ".join(["python"] + [a if a != args.out else Path(args.out).name for a in sys.argv])
+        device = f"cpu ({cpu_isa.cpu_model()}), the invariant CUDA table under the Triton interpreter"
+        Path(args.out).write_text(json.dumps({"command": command, "device": device, "preset": args.preset,
+                                              "layers": layers, "launches": total,
                                               "by_op": dict(counting.ops.most_common()),
                                               "by_line": dict(counting.sites.most_common())}, indent=1))
 

@@ -1,6 +1,7 @@
 """What one decode step costs on a CUDA device: wall time, kernel launches and host syncs.
 
     python benchmarks/decode_step_profile.py --out results.json [--preset flash-4l] [--batches 1 64]
+    python benchmarks/decode_step_profile.py --out results.json --preset v41-flash-5l --speculation off dspark
 
 For each batch size B the engine gets B requests (64-token prompts, greedy, no stop), steps until
 every one of them is decoding, then (reading each step's results before the next: no async
@@ -14,7 +15,10 @@ scheduling, so a step's costs are its own):
   (`deepinfer.engine.graph.StepGraph`), interleaved, to show what capture would buy the step;
 - profiles that forward once more, eagerly, and credits each kernel to the innermost model module
   (by class) whose forward launched it: where the launches and the GPU time of a step go.
-Weights are the preset's seeded random weights built on the GPU.
+Weights are the preset's seeded random weights built on the GPU. With `--speculation` naming drafters,
+each batch is profiled once per drafter, every step drafting `--draft-tokens` tokens and verifying them
+all (`verify_policy="fixed"`): what a speculative step costs against a plain one (random weights: the
+drafts fail, so each step keeps one token). The forward-only timings are of plain steps only.
 """
 
 from __future__ import annotations
@@ -192,6 +196,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--label", default="")
     parser.add_argument("--numerics", nargs="+", default=["batch_invariant"], choices=NUMERICS)
+    parser.add_argument("--speculation", nargs="+", default=["off"], help="off and drafters, each profiled per batch")
+    parser.add_argument("--draft-tokens", type=int, default=5)
     args = parser.parse_args()
     command = [arg if arg != args.out else Path(args.out).name for arg in sys.argv]
     report = {"command": " ".join(["python"] + command), "device": torch.cuda.get_device_name(),
@@ -199,15 +205,20 @@ def main() -> None:
               "prompt_tokens": PROMPT_TOKENS, "runs": []}
     for numerics in args.numerics:
         model = LLM(f"preset:{args.preset}", engine_config(args.dtype, numerics, 1))  # built once per mode
-        for batch in args.batches:
-            llm = decoding_engine(model, batch, new_tokens=args.steps + 8, async_scheduling=False)
+        for batch, speculation in ((b, s) for b in args.batches for s in args.speculation):
+            # a speculative step keeps up to 1 + draft_tokens tokens: room for that many in every step
+            per_step = 1 if speculation == "off" else 1 + args.draft_tokens
+            llm = decoding_engine(model, batch, new_tokens=(args.steps + 8) * per_step, async_scheduling=False,
+                                  speculation=speculation, draft_tokens=args.draft_tokens, verify_policy="fixed")
             timed_steps(llm, 2)  # warm-up (autotuning, allocator)
             times = timed_steps(llm, args.steps)
-            run = {"numerics": numerics, "batch": batch, "step_ms_median": round(1e3 * statistics.median(times), 3),
+            run = {"numerics": numerics, "batch": batch, "speculation": speculation,
+                   "step_ms_median": round(1e3 * statistics.median(times), 3),
                    "step_ms_min": round(1e3 * min(times), 3), **profiled_step(llm)}
             sites = synced_step(llm)
             run.update(host_syncs=len(sites), host_sync_sites=sites)
-            if numerics == "batch_invariant":  # fast mode's MoE reads expert counts on the host: not capturable
+            # fast mode's MoE reads expert counts on the host: not capturable
+            if numerics == "batch_invariant" and speculation == "off":
                 run.update(forward_times(llm, args.steps))
             report["runs"].append(run)
             Path(args.out).write_text(json.dumps(report, indent=2))  # after every run: a later failure keeps it
