@@ -36,13 +36,13 @@ from deepinfer.kernels import composite, fast, invariant, quant
 
 NUMERICS = ("batch_invariant", "fast")
 OPS = (
-    "clamped_swiglu", "cos_sin", "engram_mix", "expert_outputs", "fp8_ue8m0_qdq", "grouped_linear",
+    "clamped_swiglu", "cos_sin", "expert_outputs", "fp8_ue8m0_qdq", "grouped_linear",
     "hyper_coefficients", "hyper_collapse", "hyper_expand", "indexer_scores", "linear", "log", "log_softmax",
     "matmul_layout", "mix_streams", "moe_experts", "moe_gate", "mxfp4_qdq", "nvfp4_qdq", "ordered_sum",
     "paged_indexer_scores", "paged_sink_attention", "rms_norm", "rotary", "rotary_table", "sigmoid", "sink_attention",
     "sinkhorn", "softmax", "softplus", "topk_indices", "unweighted_rms_norm", "weighted_combine", "window_pool",
 )
-_COMPOSITES = ("engram_mix", "expert_outputs", "hyper_coefficients", "hyper_collapse", "hyper_expand", "moe_experts",
+_COMPOSITES = ("expert_outputs", "hyper_coefficients", "hyper_collapse", "hyper_expand", "moe_experts",
                "moe_gate", "paged_indexer_scores", "paged_sink_attention", "rotary_table")
 # the release's cache formats (kernels/quant.py): one implementation, the same bits in every table
 _CACHE_FORMATS = ("fp8_ue8m0_qdq", "mxfp4_qdq", "nvfp4_qdq")
@@ -82,8 +82,6 @@ def _complete(table: dict) -> dict:
     table.setdefault("hyper_collapse", partial(composite.hyper_collapse, ordered_sum=table["ordered_sum"]))
     table.setdefault("hyper_expand", partial(composite.hyper_expand, mix_streams=table["mix_streams"]))
     table.setdefault("moe_gate", _composite_gate(table))
-    table.setdefault("engram_mix", partial(composite.engram_mix, ordered_sum=table["ordered_sum"],
-                                           sigmoid=table["sigmoid"]))
     return table
 
 
