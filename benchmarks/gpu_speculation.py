@@ -24,7 +24,9 @@ under each `verify_policy`: what speculation costs when drafts fail (its time ov
 with the drafts the throughput-aware policy declined and the steps it speculated in. The
 throughput-aware policy starts each timed run from nothing (no step times, the prior hold rates), its
 engine warmed up first, so its figure includes what it costs to learn that drafts do not hold.
-`--speed-only` skips the bitwise runs.
+Each speed row also splits the device's time of a step (the runner's CUDA-event clock) into the
+forward with sampling and the drafter's pass, by whether the drafter ran (`device_ms`). `--speed-only`
+skips the bitwise runs.
 """
 
 from __future__ import annotations
@@ -153,7 +155,10 @@ class PhaseClock:
     wait for the device, then the lists) and applying them (`update`); a step's wall time beyond them is
     the engine's own glue. It also keeps each step's wall time by kind (plain, or speculating: it verified
     drafts or ran the drafter) and counts the CUDA graphs captured meanwhile (a step of a shape not met
-    before captures one, which costs far more than a replay)."""
+    before captures one, which costs far more than a replay). From the runner's own clock (`StepClock`,
+    the device's: CUDA events) it keeps each step's forward with sampling and its drafter pass, by
+    whether the drafter ran (prompt lookup's verify steps run none): what a speculative step's extra
+    time is made of."""
 
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
@@ -162,6 +167,7 @@ class PhaseClock:
                         "update": llm.scheduler}
         self.originals: dict[str, object] = {}
         self.walls: dict[str, list[float]] = {"plain": [], "speculating": []}
+        self.device: dict[str, list[tuple[float, float]]] = {"without_drafter": [], "with_drafter": []}
         self.graphs = self._graphs()
 
     def _graphs(self) -> int:
@@ -181,9 +187,13 @@ class PhaseClock:
         def timed_call(*args, **kwargs):
             start = time.perf_counter()
             try:
-                return call(*args, **kwargs)
+                out = call(*args, **kwargs)
             finally:
                 self.seconds[phase] += time.perf_counter() - start
+            if phase == "result" and out.forward_seconds is not None:  # a step that captured no graph
+                kind = "with_drafter" if out.draft_seconds else "without_drafter"
+                self.device[kind].append((out.forward_seconds, out.draft_seconds))
+            return out
         return timed_call
 
     def __enter__(self) -> PhaseClock:
@@ -200,17 +210,22 @@ class PhaseClock:
                 delattr(owner, phase)  # the class's method shows through again
 
     def report(self, steps: int) -> dict:
-        """Host milliseconds per step by phase, step walls by kind (count, median, slowest) and graphs captured."""
+        """Host milliseconds per step by phase, step walls by kind (count, median, slowest), the device's
+        median forward and drafter milliseconds by kind, and graphs captured."""
         walls = {kind: {"steps": len(w), "median_ms": round(1000 * statistics.median(w), 3),
                         "max_ms": round(1000 * max(w), 3)} for kind, w in self.walls.items() if w}
+        device = {kind: {"steps": len(times),
+                         "forward_median_ms": round(1000 * statistics.median(f for f, _ in times), 3),
+                         "drafter_median_ms": round(1000 * statistics.median(d for _, d in times), 3)}
+                  for kind, times in self.device.items() if times}
         return {"host_ms_per_step": {phase: round(1000 * seconds / max(steps, 1), 3)
                                      for phase, seconds in self.seconds.items()},
-                "step_walls": walls, "graphs_captured": self._graphs() - self.graphs}
+                "step_walls": walls, "device_ms": device, "graphs_captured": self._graphs() - self.graphs}
 
 
 def clock_figures(counts: dict) -> dict:
     """A timed run's `PhaseClock` figures, out of its counters."""
-    return {name: counts[name] for name in ("host_ms_per_step", "step_walls", "graphs_captured")}
+    return {name: counts[name] for name in ("host_ms_per_step", "step_walls", "device_ms", "graphs_captured")}
 
 
 def timed(llm: LLM, requests, drafter: ReferenceDrafter | None, **changes) -> tuple[list, int, float, dict]:
@@ -224,6 +239,7 @@ def timed(llm: LLM, requests, drafter: ReferenceDrafter | None, **changes) -> tu
     if llm.device.type == "cuda":
         torch.cuda.empty_cache()
     spec = llm.with_engine(replace(llm.engine_config, **changes))
+    spec.runner.timed = True  # every step on the device's clock (`PhaseClock.device`); only a throughput plan reads it
     if drafter is not None:
         spec.scheduler.drafter = drafter
     scheduler = spec.scheduler

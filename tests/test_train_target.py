@@ -168,6 +168,9 @@ def test_a_quantized_export_loads_and_speculation_keeps_plain_decodings_tokens(t
     assert fixed["bitwise_equal"] and rows[2]["bitwise_equal"]
     assert fixed["drafted"] > 0 and fixed["verify_chunks"] > 0 and fixed["verify_lengths"]
     assert sum(fixed["verify_lengths"].values()) == fixed["verify_chunks"]
+    # the device clock splits each step: the drafter ran in the speculating steps, never with speculation off
+    assert fixed["device_ms"]["with_drafter"]["drafter_median_ms"] > 0
+    assert set(rows[0]["device_ms"]) == {"without_drafter"} and rows[0]["device_ms"]["without_drafter"]["steps"] > 0
 
 
 def _argv(tmp_path: Path, name: str, *more: str) -> list[str]:
