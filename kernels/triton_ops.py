@@ -488,17 +488,17 @@ def route_slots(experts: torch.Tensor, n_experts: int, rows: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Slots experts [S] (int64) grouped by expert: `order` and `offsets` as `fast.sort_by_expert` gives
     them, `active_experts(offsets, S)`, and each sorted slot's source row: rows[order] (order // per_row
-    when rows is None). One launch up to ROUTE_MAX_SLOTS slots (integers: the same values as the
-    torch chain, which runs past it)."""
+    when rows is None). One launch for 1 to ROUTE_MAX_SLOTS slots (integers: the same values as the
+    torch chain, which runs otherwise)."""
     count = experts.shape[0]
-    if count > ROUTE_MAX_SLOTS:
+    if count > ROUTE_MAX_SLOTS or count == 0:  # no slots (a rank the exchange sent none): no launch either
         order, offsets = fast.sort_by_expert(experts.unsqueeze(-1), n_experts)
         return order, offsets, active_experts(offsets, count), order // per_row if rows is None else rows[order]
     device = experts.device
     order, source = (torch.empty(count, dtype=torch.long, device=device) for _ in range(2))
     offsets = torch.empty(n_experts + 1, dtype=torch.long, device=device)
     active = torch.empty(min(n_experts, count), dtype=torch.long, device=device)
-    block_s, block_e = triton.next_power_of_2(max(count, 1)), triton.next_power_of_2(n_experts + 1)
+    block_s, block_e = triton.next_power_of_2(count), triton.next_power_of_2(n_experts + 1)
     chunk = max(1, ROUTE_TERMS // max(block_s, block_e))
     _route_kernel[(1,)](experts.contiguous(), experts if rows is None else rows.contiguous(), order, source, offsets,
                         active, count, n_experts, per_row, active.shape[0], BLOCK_S=block_s, BLOCK_E=block_e,

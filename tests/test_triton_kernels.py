@@ -217,11 +217,13 @@ def test_route_slots_give_the_sorts_values(slots: int, experts: int, per_row: in
         assert out.dtype == ref.dtype and torch.equal(out, ref)
 
 
-def test_route_slots_past_one_program_take_the_torch_chain() -> None:
+def test_route_slots_past_one_program_or_of_no_slots_take_the_torch_chain() -> None:
     ids = torch.randint(0, 384, (triton_ops.ROUTE_MAX_SLOTS + 1,), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     order, offsets, active, source = triton_ops.route_slots(ids, 384, per_row=6)
     assert torch.equal(order, torch.sort(ids, stable=True).indices) and torch.equal(source, order // 6)
     assert offsets[-1] == ids.shape[0] and active.shape == (384,)
+    order, offsets, active, source = triton_ops.route_slots(ids[:0], 384, rows=ids[:0])
+    assert order.shape == active.shape == source.shape == (0,) and offsets.shape == (385,) and not offsets.any()
 
 
 def _all_tiles(dtype: torch.dtype) -> list[triton_ops.Tiles]:
