@@ -356,12 +356,9 @@ def _hyper_collapse_kernel(pre_ptr, streams_ptr, out_ptr, H, N: tl.constexpr, LE
     streams = tl.arange(0, N)
     pre = tl.load(pre_ptr + token * N + streams)
     rows = tl.load(streams_ptr + (token * N + streams[None, :]) * H + cols[:, None], mask=ok[:, None], other=0.0)
-    terms = pre[None, :] * rows.to(tl.float32)  # [BLOCK, N]
-    for level in tl.static_range(LEVELS):
-        pairs = tl.permute(tl.reshape(terms, (BLOCK, 2, N // (2 << level))), (0, 2, 1))  # [BLOCK, half, 2]
-        first, second = tl.split(pairs)
-        terms = first + second
-    tl.store(out_ptr + token * H + cols, tl.reshape(terms, (BLOCK,)).to(out_ptr.dtype.element_ty), mask=ok)
+    terms = pre[None, :] * rows.to(tl.float32)  # [BLOCK, N]: a power of two, every leaf holding its stream
+    total = _tree_sum(terms, tl.full((BLOCK, N), 1, tl.int1), BLOCK, LEVELS, tl.float32)
+    tl.store(out_ptr + token * H + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def hyper_collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
