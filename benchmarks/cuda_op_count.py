@@ -85,30 +85,50 @@ def main() -> None:
     parser.add_argument("--preset", default="v41-tiny")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--top", type=int, default=30, help="lines printed, most launches first")
+    parser.add_argument("--speculation", default="off",
+                        help="a drafter: count a whole engine step that verifies --draft-tokens drafts and drafts "
+                             "after it (sampling and the drafter's pass included) instead of the forward alone")
+    parser.add_argument("--draft-tokens", type=int, default=5)
+    parser.add_argument("--temperature", type=float, default=0.0, help="the request's (a whole step's sampling)")
     parser.add_argument("--out", help="write the counts as JSON here")
     args = parser.parse_args()
     ops = cuda_table_on_cpu()
     host.checked_cpu_ops = lambda dtype: ops
-    llm = LLM(f"preset:{args.preset}", EngineConfig(max_model_len=4 * args.prompt_tokens, async_scheduling=False,
-                                                    dtype="bfloat16"))
-    llm.add_request(list(range(5, 5 + args.prompt_tokens)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    while not llm.scheduler.running or not llm.scheduler.running[0].output_token_ids:
+    speculating = args.speculation != "off"
+    llm = LLM(f"preset:{args.preset}", EngineConfig(
+        max_model_len=4 * args.prompt_tokens, async_scheduling=False, dtype="bfloat16",
+        **(dict(speculation=args.speculation, draft_tokens=args.draft_tokens, verify_policy="fixed") if speculating else {})))
+    llm.add_request(list(range(5, 5 + args.prompt_tokens)),
+                    SamplingParams(temperature=args.temperature, max_tokens=32, ignore_eos=True, seed=1))
+    while not llm.scheduler.running or len(llm.scheduler.running[0].output_token_ids) < 2:
         llm.step()
-    scheduled = llm.scheduler.schedule()  # a decode step, counted but never run by the engine
-    batch, _ = llm.runner.build_batch(scheduled.chunks)
     counting = Counting(str(Path(__file__).resolve().parents[1]) + os.sep)
-    with torch.inference_mode(), counting:
-        llm.model(batch, llm.cache.layer_views)
+    if speculating:
+        what = "engine step verifying drafts and drafting after it"
+        with torch.inference_mode(), counting:
+            llm.step()
+    else:
+        what = "decode forward"
+        scheduled = llm.scheduler.schedule()  # a decode step, counted but never run by the engine
+        batch, _ = llm.runner.build_batch(scheduled.chunks)
+        with torch.inference_mode(), counting:
+            llm.model(batch, llm.cache.layer_views)
     total = sum(counting.sites.values())
     layers = llm.config.num_hidden_layers
-    print(f"{args.preset}: {total} launches outside Triton kernels in one decode forward ({total / layers:.0f} a layer)")
+    by_file = collections.Counter()
+    for site, count in counting.sites.items():
+        by_file[site.split(":")[0]] += count
+    print(f"{args.preset}: {total} launches outside Triton kernels in one {what} ({total / layers:.0f} a target layer)")
+    for file, count in by_file.most_common():
+        print(f"{count:5d}  {file}")
     for site, count in counting.sites.most_common(args.top):
         print(f"{count:5d}  {site[:140]}")
     if args.out:
         command = " ".join(["python"] + [a if a != args.out else Path(args.out).name for a in sys.argv])
         device = f"cpu ({cpu_isa.cpu_model()}), the invariant CUDA table under the Triton interpreter"
         Path(args.out).write_text(json.dumps({"command": command, "device": device, "preset": args.preset,
-                                              "layers": layers, "launches": total,
+                                              "counted": what, "layers": layers, "launches": total,
+                                              "by_file": dict(by_file.most_common()),
                                               "by_op": dict(counting.ops.most_common()),
                                               "by_line": dict(counting.sites.most_common())}, indent=1))
 

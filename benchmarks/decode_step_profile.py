@@ -128,10 +128,10 @@ MODULE_SCOPE = "module::"
 UNCREDITED = "(not credited: Triton launches)"
 
 
-def module_census(model: torch.nn.Module, forward) -> list[dict]:
-    """Kernels (count and GPU µs) of one eager `forward()` per innermost module class whose PyTorch ops
-    launched them ("(model)" outside every module), and those no op launched (Triton's), largest GPU
-    time first."""
+def module_census(models: list[torch.nn.Module], forward) -> list[dict]:
+    """Kernels (count and GPU µs) of one eager `forward()` per innermost module class of `models`
+    whose PyTorch ops launched them ("(model)" outside every module), and those no op launched
+    (Triton's), largest GPU time first."""
     scopes: dict[torch.nn.Module, list] = {}
 
     def enter(module, _args):
@@ -140,7 +140,8 @@ def module_census(model: torch.nn.Module, forward) -> list[dict]:
     def leave(module, _args, _out):
         scopes[module].pop().__exit__(None, None, None)
 
-    hooks = [h for m in model.modules() for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    hooks = [h for model in models for m in model.modules()
+             for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
     try:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             forward()
@@ -181,10 +182,21 @@ def forward_times(llm: LLM, repeats: int) -> dict:
             run()
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
-    census = module_census(llm.model, lambda: llm.model(batch, llm.cache.layer_views))
+    census = module_census([llm.model], lambda: llm.model(batch, llm.cache.layer_views))
     llm.scheduler.update(scheduled, llm.runner.execute(scheduled).result(scheduled))
     return {"forward_ms_eager": round(1e3 * statistics.median(eager), 3),
             "forward_ms_graph": round(1e3 * statistics.median(replayed), 3), "kernels_by_module": census}
+
+
+def step_census(llm: LLM) -> list[dict]:
+    """`module_census` of one whole engine step run eagerly (no graph replay hides the modules), the
+    device drafter's modules credited beside the target's: where a speculative step's time goes."""
+    drafter = getattr(llm.runner.drafts, "draft", None) or getattr(llm.runner.drafts, "mtp", None)
+    graphs, llm.runner.graphs = llm.runner.graphs, None
+    try:
+        return module_census([llm.model, *([drafter] if drafter is not None else [])], llm.step)
+    finally:
+        llm.runner.graphs = graphs
 
 
 def main() -> None:
@@ -220,11 +232,13 @@ def main() -> None:
             # fast mode's MoE reads expert counts on the host: not capturable
             if numerics == "batch_invariant" and speculation == "off":
                 run.update(forward_times(llm, args.steps))
+            elif speculation != "off":
+                run["step_kernels_by_module"] = step_census(llm)
             report["runs"].append(run)
             Path(args.out).write_text(json.dumps(report, indent=2))  # after every run: a later failure keeps it
-            print(json.dumps({key: value for key, value in run.items() if key not in ("top_kernels", "kernels_by_module")}),
+            print(json.dumps({key: value for key, value in run.items() if key not in ("top_kernels", "kernels_by_module", "step_kernels_by_module")}),
                   flush=True)
-            for row in run.get("kernels_by_module", []):
+            for row in run.get("kernels_by_module", run.get("step_kernels_by_module", [])):
                 print("   ", row, flush=True)
             for kernel in run["top_kernels"][:8]:
                 print("   ", kernel, flush=True)

@@ -146,7 +146,7 @@ def bitwise(llm: LLM, model: str, requests, wrong_every: int, report: dict) -> N
 
 COUNTERS = {"drafted": "num_drafted", "kept": "num_draft_kept", "expected_kept": "num_drafts_expected",
             "declined": "num_drafts_declined", "speculating_steps": "num_speculating_steps",
-            "verify_chunks": "num_verify_chunks"}
+            "verify_chunks": "num_verify_chunks", "probes": "num_probes"}
 
 
 class PhaseClock:

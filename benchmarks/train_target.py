@@ -103,7 +103,7 @@ GRAD_CLIP = 1.0
 DISTILL_CORPUS_BYTES = 2_000_000  # of training files' text for distillation's prompts
 # the scheduler's speculation counters (the names `harness.run_writer` records them under)
 COUNTERS = {"drafted": "num_drafted", "drafts_kept": "num_draft_kept", "verify_chunks": "num_verify_chunks",
-            "rollbacks": "num_rollbacks", "speculating_steps": "num_speculating_steps"}
+            "rollbacks": "num_rollbacks", "speculating_steps": "num_speculating_steps", "probes": "num_probes"}
 
 
 class TrainError(ValueError):

@@ -46,7 +46,8 @@ _STATS_KEYS = ("sessions", "wall_s", "preemptions")
 # runs recorded before they existed lack them and read as 0
 _SPECULATION_KEYS = {"drafted": "num_drafted", "drafts_kept": "num_draft_kept", "verify_chunks": "num_verify_chunks",
                      "rollbacks": "num_rollbacks", "rollback_rows": "num_rollback_rows",
-                     "drafts_declined": "num_drafts_declined", "speculating_steps": "num_speculating_steps"}
+                     "drafts_declined": "num_drafts_declined", "speculating_steps": "num_speculating_steps",
+                     "probes": "num_probes"}
 # the prefix cache's counters (stats key: `engine.scheduler.Scheduler` attribute); older runs read as 0
 _PREFIX_KEYS = {"prefix_hit_tokens": "num_prefix_hit_tokens", "prefix_query_tokens": "num_prefix_query_tokens"}
 # a fixed-capacity expert exchange's redone steps (stats key: `engine.core.EngineCore` attribute); older runs read as 0

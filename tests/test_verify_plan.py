@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from deepinfer import LLM, EngineConfig
 from deepinfer.errors import DeepInferError
-from deepinfer.engine.verify_plan import (DRAFTER_PRIOR, PRIOR_HOLD, HeadLevels, HoldRates, TimeCurve, confidences,
-                                          plan_verify)
+from deepinfer.engine.verify_plan import (DRAFTER_PRIOR, PRIOR_HOLD, PROBE_SHARE, Exploration, HeadLevels, HoldRates,
+                                          TimeCurve, confidences, plan_verify)
 from deepinfer.harness.invariance import ReferenceDrafter, signature, standard_requests
 
 
@@ -161,6 +161,28 @@ def test_a_time_curve_is_the_median_of_what_ran_and_flat_where_nothing_did() -> 
     assert cost.seconds(1) == 0.011 and cost.seconds(9) == 0.020
     assert cost.seconds(5) == pytest.approx(0.011 + (0.020 - 0.011) * 4 / 8)
     assert cost.seconds(64) == 0.020
+
+
+@given(probe=st.floats(0.01, 50.0), plain=st.lists(st.floats(0.001, 2.0), max_size=3000), speculating=st.sets(st.integers(0, 2999)))
+def test_probes_cost_a_bounded_share_of_the_plain_time(probe, plain, speculating) -> None:
+    """Probes while drafts never hold cost at most PROBE_SHARE of the plain steps' time: each waits for
+    plain time worth 1 / share times its cost and halves the share; a step the plan made speculative
+    restores the share, and restarts the wait."""
+    exploration, spent, since = Exploration(), 0.0, 0.0
+    for step, seconds in enumerate(plain):
+        if step in speculating:
+            exploration.paid()
+            exploration.observe(True, seconds)
+            spent, since = 0.0, 0.0
+        elif exploration.due(probe):
+            exploration.probed()
+            spent += probe
+            assert spent <= PROBE_SHARE * since * (1 + 1e-9)
+        else:
+            exploration.observe(False, seconds)
+            since += seconds
+    if not speculating and sum(plain) >= 2 * probe / PROBE_SHARE:
+        assert spent > 0
 
 
 def _requests() -> list:
@@ -354,6 +376,57 @@ def test_drafts_that_never_hold_leave_the_engine_plain(requests, preset, specula
     assert sum(in_flight for _, in_flight in steps[last + 1:]) >= len(steps[last + 1:]) - 2
     if drafter_runs:
         assert len(drafter_runs) == scheduler.num_speculating_steps == last + 1 - speculative[:last + 1].count(False)
+
+
+class _LateDrafter(ReferenceDrafter):
+    """Prompt lookup whose drafts never hold (token 1 never comes) until a sequence has `late` tokens past
+    its prompt, and hold from then on (the reference's continuations)."""
+
+    def __init__(self, streams: list[list[int]], late: int) -> None:
+        super().__init__(streams, wrong_every=10**6)
+        self.late = late
+
+    def propose(self, seq, limit: int) -> list[int]:
+        if len(seq.known_token_ids) - len(seq.prompt_token_ids) < self.late:
+            return [1] * limit
+        return super().propose(seq, limit)
+
+
+@pytest.mark.parametrize("share", [0.5, 0.0])
+def test_an_engine_left_plain_probes_its_drafter_and_speculates_again_once_drafts_hold(share, monkeypatch) -> None:
+    """Drafts that fail at first leave the engine plain, and plain steps teach the rates nothing; probes
+    (`Exploration`: every draft verified once plain steps worth 1 / share times a probe's cost have
+    run) find that the drafts hold now, and the engine speculates again. With no share for probes (the
+    control) it stays plain. Step times are fixed (a speculative step costs twice a plain one); outputs
+    are plain decoding's either way."""
+    requests = standard_requests(vocab_size=1024, count=2, max_tokens=90)
+    fixed, _ = _serve(requests, speculation="ngram", verify_policy="fixed")
+    monkeypatch.setattr("deepinfer.engine.verify_plan.PROBE_SHARE", share)
+    # read back at once: a host drafter's drafts are the tokens it proposed, not placeholders for them
+    llm = LLM("preset:tiny", max_num_seqs=4, speculation="ngram", verify_policy="throughput", async_scheduling=False)
+    scheduler = llm.core.scheduler
+    scheduler.exploration = exploration = Exploration(share=share)
+    # a plain step's time counts towards a probe as the fixed curve prices it
+    monkeypatch.setattr(exploration, "observe", lambda speculative, _: Exploration.observe(exploration, speculative, 1.0))
+    scheduler.drafter = _LateDrafter([r.prompt + list(s[0]) for r, s in zip(requests, fixed)], late=30)
+    monkeypatch.setattr(scheduler.step_cost.speculating, "seconds", lambda rows: 2.0 + 0.01 * rows)
+    monkeypatch.setattr(scheduler.step_cost.plain, "seconds", lambda rows: 1.0 + 0.01 * rows)
+    kept = []
+    update = scheduler.update
+
+    def recording_update(scheduled, result):
+        before = scheduler.num_draft_kept
+        out = update(scheduled, result)
+        kept.append(scheduler.num_draft_kept - before)
+        return out
+    monkeypatch.setattr(scheduler, "update", recording_update)
+    outputs = llm.generate([r.prompt for r in requests], [r.params for r in requests])
+    assert [signature(o) for o in outputs] == fixed
+    assert sum(kept[:25]) == 0  # the early drafts never held
+    if share:
+        assert scheduler.num_probes >= 1 and sum(kept) >= 40
+    else:
+        assert scheduler.num_probes == 0 and sum(kept) == 0
 
 
 def test_a_drafter_that_never_drafts_leaves_the_engine_plain(requests, monkeypatch) -> None:

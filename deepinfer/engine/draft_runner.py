@@ -42,7 +42,7 @@ from typing import Protocol
 import torch
 
 from deepinfer.engine.cache import CacheManager
-from deepinfer.engine.sampler import SamplingBatch, sample
+from deepinfer.engine.sampler import SamplingBatch, SamplingNeeds, sample
 from deepinfer.model import PoolSpec, StepBatch
 from deepinfer.model.batch import CacheAddresses, Paged
 from deepinfer.families.v41.dspark import DSpark
@@ -60,7 +60,7 @@ class DraftInputs:
     or at a sampled row the target's draw there; 0 for padding); per sampling chunk [S] its row in the
     batch (`sample_chunks`), the index of the first token it drew (`draws_at`), what it drew
     (`token_ids` [S, 1 + k]), how many of those count (`num_accepted`) and its sampling settings
-    (`params`, any position)."""
+    (`params`, any position), with what the host knows of them (`needs`)."""
 
     batch: StepBatch
     streams_at: dict[int, torch.Tensor]
@@ -70,7 +70,7 @@ class DraftInputs:
     token_ids: torch.Tensor
     num_accepted: torch.Tensor
     params: SamplingBatch
-    greedy_only: bool
+    needs: SamplingNeeds
 
 
 class DeviceDrafts(Protocol):
@@ -107,7 +107,7 @@ def chooser(step: DraftInputs, anchors: torch.Tensor, ops: Ops) -> Choose:
     """Choose slot j's drafts (the tokens at n + 1 + j, n = `anchors`) as the target's sampler would
     draw them there."""
     def choose(logits: torch.Tensor, slot: int) -> torch.Tensor:
-        return sample(logits, replace(step.params, position=anchors + 1 + slot), ops, step.greedy_only)
+        return sample(logits, replace(step.params, position=anchors + 1 + slot), ops, step.needs)
 
     return choose
 

@@ -39,7 +39,7 @@ from deepinfer.families.v4.config import ModelConfig
 from deepinfer.engine.cache import CacheManager
 from deepinfer.engine.draft_runner import DeviceDrafts, DraftInputs
 from deepinfer.engine.graph import DraftGraph, StepGraph
-from deepinfer.engine.sampler import SamplingBatch, sample, top_logprobs
+from deepinfer.engine.sampler import SamplingBatch, SamplingNeeds, sample, top_logprobs
 from deepinfer.engine.scheduler import ScheduledChunk, SchedulerOutput
 from deepinfer.engine.sequence import COLUMN_LIMIT, DRAFTED, DRAWN, ROW_LIMIT, placeholder, placeholder_row
 from deepinfer.engine.structured import allowed_tokens, step_masks
@@ -250,10 +250,10 @@ class ModelRunner:
         sampled_hidden = hidden[rows["sample_rows"]]
         logits = self.model.logits(sampled_hidden)
         logprobs = self.ops.log_softmax(logits)
-        greedy_only = all(c.seq.params.temperature == 0 for c in sampling)
+        needs = SamplingNeeds.of(c.seq.params for c in sampling)
         allowed = self._allowed(sampling, in_flight)  # host work while the device runs the forward
         constrained = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
-        drawn = sample(constrained, params, self.ops, greedy_only=greedy_only)
+        drawn = sample(constrained, params, self.ops, needs)
         columns = rows["verify_columns"]  # [S, 1 + k] rows of the R sampled ones
         token_ids = drawn[columns]
         held = (rows["drafts"] == token_ids[:, :-1]).long().cumprod(dim=1).sum(dim=1)
@@ -279,7 +279,7 @@ class ModelRunner:
         if drafting:
             next_ids = rows["next_ids"].index_put((batch.sample_index[rows["sample_rows"]],), drawn)
             inputs = DraftInputs(batch if graph is None else graph.batch, streams_at, next_ids, rows["sample_chunks"],
-                                 rows["draws_at"], token_ids, out.num_accepted, params.rows(columns[:, 0]), greedy_only)
+                                 rows["draws_at"], token_ids, out.num_accepted, params.rows(columns[:, 0]), needs)
             drafted = self.drafts.run(inputs) if graph is None else self._draft_graph(graph, inputs).replay(inputs)
             if drafted is not None:
                 out.drafts, out.num_drafts, out.draft_survivals = drafted
@@ -377,7 +377,7 @@ class ModelRunner:
 
     def _draft_graph(self, forward: StepGraph, step: DraftInputs) -> DraftGraph:
         """The graph of the drafter's pass after `forward`'s steps, for inputs shaped like `step`."""
-        key = (id(forward), step.token_ids.shape, step.greedy_only)
+        key = (id(forward), step.token_ids.shape, step.needs)
         if key not in self.draft_graphs:
             self.draft_graphs[key] = DraftGraph(self.drafts, step, self.graph_pool)
         return self.draft_graphs[key]

@@ -12,6 +12,7 @@ over the batch and never reads anything back to the host.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 
 import torch
@@ -107,8 +108,7 @@ def first_argmax(values: torch.Tensor) -> torch.Tensor:
 def filtered_logits(logits: torch.Tensor, batch: SamplingBatch, ops: Ops) -> torch.Tensor:
     """Temperature-scaled logits [R, V] with each row's tokens outside its top-k / top-p / min-p
     set to -inf (rows with temperature 0 are scaled by 1)."""
-    temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0).unsqueeze(1)
-    scaled = logits / temperature
+    scaled = logits / torch.where(batch.temperature > 0, batch.temperature, 1.0).unsqueeze(1)
     order = torch.sort(scaled, dim=-1, descending=True, stable=True).indices
     probs = ops.softmax(scaled.gather(1, order))
     ranks = torch.arange(scaled.shape[-1], device=scaled.device).unsqueeze(0)
@@ -124,14 +124,34 @@ def filtered_logits(logits: torch.Tensor, batch: SamplingBatch, ops: Ops) -> tor
     return scaled.masked_fill(~keep, float("-inf"))
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, ops: Ops, greedy_only: bool = False) -> torch.Tensor:
-    """The token chosen in each row of fp32 logits [R, V] (int64 [R], on the logits' device).
-    `greedy_only` (the caller knows every row has temperature 0) skips the sort and noise over the
-    vocabulary that no row would use; the choice is the same."""
+@dataclass(frozen=True)
+class SamplingNeeds:
+    """Which parts of `sample` a step's rows use, known on the host from their settings: `greedy_only`,
+    every row has temperature 0 (no noise, no filter); `filtering`, some row has a top-k, top-p or
+    min-p (the sort over the vocabulary). Skipping a part no row uses changes no choice; a step's
+    needs are part of the shapes a CUDA graph of its sampling is captured for."""
+
+    greedy_only: bool = False
+    filtering: bool = True
+
+    @classmethod
+    def of(cls, params: Iterable[SamplingParams]) -> "SamplingNeeds":
+        drawn = [p for p in params if p.temperature > 0]
+        return cls(greedy_only=not drawn,
+                   filtering=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in drawn))
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch, ops: Ops, needs: SamplingNeeds = SamplingNeeds()) -> torch.Tensor:
+    """The token chosen in each row of fp32 logits [R, V] (int64 [R], on the logits' device). `needs`
+    (what the caller knows of the rows' settings) skips the noise, or the sort, over the vocabulary
+    that no row would use; the choice is the same."""
     greedy = first_argmax(logits)
-    if greedy_only:
+    if needs.greedy_only:
         return greedy
-    scaled = filtered_logits(logits, batch, ops)
+    if needs.filtering:
+        scaled = filtered_logits(logits, batch, ops)
+    else:
+        scaled = logits / torch.where(batch.temperature > 0, batch.temperature, 1.0).unsqueeze(1)
     u = uniforms(noise_keys(batch.seed_low, batch.seed_high, batch.position), logits.shape[-1])
     gumbel = -ops.log(-ops.log(u))
     drawn = first_argmax(scaled + gumbel)

@@ -67,7 +67,8 @@ from deepinfer.engine.cache import BlockTables, CacheManager
 from deepinfer.engine.drafter import Drafter
 from deepinfer.engine.prefix import PrefixCache
 from deepinfer.engine.sequence import DRAFTED, Sequence, Status, is_placeholder, placeholder, placeholder_row
-from deepinfer.engine.verify_plan import DRAFTER_PRIOR, HeadLevels, HoldRates, StepCost, confidences, plan_verify
+from deepinfer.engine.verify_plan import (DRAFTER_PRIOR, Exploration, HeadLevels, HoldRates, StepCost, confidences,
+                                         plan_verify)
 
 if TYPE_CHECKING:  # produced by the runner, which imports this module
     from deepinfer.engine.runner import StepResult
@@ -211,6 +212,9 @@ class Scheduler:
         at the prior, its head's levels unknown; `drafter_proposes` holds at position 0 the chance that the
         drafter drafts at all where it can."""
         self.step_cost: StepCost | None = StepCost() if self.plans_verification else None
+        self.exploration = Exploration()
+        self.verify_all = False  # the step after a device drafter's probe verifies every draft it made
+        self.num_probes = 0  # steps that probed the drafter (`Exploration`)
         self.drafter_holds = HoldRates(prior=DRAFTER_PRIOR)
         self.drafter_proposes = HoldRates(prior=DRAFTER_PRIOR)
         self.head_levels = HeadLevels()
@@ -248,8 +252,11 @@ class Scheduler:
             chunks.append(self._chunk(seq, seq.num_computed, n, drafts))
             chunks[-1].candidates = candidates if drafts else None
             budget -= n + len(drafts)
+        probing = self.step_cost is not None and self._probe_due(chunks)
+        verify_all, self.verify_all = self.verify_all, False
         if self.step_cost is not None:
-            budget += self._plan_verification(chunks)
+            if not (probing or verify_all):
+                budget += self._plan_verification(chunks)
             self._observe_proposals(proposals, chunks)
         index = 0  # waiting sequences before it wait for a prefix a running sequence is computing
         while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -277,7 +284,13 @@ class Scheduler:
             chunks.append(self._chunk(seq, seq.num_computed, n, []))
             budget -= n
         self._commit(chunks)
-        speculative = self._speculates(chunks)
+        speculative = probing or self._speculates(chunks)
+        if probing:
+            self.exploration.probed()
+            self.num_probes += 1
+            self.verify_all = speculative and self.drafter.on_device
+        elif speculative and not verify_all and self.step_cost is not None:
+            self.exploration.paid()
         self.num_speculating_steps += speculative
         self.latest_before = self.latest
         # a constraint cuts drafts on the host, from the tokens before them
@@ -311,10 +324,22 @@ class Scheduler:
             return False
         return any(chunk.num_draft for chunk in chunks) or self._drafting_pays(chunks)
 
+    def _probe_due(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether this decode step probes the drafter (`Exploration`): what a probe would add to plain
+        steps of these sequences, a step verifying `draft_tokens` drafts each (and for a device drafter,
+        the step it drafts after) against plain ones, is due."""
+        if self.drafter is None or not chunks or not all(chunk.num_tokens - chunk.num_draft == 1 for chunk in chunks):
+            return False
+        rows = len(chunks)
+        extra = self.step_cost.speculating.seconds(rows * (1 + self.draft_tokens)) - self.step_cost.plain.seconds(rows)
+        # no extra cost (or none measured yet): the plan itself verifies whatever may hold
+        return extra > 0 and self.exploration.due(extra * (2 if self.drafter.on_device else 1))
+
     def _drafting_pays(self, chunks: list[ScheduledChunk]) -> bool:
         """Always under the fixed policy; under throughput-aware verification, while a decode step of the
         step's sequences, each with `draft_tokens` drafts, would verify some (the rates do not change in
-        plain steps, which verify nothing: an engine whose drafts stopped paying stays plain). Each
+        plain steps, which verify nothing: an engine whose drafts stopped paying stays plain until it
+        probes, `_probe_due`). Each
         sequence's survivals are weighed by the chance that its drafter drafts at all (prompt lookup
         often finds nothing), which is also learnt only in steps that speculate."""
         if self.step_cost is None:
@@ -371,6 +396,7 @@ class Scheduler:
             return
         rows = sum(chunk.num_tokens for chunk in scheduled.chunks)
         self.step_cost.plain.observe(rows, plain_seconds)
+        self.exploration.observe(scheduled.speculative, plain_seconds)
         if scheduled.speculative:
             self.step_cost.speculating.observe(rows, speculating_seconds)
 

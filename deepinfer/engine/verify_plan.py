@@ -19,7 +19,8 @@ learnt rate by the head's confidence in the draft over its mean confidence in th
 reached there (`HeadLevels`), so a head that is wrong by a constant factor plans as a calibrated one.
 The drafter starts from an optimistic prior, so it is tried before it is judged, and one whose drafts
 never hold stops costing anything within a step or two: its engine runs plain steps, as with
-speculation off.
+speculation off. Plain steps teach the rates nothing, so `Exploration` has such an engine probe its
+drafter now and then, at a bounded share of the plain steps' time.
 
 None of this changes outputs: a step yields the tokens the target samples, bitwise the same whatever
 it verifies (see `deepinfer.engine.drafter`). It changes only how many steps those tokens take, and
@@ -39,6 +40,7 @@ DRAFTER_PRIOR = 1.0  # how many verifications that prior counts as, for a drafte
 HOLD_MEMORY = 0.3  # how much of its evidence a rate forgets at each new round of it
 POOL_WEIGHT = 2.0  # how many verifications of its own the drafter's rate counts as, for a sequence
 COST_WINDOW = 32  # steps per row bucket whose median the curve keeps
+PROBE_SHARE = 0.01  # of the plain steps' time since the last speculative step, what a probe may cost
 
 
 @dataclass
@@ -205,6 +207,38 @@ class StepCost:
 
     speculating: TimeCurve = field(default_factory=TimeCurve)
     plain: TimeCurve = field(default_factory=TimeCurve)
+
+
+@dataclass
+class Exploration:
+    """When an engine that runs plain steps tries its drafter again. Plain steps verify nothing, so the
+    hold rates that made the engine plain never move: without probes it would stay plain for good, even
+    where its text turns predictable (an agent's session reaching a file it quotes back, a drafter
+    judged on a hard stretch). Once the plain steps since the last speculative one took 1 / `share`
+    times what a probe costs, the next step probes: every draft the drafter makes is verified, whatever
+    the plan says (a device drafter drafts after that step and the next verifies them all), which is
+    the evidence the rates need. A probe halves `share` (the next waits twice as long) and a step that
+    the plan made speculative restores it, so drafts that never hold cost at most PROBE_SHARE of the
+    plain time until the first probe, half that until the next, and so on."""
+
+    share: float = PROBE_SHARE
+    plain_seconds: float = 0.0  # plain steps' time since the last speculative step
+
+    def due(self, probe_seconds: float) -> bool:
+        return self.plain_seconds * self.share >= probe_seconds
+
+    def observe(self, speculative: bool, plain_seconds: float) -> None:
+        """A decode step ran: a plain one's time counts towards the next probe, a speculative one's
+        restarts the count."""
+        self.plain_seconds = 0.0 if speculative else self.plain_seconds + plain_seconds
+
+    def probed(self) -> None:
+        self.share /= 2
+        self.plain_seconds = 0.0
+
+    def paid(self) -> None:
+        """The plan chose to speculate: drafts pay again, and probes may cost their full share."""
+        self.share = PROBE_SHARE
 
 
 def plan_verify(base_rows: int, base_tokens: int, survivals: list[list[float]],
