@@ -48,7 +48,12 @@ about 4 minutes of training and 11M tokens, some 3 passes over a Debian Python 3
 tokens; sysconfig's stdlib differs between machines and Python versions, the record hashes it).
 
 The JSON at `--out` records the command, device, versions, corpus, settings, the train-loss curve, the
-held-out loss before and after training, the checkpoint's content hash and the wall time.
+held-out loss before and after training, the checkpoint's content hash and the wall time; the training's
+part of it is also kept in the checkpoint folder (`train_target.json`). With `--trained FOLDER` a run
+skips training and works on a copy of a folder an earlier run wrote (checked against that record's
+content hash, or a later distillation's): it distills its drafter again, or with `--distill-steps 0`
+measures the drafter as it is, so a device lease too short for training, distillation and the speed
+runs together can split them over calls. `--speed-policies` picks the verify policies timed.
 """
 
 from __future__ import annotations
@@ -80,12 +85,12 @@ from torch import nn
 
 from deepinfer import LLM, SamplingParams, __version__
 from deepinfer.checkpoint.files import weight_files
-from deepinfer.checkpoint.hashing import store_hash
+from deepinfer.checkpoint.hashing import content_hash, store_hash
 from deepinfer.checkpoint.random_init import RandomTensors
 from deepinfer.checkpoint.writer import write_weights
 from deepinfer.cli import EXIT_USER_ERROR, OneLineErrors
 from deepinfer.families.v41.config import V41Config
-from deepinfer.families.v41.dspark_distill import DistillSettings, distill
+from deepinfer.families.v41.dspark_distill import RECORD_NAME as DISTILL_RECORD, DistillSettings, distill
 from deepinfer.families.v41.engram import vocabulary_map
 from deepinfer.families.v41.layout import expected_tensors_v41, is_draft_tensor, quantize
 from deepinfer.families.v41.presets import V41_CONFIG_ONLY, V41_PRESETS, v41_preset_config
@@ -100,6 +105,7 @@ WARMUP_SHARE = 0.05  # linear warmup over this share of the steps, then a cosine
 FINAL_LR_SHARE = 0.1
 WEIGHT_DECAY = 0.1  # on matrices and tables; norms, biases and mixing scalars get none
 GRAD_CLIP = 1.0
+TRAIN_RECORD = "train_target.json"  # the training's record, kept in the checkpoint folder for `--trained`
 DISTILL_CORPUS_BYTES = 2_000_000  # of training files' text for distillation's prompts
 # the scheduler's speculation counters (the names `harness.run_writer` records them under)
 COUNTERS = {"drafted": "num_drafted", "drafts_kept": "num_draft_kept", "verify_chunks": "num_verify_chunks",
@@ -394,7 +400,8 @@ def speculation(folder: Path, prompts: list[list[int]], device: str, max_tokens:
 
 
 def speed(folder: Path, prompts: list[list[int]], device: str, dtype: str, batches: list[int],
-          temperatures: list[float], max_tokens: int, draft_tokens: int) -> list[dict]:
+          temperatures: list[float], max_tokens: int, draft_tokens: int,
+          policies: tuple[str, ...] = ("fixed", "throughput")) -> list[dict]:
     """Decode tokens per second per batch size and temperature: speculation off, then DSpark under each
     `verify_policy`, then off again (how far two plain engines drift apart); each row beside off's, with
     its counters and whether its outputs' bits are off's."""
@@ -413,7 +420,7 @@ def speed(folder: Path, prompts: list[list[int]], device: str, dtype: str, batch
             rows.append({**base, "speculation": "off", "steps": steps, "seconds": round(seconds, 3),
                          "tokens_per_s": round(tokens / seconds, 1), **clock_figures(counts)})
             off_seconds = seconds
-            for policy in ("fixed", "throughput"):
+            for policy in policies:
                 got, steps, seconds, counts = timed(llm, requests, None, speculation="dspark",
                                                     draft_tokens=draft_tokens, verify_policy=policy)
                 rows.append({**base, "speculation": f"dspark-{draft_tokens}", "verify_policy": policy, "steps": steps,
@@ -427,7 +434,7 @@ def speed(folder: Path, prompts: list[list[int]], device: str, dtype: str, batch
             rows.append({**base, "speculation": "off", "again": True, "steps": steps, "seconds": round(seconds, 3),
                          "tokens_per_s": round(tokens / seconds, 1), "speedup": round(off_seconds / seconds, 3),
                          **clock_figures(counts), "bitwise_equal": again == plain})
-            for row in rows[-4:]:
+            for row in rows[-2 - len(policies):]:
                 print(json.dumps(row), flush=True)
     return rows
 
@@ -466,7 +473,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="with --distill-steps: batch sizes of the speed runs (none: no speed runs)")
     parser.add_argument("--speed-temperatures", type=float, nargs="+", default=[0.0, 0.7])
     parser.add_argument("--speed-tokens", type=_positive(int), default=128, help="new tokens per speed request")
+    parser.add_argument("--speed-policies", nargs="+", default=["fixed", "throughput"], choices=["fixed", "throughput"],
+                        help="DSpark's verify policies timed in the speed runs")
     parser.add_argument("--dtype", default="bfloat16", help="the speed runs' dtype")
+    parser.add_argument("--trained", default=None,
+                        help="skip training: distill and measure a copy of the target an earlier run wrote to this "
+                             "--checkpoint folder (then --distill-steps 0 measures its drafter as it is)")
     parser.add_argument("--checkpoint", required=True, help="new (or empty) folder for the trained checkpoint")
     parser.add_argument("--out", required=True, help="the record's JSON file")
     args = parser.parse_args(argv)
@@ -502,23 +514,9 @@ def _positive(kind: type):
     return parse
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Train, export, optionally distill and measure speculation; the record, also written to `--out` after
-    each phase (a run stopped by a time limit keeps what it measured)."""
-    start = time.perf_counter()
-    device = torch.device(args.device)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    config = v41_preset_config(args.preset)
-    tokenizer = preset_tokenizer("v41", config.vocab_size)
-    corpus = load_corpus(tokenizer, corpus_files(max_files=args.max_files), args.seq_len, args.held_out_share)
-    if len(corpus.train) < args.batch or not len(corpus.held_out):
-        raise TrainError(f"{len(corpus.train)} training and {len(corpus.held_out)} held-out windows of "
-                         f"{args.seq_len} tokens: too few for batches of {args.batch}; read more files")
-    prompts = prompts_from(corpus.held_out_docs, max([args.spec_prompts, *args.speed_batches]), args.prompt_tokens)
-    wanted = max(args.speed_batches, default=1)
-    if args.distill_steps and len(prompts) < wanted:
-        raise TrainError(f"{len(prompts)} held-out files have more than {args.prompt_tokens} tokens; "
-                         f"speculation needs {wanted} prompts")
+def train_and_write(args: argparse.Namespace, config: V41Config, tokenizer: TextTokenizer, corpus: Corpus,
+                    device: torch.device, folder: Path) -> dict:
+    """Train the preset's model and write it to `folder`; the training's record."""
     evaluation = corpus.held_out[::max(1, len(corpus.held_out) // args.eval_windows)][:args.eval_windows]
     model = build_model(config, tokenizer, args.seed).to(device)
     with warnings.catch_warnings(record=True) as caught:
@@ -532,13 +530,9 @@ def run(args: argparse.Namespace) -> dict:
         train_seconds = time.perf_counter() - train_start
         after = mean_loss(model, evaluation, device, args.batch)
     nondeterministic = sorted({str(w.message).splitlines()[0] for w in caught if "deterministic" in str(w.message)})
-    folder = Path(args.checkpoint)
     digest = write_checkpoint(folder, config, tokenizer, exported_tensors(model, config, args.seed), args.quantized)
     print(f"{folder}: content hash {digest}; held-out loss {before:.3f} -> {after:.3f}", flush=True)
-    command = " ".join(a if a != args.out else Path(args.out).name for a in args.argv)
-    record = {
-        "command": f"python benchmarks/train_target.py {command}",
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    return {
         "torch": torch.__version__, "python": platform.python_version(), "deepinfer": __version__,
         "threads": torch.get_num_threads(), "preset": args.preset, "seed": args.seed, "steps": args.steps,
         "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr, "precision": "bf16 autocast" if
@@ -553,6 +547,56 @@ def run(args: argparse.Namespace) -> dict:
         "train_tokens_per_s": round(args.steps * args.batch * args.seq_len / train_seconds, 1),
         "checkpoint": {"quantized": args.quantized, "content_hash": digest, "tokenizer": tokenizer.content_hash},
     }
+
+
+def reuse_trained(trained: Path, folder: Path, args: argparse.Namespace) -> dict:
+    """Copy the target an earlier run trained (its checkpoint folder, with the training's record) to
+    `folder`, checked against that record; the record, noting where it came from."""
+    try:
+        record = json.loads((trained / TRAIN_RECORD).read_text())
+    except (OSError, ValueError) as err:
+        raise TrainError(f"--trained {trained}: no training record {TRAIN_RECORD} ({err})") from None
+    for name in ("preset", "seed"):
+        if record.get(name) != getattr(args, name):
+            raise TrainError(f"--trained {trained}: trained with {name} {record.get(name)!r}, not {getattr(args, name)!r}")
+    shutil.copytree(trained, folder, dirs_exist_ok=True)
+    digest = content_hash(folder)
+    known = {record["checkpoint"]["content_hash"]: "as trained"}
+    if (folder / DISTILL_RECORD).is_file():  # a run that distilled it after training
+        known[json.loads((folder / DISTILL_RECORD).read_text())["content_hash"]["after"]] = "distilled earlier"
+    if digest not in known:
+        raise TrainError(f"--trained {trained}: content hash {digest} is neither the trained one nor a distillation's")
+    record["trained"] = {"by": record.pop("command", None), "on": record.pop("device", None), "folder": trained.name,
+                         "drafter": known[digest], "content_hash": digest}
+    return record
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Train, export, optionally distill and measure speculation; the record, also written to `--out` after
+    each phase (a run stopped by a time limit keeps what it measured)."""
+    start = time.perf_counter()
+    device = torch.device(args.device)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    config = v41_preset_config(args.preset)
+    tokenizer = preset_tokenizer("v41", config.vocab_size)
+    corpus = load_corpus(tokenizer, corpus_files(max_files=args.max_files), args.seq_len, args.held_out_share)
+    if len(corpus.train) < args.batch or not len(corpus.held_out):
+        raise TrainError(f"{len(corpus.train)} training and {len(corpus.held_out)} held-out windows of "
+                         f"{args.seq_len} tokens: too few for batches of {args.batch}; read more files")
+    prompts = prompts_from(corpus.held_out_docs, max([args.spec_prompts, *args.speed_batches]), args.prompt_tokens)
+    wanted = max(args.speed_batches, default=1)
+    if (args.distill_steps or args.trained) and len(prompts) < wanted:
+        raise TrainError(f"{len(prompts)} held-out files have more than {args.prompt_tokens} tokens; "
+                         f"speculation needs {wanted} prompts")
+    folder = Path(args.checkpoint)
+    command = " ".join(a if a != args.out else Path(args.out).name for a in args.argv)
+    this_run = {"command": f"python benchmarks/train_target.py {command}",
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    if args.trained:
+        record = {**this_run, **reuse_trained(Path(args.trained), folder, args)}
+    else:
+        record = {**this_run, **train_and_write(args, config, tokenizer, corpus, device, folder)}
+        (folder / TRAIN_RECORD).write_text(json.dumps(record, indent=1) + "\n")
     save = partial(write_record, Path(args.out), record, start)
     save()
     if args.distill_steps:
@@ -571,13 +615,14 @@ def run(args: argparse.Namespace) -> dict:
                              "content_hash": distilled["content_hash"]["after"]}
         print(json.dumps({"distill": record["distill"]}), flush=True)
         save()
+    if args.distill_steps or args.trained:
         record["speculation"] = speculation(folder, prompts[:args.spec_prompts], args.device, args.max_tokens,
                                             args.draft_tokens)
         print(json.dumps(record["speculation"]), flush=True)
         save()
         if args.speed_batches:
             record["speed"] = speed(folder, prompts, args.device, args.dtype, args.speed_batches,
-                                    args.speed_temperatures, args.speed_tokens, args.draft_tokens)
+                                    args.speed_temperatures, args.speed_tokens, args.draft_tokens, args.speed_policies)
     save()
     return record
 

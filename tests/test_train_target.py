@@ -189,6 +189,34 @@ def test_the_same_seed_writes_the_same_checkpoint(tmp_path):
                                    zip(second["train_loss"], first["train_loss"])]
     assert first["held_out_loss"] == second["held_out_loss"]
     assert first["corpus"]["held_out_files"] > 0 and first["command"].endswith("--out first.json")
+    # a later run measures the trained target without training it again, on a copy checked against it
+    reuse = _argv(tmp_path, "reused", "--trained", str(tmp_path / "first"), "--spec-prompts", "1", "--max-tokens", "4",
+                  "--speed-batches")
+    assert train_target.main(reuse) == 0
+    reused = json.loads((tmp_path / "reused.json").read_text())
+    assert reused["trained"] == {"by": first["command"], "on": "cpu", "folder": "first", "drafter": "as trained",
+                                 "content_hash": first["checkpoint"]["content_hash"]}
+    assert reused["train_loss"] == first["train_loss"] and reused["speculation"]["identical"]
+    assert reused["command"].endswith("--speed-batches") and "speed" not in reused
+
+
+def test_a_trained_target_is_reused_only_as_it_was_trained(tmp_path, capsys):
+    assert train_target.main(_argv(tmp_path, "first")) == 0
+    capsys.readouterr()
+    few = ("--spec-prompts", "1", "--speed-batches")
+    for folder, more, message in [
+        ("first", ("--seed", "1"), "trained with seed 0, not 1"),
+        ("missing", (), "no training record train_target.json"),
+    ]:
+        assert train_target.main(_argv(tmp_path, f"to-{folder}", "--trained", str(tmp_path / folder), *more, *few)) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err
+    weights = next((tmp_path / "first").glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    assert train_target.main(_argv(tmp_path, "to-changed", "--trained", str(tmp_path / "first"), *few)) == 2
+    assert "is neither the trained one nor a distillation's" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("change, message", [
