@@ -392,18 +392,20 @@ class _LateDrafter(ReferenceDrafter):
         return super().propose(seq, limit)
 
 
-@pytest.mark.parametrize("share", [0.5, 0.0])
-def test_an_engine_left_plain_probes_its_drafter_and_speculates_again_once_drafts_hold(share, monkeypatch) -> None:
+@pytest.mark.parametrize("share, queued", [(0.5, False), (0.5, True), (0.0, False)])
+def test_an_engine_left_plain_probes_its_drafter_and_speculates_again_once_drafts_hold(share, queued,
+                                                                                       monkeypatch) -> None:
     """Drafts that fail at first leave the engine plain, and plain steps teach the rates nothing; probes
     (`Exploration`: every draft verified once plain steps worth 1 / share times a probe's cost have
     run) find that the drafts hold now, and the engine speculates again. With no share for probes (the
-    control) it stays plain. Step times are fixed (a speculative step costs twice a plain one); outputs
-    are plain decoding's either way."""
+    control) it stays plain. Under async scheduling the lookup drafts past a step in flight, and
+    candidates that fail to predict its draws are dropped on the device: the draws count as their
+    verification (`Scheduler._foreseen`), or the engine would never learn that they fail. Step times
+    are fixed (a speculative step costs twice a plain one); outputs are plain decoding's either way."""
     requests = standard_requests(vocab_size=1024, count=2, max_tokens=90)
     fixed, _ = _serve(requests, speculation="ngram", verify_policy="fixed")
     monkeypatch.setattr("deepinfer.engine.verify_plan.PROBE_SHARE", share)
-    # read back at once: a host drafter's drafts are the tokens it proposed, not placeholders for them
-    llm = LLM("preset:tiny", max_num_seqs=4, speculation="ngram", verify_policy="throughput", async_scheduling=False)
+    llm = LLM("preset:tiny", max_num_seqs=4, speculation="ngram", verify_policy="throughput", async_scheduling=queued)
     scheduler = llm.core.scheduler
     scheduler.exploration = exploration = Exploration(share=share)
     # a plain step's time counts towards a probe as the fixed curve prices it
@@ -425,6 +427,7 @@ def test_an_engine_left_plain_probes_its_drafter_and_speculates_again_once_draft
     assert sum(kept[:25]) == 0  # the early drafts never held
     if share:
         assert scheduler.num_probes >= 1 and sum(kept) >= 40
+        assert sum(k > 0 for k in kept[-12:]) >= 6  # speculating again to the end
     else:
         assert scheduler.num_probes == 0 and sum(kept) == 0
 

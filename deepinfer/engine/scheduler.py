@@ -542,13 +542,18 @@ class Scheduler:
         Returns the sequences that finished."""
         now = time.perf_counter()
         finished = []
-        verified = [(chunk, len(result.tokens[row]) - 1) for row, chunk in enumerate(scheduled.sampling)
-                    if chunk.num_verified and chunk.seq.status is not Status.FINISHED]
-        self.drafter_holds.observe_step([(chunk.num_verified, kept) for chunk, kept in verified])
-        self.head_levels.observe_step([(chunk.confidences, chunk.num_verified, kept) for chunk, kept in verified
-                                       if chunk.confidences is not None])
         later = None if self.latest is scheduled else self.latest  # the step queued behind this one, if any
         queued = {} if later is None else {id(chunk.seq): chunk for chunk in later.chunks}
+        live = [(row, chunk) for row, chunk in enumerate(scheduled.sampling) if chunk.seq.status is not Status.FINISHED]
+        verified = [(chunk, len(result.tokens[row]) - 1) for row, chunk in live if chunk.num_verified]
+        foreseen = [(chunk.seq, seen) for row, chunk in live if not chunk.num_verified
+                    and (seen := self._foreseen(queued.get(id(chunk.seq)), result.tokens[row])) is not None]
+        for seq, seen in foreseen:
+            seq.hold_rates.observe(*seen)
+        self.drafter_holds.observe_step([(chunk.num_verified, kept) for chunk, kept in verified]
+                                        + [seen for _, seen in foreseen])
+        self.head_levels.observe_step([(chunk.confidences, chunk.num_verified, kept) for chunk, kept in verified
+                                       if chunk.confidences is not None])
         scoring = iter(zip(result.prompt_logprobs, result.prompt_top))
         sampled = iter(range(len(result.tokens)))
         for chunk in scheduled.chunks:
@@ -594,6 +599,18 @@ class Scheduler:
             made = candidates[len(drawn):] if candidates[:len(drawn)] == drawn else []
         made = made[:following.num_draft]
         return made + [-1] * (following.num_draft - len(made))
+
+    @staticmethod
+    def _foreseen(following: ScheduledChunk | None, drawn: list[int]) -> tuple[int, int] | None:
+        """A host drafter's candidates for the chunk queued behind one that verified nothing, checked
+        against what that chunk drew: where they failed to predict it, the drafts they make are dropped
+        on the device (`ModelRunner._drafts_ahead`) and verify nothing, but the draws tested them as a
+        verification would: (tried, held), the first `held` candidates equal to the draws and the next
+        one not. None where they predicted every draw (their drafts are then verified) or there are none."""
+        if following is None or following.candidates is None or not following.num_draft:
+            return None
+        held = next((j for j, (c, t) in enumerate(zip(following.candidates, drawn)) if c != t), None)
+        return None if held is None else (held + 1, held)
 
     def _resolve(self, seq: Sequence, chunk: ScheduledChunk, result: StepResult, row: int, now: float,
                  following: ScheduledChunk | None) -> None:
