@@ -70,10 +70,10 @@ class Counting(TorchDispatchMode):
 
 
 def cuda_table_on_cpu() -> kernels.Ops:
-    """The invariant CUDA table, bound for CPU tensors: libdevice's exp, cos, sin and log1p (which the
+    """The invariant CUDA table, bound for CPU tensors: libdevice's exp, cos, sin, log and log1p (which the
     interpreter lacks) become the interpreter's (log1p as log(1 + x): only launches are counted), and the
     CPU start self-test is skipped (it checks CPU primitives)."""
-    for name in ("exp", "cos", "sin"):
+    for name in ("exp", "cos", "sin", "log"):
         setattr(libdevice, name, lambda x, _name=name, **_: getattr(triton.language, _name)(x))
     libdevice.log1p = lambda x, **_: triton.language.log(x + 1.0)
     return kernels.Ops("batch_invariant", "cuda", kernels._table("batch_invariant", "cuda", invariant.CANONICAL),

@@ -32,20 +32,21 @@ from functools import partial
 
 import torch
 
-from deepinfer.kernels import composite, fast, invariant, quant
+from deepinfer.kernels import composite, fast, invariant, quant, sampling
 
 NUMERICS = ("batch_invariant", "fast")
 OPS = (
-    "clamped_swiglu", "cos_sin", "expert_outputs", "fp8_ue8m0_qdq", "grouped_linear",
+    "clamped_swiglu", "cos_sin", "expert_outputs", "first_argmax", "fp8_ue8m0_qdq", "grouped_linear", "gumbel_argmax",
     "hyper_coefficients", "hyper_collapse", "hyper_expand", "indexer_scores", "linear", "log", "log_softmax",
     "matmul_layout", "mix_streams", "moe_experts", "moe_gate", "mxfp4_qdq", "nvfp4_qdq", "ordered_sum",
     "paged_indexer_scores", "paged_sink_attention", "rms_norm", "rotary", "rotary_table", "sigmoid", "sink_attention",
     "sinkhorn", "softmax", "softplus", "topk_indices", "unweighted_rms_norm", "weighted_combine", "window_pool",
 )
-_COMPOSITES = ("expert_outputs", "hyper_coefficients", "hyper_collapse", "hyper_expand", "moe_experts",
-               "moe_gate", "paged_indexer_scores", "paged_sink_attention", "rotary_table")
+_COMPOSITES = ("expert_outputs", "first_argmax", "gumbel_argmax", "hyper_coefficients", "hyper_collapse",
+               "hyper_expand", "moe_experts", "moe_gate", "paged_indexer_scores", "paged_sink_attention", "rotary_table")
 # the release's cache formats (kernels/quant.py): one implementation, the same bits in every table
 _CACHE_FORMATS = ("fp8_ue8m0_qdq", "mxfp4_qdq", "nvfp4_qdq")
+_SAMPLING = ("first_argmax", "gumbel_argmax")  # the sampler's, the same in both modes (`kernels.sampling`)
 _PRIMITIVES = tuple(name for name in OPS if name not in _COMPOSITES + _CACHE_FORMATS)
 
 
@@ -82,6 +83,8 @@ def _complete(table: dict) -> dict:
     table.setdefault("hyper_collapse", partial(composite.hyper_collapse, ordered_sum=table["ordered_sum"]))
     table.setdefault("hyper_expand", partial(composite.hyper_expand, mix_streams=table["mix_streams"]))
     table.setdefault("moe_gate", _composite_gate(table))
+    table.setdefault("first_argmax", sampling.first_argmax)
+    table.setdefault("gumbel_argmax", partial(sampling.gumbel_argmax, log=table["log"]))
     return table
 
 
@@ -105,9 +108,10 @@ def _table(numerics: str, device_type: str, row_tiles: invariant.RowTiles) -> di
     elif device_type == "cuda":
         from deepinfer.kernels import fast_cuda, triton_fused
 
-        # the cache formats' one-launch kernels give quant's bits: the fast mode takes them too, so the
-        # invariance tax is not measured against launches the invariant mode does not pay
-        table.update(fast_cuda.OPS, **{name: triton_fused.OPS[name] for name in _CACHE_FORMATS})
+        # the cache formats' and the sampler's one-launch kernels give quant's and `kernels.sampling`'s
+        # bits: the fast mode takes them too, so the invariance tax is not measured against launches the
+        # invariant mode does not pay (and sampling stays the same in both modes)
+        table.update(fast_cuda.OPS, **{name: triton_fused.OPS[name] for name in (*_CACHE_FORMATS, *_SAMPLING)})
     return _complete(table)
 
 

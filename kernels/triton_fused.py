@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from deepinfer.kernels import composite, invariant
+from deepinfer.kernels import composite, invariant, sampling
 
 BLOCK_H = 256  # hidden-dimension block of the per-token kernels
 ROTARY_ROWS = 16  # rows per rotary program
@@ -609,7 +609,84 @@ def nvfp4_qdq(x: torch.Tensor, group_size: int = 16) -> torch.Tensor:
     return _cache_qdq("nvfp4", x, group_size)
 
 
+# the sampler's argmax and Gumbel draw ------------------------------------------------------------------
+
+ARGMAX_BLOCK = 2048  # vocabulary columns per iteration of the argmax programs
+
+
+@triton.jit
+def _mix32(x):
+    """`sampling.mix32` on int64 values in [0, 2^32): the same ops, masked to 32 bits the same way."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _argmax_kernel(values_ptr, low_ptr, high_ptr, position_ptr, out_ptr, V, stride, NOISE: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """Program per row: `sampling.first_argmax` of the row's values, with NOISE of the values plus the
+    row's Gumbel noise (`sampling.gumbel_argmax`: the uniforms' integer hash as its int64 chain, the
+    division by 2^23 exact as a product, libdevice's log, which is torch's on CUDA). The first index of
+    the largest value, blocks swept in order (a later block takes over only with a larger value); any
+    NaN in the row gives 0."""
+    row = tl.program_id(0).to(tl.int64)
+    if NOISE:
+        key = _mix32(tl.load(low_ptr + row) ^ _mix32(tl.load(high_ptr + row)))
+        key = _mix32((key + tl.load(position_ptr + row) * 0x9E3779B1) & 0xFFFFFFFF)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_at = tl.zeros([], tl.int32)
+    nan = tl.zeros([], tl.int32)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        ok = cols < V
+        x = tl.load(values_ptr + row * stride + cols, mask=ok, other=float("-inf"))
+        if NOISE:
+            bits = _mix32(((cols.to(tl.int64) * 0x9E3779B1) & 0xFFFFFFFF) ^ key) >> 9
+            u = (bits.to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+            x = x + -libdevice.log(-libdevice.log(u))
+        nan = tl.maximum(nan, tl.max((x != x).to(tl.int32), axis=0))
+        x = tl.where(x != x, float("-inf"), x)
+        top = tl.max(x, axis=0)
+        at = tl.min(tl.where(x == top, cols, V + BLOCK), axis=0)
+        better = top > best
+        best_at = tl.where(better, at, best_at)
+        best = tl.where(better, top, best)
+    tl.store(out_ptr + row, tl.where(nan > 0, 0, best_at).to(tl.int64))
+
+
+def _argmax(values: torch.Tensor, keys: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
+    rows, vocab = values.shape
+    if values.stride(-1) != 1:
+        values = values.contiguous()
+    out = torch.empty(rows, dtype=torch.long, device=values.device)
+    if rows:
+        low, high, position = (k.contiguous() for k in keys) if keys is not None else (out, out, out)
+        _fused(_argmax_kernel, (rows,), values, low, high, position, out, vocab, values.stride(0),
+               NOISE=keys is not None, BLOCK=min(ARGMAX_BLOCK, triton.next_power_of_2(vocab)))
+    return out
+
+
+def first_argmax(values: torch.Tensor) -> torch.Tensor:
+    """`sampling.first_argmax` of fp32 rows [R, V] in one launch (other dtypes: the op chain)."""
+    if values.dtype != torch.float32 or values.dim() != 2:
+        return sampling.first_argmax(values)
+    return _argmax(values, None)
+
+
+def gumbel_argmax(scaled: torch.Tensor, seed_low: torch.Tensor, seed_high: torch.Tensor,
+                  position: torch.Tensor) -> torch.Tensor:
+    """`sampling.gumbel_argmax` with torch's CUDA log, in one launch (fp32 rows [R, V])."""
+    if scaled.dtype != torch.float32 or scaled.dim() != 2:
+        return sampling.gumbel_argmax(scaled, seed_low, seed_high, position, log=torch.log)
+    return _argmax(scaled, (seed_low, seed_high, position))
+
+
 OPS = {
+    "first_argmax": first_argmax,
+    "gumbel_argmax": gumbel_argmax,
     "rotary": rotary,
     "rotary_table": rotary_table,
     "sinkhorn": sinkhorn,

@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from deepinfer import LLM, SamplingParams
 from deepinfer.checkpoint import CheckpointError
 from deepinfer.engine.core import PromptTooLongError, RequestError
-from deepinfer.engine.sampler import first_argmax, uniform_noise
+from deepinfer.engine.sampler import uniform_noise
+from deepinfer.kernels.sampling import first_argmax
 from deepinfer.errors import DeepInferError
 from deepinfer.model import NULL_BLOCK
 from deepinfer.recipe.official import OfficialEncoder, RecipeError

@@ -100,6 +100,9 @@ kernels = {
     "gate": (f._sqrtsoftplus_gate_kernel, {"logits_ptr": bf16, "bias_ptr": fp32, "chosen_ptr": "*i64",
                                             "indices_ptr": "*i64", "weights_ptr": bf16, "E": "i32", "scale": "fp32"},
              {"K": 6, "LEVELS": 3, "BLOCK_E": 512, "CHOSEN": False}),
+    **{name: (f._argmax_kernel, {"values_ptr": fp32, "low_ptr": "*i64", "high_ptr": "*i64", "position_ptr": "*i64",
+                                 "out_ptr": "*i64", "V": "i32", "stride": "i32"}, {"NOISE": noise, "BLOCK": 2048})
+       for name, noise in (("argmax", False), ("gumbel", True))},
     **{fmt: (f._cache_qdq_kernel, {"x_ptr": bf16, "out_ptr": bf16, "width": "i32", "x_stride": "i32"},
              {"FORMAT": fmt, "GROUP": group, "BLOCK": f.QDQ_BLOCK}) for fmt, group in f.QDQ_FORMATS.items()},
 }
@@ -114,8 +117,8 @@ def test_fused_kernels_compile_for_hopper_without_contraction():
     """No fused multiply-add where the op chain rounds a product before adding (rotary, the collapse
     and mixing sums, the combine, the cache formats); in rotary and the expansion the compiler does fuse
     them when allowed, so the option is what keeps their bits. (The rotary table, the coefficients,
-    SwiGLU and the router are left out: libdevice's exp, log1p, cos and sin use FMAs by design; they are
-    compiled here all the same, with the experts' routing, integer work.)"""
+    SwiGLU, the router and the Gumbel draw are left out: libdevice's exp, log, log1p, cos and sin use FMAs
+    by design; they are compiled here all the same, with the experts' routing and the argmax.)"""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     helper = COMPILE.split("results = []")[0]
     done = subprocess.run([sys.executable, "-c", FUSED], input=helper, capture_output=True, text=True, env=env,
@@ -125,7 +128,7 @@ def test_fused_kernels_compile_for_hopper_without_contraction():
                   (line.split() for line in done.stdout.strip().splitlines())}
     formats = ("fp8_ue8m0", "mxfp4", "nvfp4")
     assert set(contracted) == {"rotary", "rotary_table", "coefficients", "collapse", "expand", "swiglu", "combine",
-                               "ordered_sum", "gate", "route", *formats}
+                               "ordered_sum", "gate", "route", "argmax", "gumbel", *formats}
     assert not any(contracted[name][0] for name in ("rotary", "collapse", "expand", "combine", "ordered_sum",
-                                                    "route", *formats)), contracted
+                                                    "route", "argmax", *formats)), contracted
     assert contracted["rotary"][1] and contracted["expand"][1], contracted

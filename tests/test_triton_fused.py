@@ -3,7 +3,8 @@ do not depend on the batch.
 
 Under the Triton interpreter (CPU, the default) every comparison is bitwise except where a result
 goes through exp (sigmoid, SiLU): the interpreter's exp is NumPy's, not CUDA's, so those are compared
-within a few ulps there. Compiled on the GPU (TRITON_INTERPRET=0) everything is compared bit for bit,
+within a few ulps there. The sampler's Gumbel draw, which goes through log, is compared with its chain
+run on NumPy's log there (on torch's on the GPU), so its draws are compared exactly either way. Compiled on the GPU (TRITON_INTERPRET=0) everything is compared bit for bit,
 against torch's own CUDA ops.
 """
 
@@ -17,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_triton_kernels import _assert_same_bits, _interpreter_patches, _randn  # noqa: F401  (fixture)
 
-from deepinfer.kernels import composite, fast, invariant, quant, triton_fused
+from deepinfer.kernels import composite, fast, invariant, quant, sampling, triton_fused
 
 FEW = settings(max_examples=8, deadline=None)
 N = 4  # hc_mult of every V4 and V4.1 configuration
@@ -347,3 +348,69 @@ def test_cache_qdq_follows_the_reference_on_any_values(fmt: str, values: list[fl
 def test_cache_qdq_refuses_another_group_size() -> None:
     with pytest.raises(ValueError, match="mxfp4_qdq: the fused kernel groups 32 channels, got 16"):
         triton_fused.mxfp4_qdq(_randn(2, 64, seed=0), 16)
+
+
+# the sampler's argmax and Gumbel draw ------------------------------------------------------------------
+
+def _device_log(x: torch.Tensor) -> torch.Tensor:
+    """The log the kernel's libdevice call is: torch's on the GPU, NumPy's fp32 one under the interpreter."""
+    if not INTERPRETED:
+        return torch.log(x)
+    import numpy as np
+
+    return torch.from_numpy(np.log(x.cpu().numpy())).to(x.device)
+
+
+def _logits(rows: int, vocab: int, seed: int, specials: list[float] = ()) -> torch.Tensor:
+    """fp32 rows with ties (every value on a coarse grid) and, at seeded places, `specials`."""
+    x = (_randn(rows, vocab, seed=seed) * 4).round()
+    picks = torch.randperm(x.numel(), generator=torch.Generator().manual_seed(seed))[:len(specials)]
+    x.view(-1)[picks.to(x.device)] = torch.tensor(list(specials), device=x.device, dtype=torch.float32)[:picks.numel()]
+    return x
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 2048, 5003])
+def test_first_argmax_is_the_op_chain(vocab: int) -> None:
+    """Ties to the lowest index within and across the kernel's blocks, rows all -inf, a row with +inf,
+    NaN rows (0), strided rows."""
+    x = _logits(6, vocab, seed=vocab)
+    x[1] = float("-inf")
+    x[2, vocab // 2] = float("inf")
+    x[3, vocab - 1] = float("nan")
+    x[4, -1] = x[4].max() + 1  # the last column, past every block before it
+    assert torch.equal(triton_fused.first_argmax(x), sampling.first_argmax(x))
+    wide = torch.cat([x, x], dim=1)[:, :vocab]  # rows strided by 2 * vocab
+    assert torch.equal(triton_fused.first_argmax(wide), sampling.first_argmax(x))
+    assert triton_fused.first_argmax(x[:0]).shape == (0,)
+
+
+@FEW
+@given(rows=st.integers(1, 5), vocab=st.integers(1, 4500), seed=st.integers(0, 2**31 - 1),
+       specials=st.lists(st.sampled_from([float("inf"), float("-inf"), float("nan"), -0.0, 88.0]), max_size=5),
+       seeds=st.lists(st.integers(0, 2**64 - 1), min_size=5, max_size=5),
+       positions=st.lists(st.integers(0, 2**40), min_size=5, max_size=5))
+def test_gumbel_argmax_is_the_op_chain(rows: int, vocab: int, seed: int, specials: list[float], seeds: list[int],
+                                       positions: list[int]) -> None:
+    """The draw of scaled logits plus each row's noise for (seed, position): the uniforms' integer hash
+    over the whole 64-bit seed range and large positions, the log's bits (the device's), ties and the
+    specials the chain sees (-inf where a mask or filter removed a token, NaN rows)."""
+    x = _logits(rows, vocab, seed, specials)
+    low, high, position = (torch.tensor(v[:rows], device=x.device) for v in
+                           ([s & sampling.MASK32 for s in seeds], [s >> 32 for s in seeds], positions))
+    expected = sampling.gumbel_argmax(x, low, high, position, log=_device_log)
+    assert torch.equal(triton_fused.gumbel_argmax(x, low, high, position), expected)
+    # a row's draw is its own: alone or among others
+    assert torch.equal(triton_fused.gumbel_argmax(x[-1:], low[-1:], high[-1:], position[-1:]), expected[-1:])
+
+
+@pytest.mark.parametrize("vocab", [300, 4099])
+def test_gumbel_argmax_follows_every_bit_of_the_noise(vocab: int) -> None:
+    """Logits that cancel each row's noise exactly (-gumbel): every value sums to 0, all tie, and the
+    draw is token 0. A noise value off by one bit upwards anywhere in the row wins the draw instead."""
+    low = torch.tensor([1, 2**32 - 1, 77, 0], device=DEVICE)
+    high = torch.tensor([0, 5, 2**31, 2**32 - 1], device=DEVICE)
+    position = torch.tensor([0, 3, 2**33, 12345], device=DEVICE)
+    u = sampling.uniforms(sampling.noise_keys(low, high, position), vocab)
+    x = -(-_device_log(-_device_log(u)))
+    assert sampling.gumbel_argmax(x, low, high, position, log=_device_log).tolist() == [0] * 4
+    assert triton_fused.gumbel_argmax(x, low, high, position).tolist() == [0] * 4

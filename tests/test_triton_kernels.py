@@ -39,8 +39,8 @@ def _interpreter_patches():
       a 1-element array to int implicitly (triton-lang/triton#9171). 3.9.0 converts it itself; the
       replacement below gives the same int there, so it is kept for older Tritons;
     - libdevice's functions have no interpreter implementation (their calls return None): `exp`, `cos`,
-      `sin` and `log1p`, the ones `kernels.triton_fused` uses, become NumPy's, so results under the
-      interpreter are close to torch's sigmoid, SiLU, softplus, cos and sin rather than bitwise equal;
+      `sin`, `log` and `log1p`, the ones `kernels.triton_fused` uses, become NumPy's, so results under the
+      interpreter are close to torch's sigmoid, SiLU, softplus, cos, sin and log rather than bitwise equal;
     - the interpreter casts fp32 to bf16 by truncating (and mangles fp32 subnormals); compiled kernels
       round to nearest even as PyTorch does, so those casts go through PyTorch.
     """
@@ -82,7 +82,7 @@ def _interpreter_patches():
     from triton.language.extra import libdevice
 
     with pytest.MonkeyPatch.context() as patch:
-        for name in ("exp", "cos", "sin"):
+        for name in ("exp", "cos", "sin", "log"):
             patch.setattr(libdevice, name, lambda x, _name=name, **_: getattr(triton.language, _name)(x))
         patch.setattr(libdevice, "log1p", lambda x, **_: triton.language.core.tensor(
             interpreter.TensorHandle(np.log1p(x.handle.data), x.handle.dtype.scalar), x.type))

@@ -1,8 +1,10 @@
 """Token choice for a whole step at once: greedy, or Gumbel-max with counter-based noise.
 
 The noise for (seed, position, token id) comes from an integer hash evaluated in int64
-arithmetic, so it is the same on every device and independent of batch composition, arrival
-order or preemption: a request's draw at a position never depends on anything but itself.
+arithmetic (`kernels.sampling`), so it is the same on every device and independent of batch
+composition, arrival order or preemption: a request's draw at a position never depends on anything
+but itself. The argmax and the Gumbel draw are the numerics table's `first_argmax` and
+`gumbel_argmax` (one launch each on CUDA).
 Every row-wise step (temperature, sort, softmax, cumulative sum, log) treats each row on its own,
 so a row's choice is the same bits whether it is sampled alone or with others.
 
@@ -19,36 +21,7 @@ import torch
 
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.kernels import Ops
-
-MASK32 = 0xFFFFFFFF
-GOLDEN = 0x9E3779B1
-
-
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """Murmur3's 32-bit finaliser on int64 tensors holding values in [0, 2**32)."""
-    x = x ^ (x >> 16)
-    x = (x * 0x85EBCA6B) & MASK32
-    x = x ^ (x >> 13)
-    x = (x * 0xC2B2AE35) & MASK32
-    return x ^ (x >> 16)
-
-
-def noise_keys(seed_low: torch.Tensor, seed_high: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """One 32-bit key per row from the seed's two 32-bit halves and the token position (int64 [R])."""
-    key = mix32(seed_low ^ mix32(seed_high))
-    return mix32((key + positions * GOLDEN) & MASK32)
-
-
-def uniforms(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Uniforms strictly inside (0, 1), [R, vocab], one per (row key, token id).
-
-    23 hash bits plus one half give values (k + 0.5) / 2**23, exactly representable in fp32 (24
-    significant bits), never 0 or 1. (With 24 bits, k + 0.5 would need 25 bits and round: half the
-    values would not be of that form and k = 2**24 - 1 would give exactly 1.0, an infinite Gumbel draw.)
-    """
-    ids = torch.arange(vocab, dtype=torch.long, device=keys.device)
-    bits = mix32(((ids * GOLDEN) & MASK32).unsqueeze(0) ^ keys.unsqueeze(1)) >> 9
-    return (bits.float() + 0.5) / float(1 << 23)
+from deepinfer.kernels.sampling import MASK32, noise_keys, uniforms
 
 
 def uniform_noise(seed: int, position: int, vocab: int, device) -> torch.Tensor:
@@ -96,15 +69,6 @@ class SamplingBatch:
         return cls.from_tensors(cls.host_tensors([(params, seed, position)]))
 
 
-def first_argmax(values: torch.Tensor) -> torch.Tensor:
-    """Per row of [R, V], the index of the maximum, ties to the lowest index (int64 [R]). A row
-    holding NaN has no maximum and gives 0 (the runner reports such rows as non-finite)."""
-    vocab = values.shape[-1]
-    ids = torch.arange(vocab, device=values.device).expand_as(values)
-    top = values.max(dim=-1, keepdim=True).values
-    return torch.where(values == top, ids, vocab).min(dim=-1).values % vocab
-
-
 def filtered_logits(logits: torch.Tensor, batch: SamplingBatch, ops: Ops) -> torch.Tensor:
     """Temperature-scaled logits [R, V] with each row's tokens outside its top-k / top-p / min-p
     set to -inf (rows with temperature 0 are scaled by 1)."""
@@ -145,16 +109,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, ops: Ops, needs: Sampling
     """The token chosen in each row of fp32 logits [R, V] (int64 [R], on the logits' device). `needs`
     (what the caller knows of the rows' settings) skips the noise, or the sort, over the vocabulary
     that no row would use; the choice is the same."""
-    greedy = first_argmax(logits)
+    greedy = ops.first_argmax(logits)
     if needs.greedy_only:
         return greedy
     if needs.filtering:
         scaled = filtered_logits(logits, batch, ops)
     else:
         scaled = logits / torch.where(batch.temperature > 0, batch.temperature, 1.0).unsqueeze(1)
-    u = uniforms(noise_keys(batch.seed_low, batch.seed_high, batch.position), logits.shape[-1])
-    gumbel = -ops.log(-ops.log(u))
-    drawn = first_argmax(scaled + gumbel)
+    drawn = ops.gumbel_argmax(scaled, batch.seed_low, batch.seed_high, batch.position)
     return torch.where(batch.temperature > 0, drawn, greedy)
 
 
