@@ -401,13 +401,12 @@ def speculation(folder: Path, prompts: list[list[int]], device: str, max_tokens:
 
 def speed(folder: Path, prompts: list[list[int]], device: str, dtype: str, batches: list[int],
           temperatures: list[float], max_tokens: int, draft_tokens: int,
-          policies: tuple[str, ...] = ("fixed", "throughput")) -> list[dict]:
+          policies: tuple[str, ...] = ("fixed", "throughput")) -> Iterator[dict]:
     """Decode tokens per second per batch size and temperature: speculation off, then DSpark under each
     `verify_policy`, then off again (how far two plain engines drift apart); each row beside off's, with
-    its counters and whether its outputs' bits are off's."""
+    its counters and whether its outputs' bits are off's, yielded as soon as it is measured."""
     llm = LLM(folder, device=device, dtype=dtype, max_num_seqs=max(batches),
               max_model_len=max(map(len, prompts)) + max_tokens + draft_tokens + 1)
-    rows = []
     for batch in batches:
         for temperature in temperatures:
             requests = [SimpleNamespace(prompt=prompt, params=SamplingParams(
@@ -417,26 +416,22 @@ def speed(folder: Path, prompts: list[list[int]], device: str, dtype: str, batch
             tokens = sum(len(sig[0]) for sig in plain)
             base = {"batch": batch, "temperature": temperature, "prompt_tokens": len(requests[0].prompt),
                     "new_tokens": max_tokens}
-            rows.append({**base, "speculation": "off", "steps": steps, "seconds": round(seconds, 3),
-                         "tokens_per_s": round(tokens / seconds, 1), **clock_figures(counts)})
+            yield {**base, "speculation": "off", "steps": steps, "seconds": round(seconds, 3),
+                   "tokens_per_s": round(tokens / seconds, 1), **clock_figures(counts)}
             off_seconds = seconds
             for policy in policies:
                 got, steps, seconds, counts = timed(llm, requests, None, speculation="dspark",
                                                     draft_tokens=draft_tokens, verify_policy=policy)
-                rows.append({**base, "speculation": f"dspark-{draft_tokens}", "verify_policy": policy, "steps": steps,
-                             "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
-                             "speedup": round(off_seconds / seconds, 3),
-                             "acceptance": round(counts["kept"] / max(counts["drafted"], 1), 4),
-                             "mean_accepted": round(counts["kept"] / max(counts["verify_chunks"], 1), 4),
-                             "tokens_per_step": round(tokens / steps, 4), **counts,
-                             "bitwise_equal": got == plain})
+                yield {**base, "speculation": f"dspark-{draft_tokens}", "verify_policy": policy, "steps": steps,
+                       "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
+                       "speedup": round(off_seconds / seconds, 3),
+                       "acceptance": round(counts["kept"] / max(counts["drafted"], 1), 4),
+                       "mean_accepted": round(counts["kept"] / max(counts["verify_chunks"], 1), 4),
+                       "tokens_per_step": round(tokens / steps, 4), **counts, "bitwise_equal": got == plain}
             again, steps, seconds, counts = timed(llm, requests, None)  # off's engine-to-engine drift, for scale
-            rows.append({**base, "speculation": "off", "again": True, "steps": steps, "seconds": round(seconds, 3),
-                         "tokens_per_s": round(tokens / seconds, 1), "speedup": round(off_seconds / seconds, 3),
-                         **clock_figures(counts), "bitwise_equal": again == plain})
-            for row in rows[-2 - len(policies):]:
-                print(json.dumps(row), flush=True)
-    return rows
+            yield {**base, "speculation": "off", "again": True, "steps": steps, "seconds": round(seconds, 3),
+                   "tokens_per_s": round(tokens / seconds, 1), "speedup": round(off_seconds / seconds, 3),
+                   **clock_figures(counts), "bitwise_equal": again == plain}
 
 
 # -- the run ----------------------------------------------------------------------------------------------------
@@ -621,8 +616,12 @@ def run(args: argparse.Namespace) -> dict:
         print(json.dumps(record["speculation"]), flush=True)
         save()
         if args.speed_batches:
-            record["speed"] = speed(folder, prompts, args.device, args.dtype, args.speed_batches,
-                                    args.speed_temperatures, args.speed_tokens, args.draft_tokens, args.speed_policies)
+            record["speed"] = []
+            for row in speed(folder, prompts, args.device, args.dtype, args.speed_batches, args.speed_temperatures,
+                             args.speed_tokens, args.draft_tokens, args.speed_policies):
+                record["speed"].append(row)
+                print(json.dumps(row), flush=True)
+                save()  # a run stopped by its time limit keeps the rows measured
     save()
     return record
 

@@ -159,7 +159,7 @@ def test_a_quantized_export_loads_and_speculation_keeps_plain_decodings_tokens(t
     measured = train_target.speculation(folder, prompts, "cpu", max_tokens=8, draft_tokens=5)
     assert measured["identical"]
     assert measured["counters"]["drafted"] > 0 and measured["counters"]["verify_chunks"] > 0
-    rows = train_target.speed(folder, prompts, "cpu", "float32", [2], [0.7], max_tokens=6, draft_tokens=3)
+    rows = list(train_target.speed(folder, prompts, "cpu", "float32", [2], [0.7], max_tokens=6, draft_tokens=3))
     assert [(r["speculation"], r.get("verify_policy")) for r in rows] == [
         ("off", None), ("dspark-3", "fixed"), ("dspark-3", "throughput"), ("off", None)]
     assert rows[3]["again"] and rows[3]["bitwise_equal"]
