@@ -52,9 +52,15 @@ def first_argmax(values: torch.Tensor) -> torch.Tensor:
     return torch.where(values == top, ids, vocab).min(dim=-1).values % vocab
 
 
-def gumbel_argmax(scaled: torch.Tensor, seed_low: torch.Tensor, seed_high: torch.Tensor, position: torch.Tensor,
-                  *, log: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """Per row of fp32 scaled logits [R, V], the Gumbel-max draw: `first_argmax` of the logits plus
-    -log(-log(u)), u the row's uniforms for (seed, position) (int64 [R] each)."""
-    u = uniforms(noise_keys(seed_low, seed_high, position), scaled.shape[-1])
-    return first_argmax(scaled + -log(-log(u)))
+def gumbel_argmax(logits: torch.Tensor, seed_low: torch.Tensor, seed_high: torch.Tensor, position: torch.Tensor,
+                  temperature: torch.Tensor | None = None, *, log: Callable[[torch.Tensor], torch.Tensor]
+                  ) -> torch.Tensor:
+    """Per row of fp32 logits [R, V], the Gumbel-max draw: `first_argmax` of the logits plus
+    -log(-log(u)), u the row's uniforms for (seed, position) (int64 [R] each). With `temperature` [R]
+    the logits are divided by it first, and a row at temperature 0 is its greedy choice."""
+    if temperature is not None:
+        greedy = first_argmax(logits)
+        logits = logits / torch.where(temperature > 0, temperature, 1.0).unsqueeze(1)
+    u = uniforms(noise_keys(seed_low, seed_high, position), logits.shape[-1])
+    drawn = first_argmax(logits + -log(-log(u)))
+    return drawn if temperature is None else torch.where(temperature > 0, drawn, greedy)

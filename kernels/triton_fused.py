@@ -625,17 +625,22 @@ def _mix32(x):
 
 
 @triton.jit
-def _argmax_kernel(values_ptr, low_ptr, high_ptr, position_ptr, out_ptr, V, stride, NOISE: tl.constexpr,
-                   BLOCK: tl.constexpr):
+def _argmax_kernel(values_ptr, low_ptr, high_ptr, position_ptr, temperature_ptr, out_ptr, V, stride,
+                   NOISE: tl.constexpr, TEMPERATURE: tl.constexpr, BLOCK: tl.constexpr):
     """Program per row: `sampling.first_argmax` of the row's values, with NOISE of the values plus the
     row's Gumbel noise (`sampling.gumbel_argmax`: the uniforms' integer hash as its int64 chain, the
-    division by 2^23 exact as a product, libdevice's log, which is torch's on CUDA). The first index of
+    division by 2^23 exact as a product, libdevice's log, which is torch's on CUDA), and with
+    TEMPERATURE of the values divided by the row's temperature first (`div_rn`, an IEEE division as
+    torch's), a row at temperature 0 taking the values as they are, without noise. The first index of
     the largest value, blocks swept in order (a later block takes over only with a larger value); any
     NaN in the row gives 0."""
     row = tl.program_id(0).to(tl.int64)
     if NOISE:
         key = _mix32(tl.load(low_ptr + row) ^ _mix32(tl.load(high_ptr + row)))
         key = _mix32((key + tl.load(position_ptr + row) * 0x9E3779B1) & 0xFFFFFFFF)
+    if TEMPERATURE:
+        temperature = tl.load(temperature_ptr + row)
+        drawn = temperature > 0
     best = tl.full([], float("-inf"), tl.float32)
     best_at = tl.zeros([], tl.int32)
     nan = tl.zeros([], tl.int32)
@@ -646,7 +651,11 @@ def _argmax_kernel(values_ptr, low_ptr, high_ptr, position_ptr, out_ptr, V, stri
         if NOISE:
             bits = _mix32(((cols.to(tl.int64) * 0x9E3779B1) & 0xFFFFFFFF) ^ key) >> 9
             u = (bits.to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-            x = x + -libdevice.log(-libdevice.log(u))
+            noise = -libdevice.log(-libdevice.log(u))
+            if TEMPERATURE:
+                x = tl.where(drawn, tl.math.div_rn(x, tl.where(drawn, temperature, 1.0)) + noise, x)
+            else:
+                x = x + noise
         nan = tl.maximum(nan, tl.max((x != x).to(tl.int32), axis=0))
         x = tl.where(x != x, float("-inf"), x)
         top = tl.max(x, axis=0)
@@ -657,15 +666,18 @@ def _argmax_kernel(values_ptr, low_ptr, high_ptr, position_ptr, out_ptr, V, stri
     tl.store(out_ptr + row, tl.where(nan > 0, 0, best_at).to(tl.int64))
 
 
-def _argmax(values: torch.Tensor, keys: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
+def _argmax(values: torch.Tensor, keys: tuple[torch.Tensor, ...] | None,
+            temperature: torch.Tensor | None = None) -> torch.Tensor:
     rows, vocab = values.shape
     if values.stride(-1) != 1:
         values = values.contiguous()
     out = torch.empty(rows, dtype=torch.long, device=values.device)
     if rows:
         low, high, position = (k.contiguous() for k in keys) if keys is not None else (out, out, out)
-        _fused(_argmax_kernel, (rows,), values, low, high, position, out, vocab, values.stride(0),
-               NOISE=keys is not None, BLOCK=min(ARGMAX_BLOCK, triton.next_power_of_2(vocab)))
+        temperatures = values if temperature is None else temperature.float().contiguous()
+        _fused(_argmax_kernel, (rows,), values, low, high, position, temperatures, out, vocab, values.stride(0),
+               NOISE=keys is not None, TEMPERATURE=temperature is not None,
+               BLOCK=min(ARGMAX_BLOCK, triton.next_power_of_2(vocab)))
     return out
 
 
@@ -676,12 +688,12 @@ def first_argmax(values: torch.Tensor) -> torch.Tensor:
     return _argmax(values, None)
 
 
-def gumbel_argmax(scaled: torch.Tensor, seed_low: torch.Tensor, seed_high: torch.Tensor,
-                  position: torch.Tensor) -> torch.Tensor:
+def gumbel_argmax(logits: torch.Tensor, seed_low: torch.Tensor, seed_high: torch.Tensor, position: torch.Tensor,
+                  temperature: torch.Tensor | None = None) -> torch.Tensor:
     """`sampling.gumbel_argmax` with torch's CUDA log, in one launch (fp32 rows [R, V])."""
-    if scaled.dtype != torch.float32 or scaled.dim() != 2:
-        return sampling.gumbel_argmax(scaled, seed_low, seed_high, position, log=torch.log)
-    return _argmax(scaled, (seed_low, seed_high, position))
+    if logits.dtype != torch.float32 or logits.dim() != 2:
+        return sampling.gumbel_argmax(logits, seed_low, seed_high, position, temperature, log=torch.log)
+    return _argmax(logits, (seed_low, seed_high, position), temperature)
 
 
 OPS = {

@@ -101,7 +101,8 @@ kernels = {
                                             "indices_ptr": "*i64", "weights_ptr": bf16, "E": "i32", "scale": "fp32"},
              {"K": 6, "LEVELS": 3, "BLOCK_E": 512, "CHOSEN": False}),
     **{name: (f._argmax_kernel, {"values_ptr": fp32, "low_ptr": "*i64", "high_ptr": "*i64", "position_ptr": "*i64",
-                                 "out_ptr": "*i64", "V": "i32", "stride": "i32"}, {"NOISE": noise, "BLOCK": 2048})
+                                 "temperature_ptr": fp32, "out_ptr": "*i64", "V": "i32", "stride": "i32"},
+              {"NOISE": noise, "TEMPERATURE": noise, "BLOCK": 2048})
        for name, noise in (("argmax", False), ("gumbel", True))},
     **{fmt: (f._cache_qdq_kernel, {"x_ptr": bf16, "out_ptr": bf16, "width": "i32", "x_stride": "i32"},
              {"FORMAT": fmt, "GROUP": group, "BLOCK": f.QDQ_BLOCK}) for fmt, group in f.QDQ_FORMATS.items()},

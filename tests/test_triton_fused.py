@@ -388,29 +388,42 @@ def test_first_argmax_is_the_op_chain(vocab: int) -> None:
 @given(rows=st.integers(1, 5), vocab=st.integers(1, 4500), seed=st.integers(0, 2**31 - 1),
        specials=st.lists(st.sampled_from([float("inf"), float("-inf"), float("nan"), -0.0, 88.0]), max_size=5),
        seeds=st.lists(st.integers(0, 2**64 - 1), min_size=5, max_size=5),
-       positions=st.lists(st.integers(0, 2**40), min_size=5, max_size=5))
+       positions=st.lists(st.integers(0, 2**40), min_size=5, max_size=5),
+       temperatures=st.lists(st.sampled_from([0.0, 0.3, 0.7, 1.0, 1.9]), min_size=5, max_size=5))
 def test_gumbel_argmax_is_the_op_chain(rows: int, vocab: int, seed: int, specials: list[float], seeds: list[int],
-                                       positions: list[int]) -> None:
-    """The draw of scaled logits plus each row's noise for (seed, position): the uniforms' integer hash
-    over the whole 64-bit seed range and large positions, the log's bits (the device's), ties and the
-    specials the chain sees (-inf where a mask or filter removed a token, NaN rows)."""
+                                       positions: list[int], temperatures: list[float]) -> None:
+    """The draw of logits plus each row's noise for (seed, position), and of logits divided by each
+    row's temperature first (greedy at 0): the uniforms' integer hash over the whole 64-bit seed range
+    and large positions, the division's and the log's bits (the device's), ties and the specials the
+    chain sees (-inf where a mask or filter removed a token, NaN rows)."""
     x = _logits(rows, vocab, seed, specials)
     low, high, position = (torch.tensor(v[:rows], device=x.device) for v in
                            ([s & sampling.MASK32 for s in seeds], [s >> 32 for s in seeds], positions))
-    expected = sampling.gumbel_argmax(x, low, high, position, log=_device_log)
-    assert torch.equal(triton_fused.gumbel_argmax(x, low, high, position), expected)
-    # a row's draw is its own: alone or among others
-    assert torch.equal(triton_fused.gumbel_argmax(x[-1:], low[-1:], high[-1:], position[-1:]), expected[-1:])
+    temperature = torch.tensor(temperatures[:rows], device=x.device)
+    for t in (None, temperature):
+        expected = sampling.gumbel_argmax(x, low, high, position, t, log=_device_log)
+        assert torch.equal(triton_fused.gumbel_argmax(x, low, high, position, t), expected)
+        # a row's draw is its own: alone or among others
+        alone = triton_fused.gumbel_argmax(x[-1:], low[-1:], high[-1:], position[-1:], None if t is None else t[-1:])
+        assert torch.equal(alone, expected[-1:])
 
 
 @pytest.mark.parametrize("vocab", [300, 4099])
 def test_gumbel_argmax_follows_every_bit_of_the_noise(vocab: int) -> None:
     """Logits that cancel each row's noise exactly (-gumbel): every value sums to 0, all tie, and the
-    draw is token 0. A noise value off by one bit upwards anywhere in the row wins the draw instead."""
+    draw is token 0. A noise value off by one bit upwards anywhere in the row wins the draw instead.
+    With a temperature, the rounding of each division picks the token."""
     low = torch.tensor([1, 2**32 - 1, 77, 0], device=DEVICE)
     high = torch.tensor([0, 5, 2**31, 2**32 - 1], device=DEVICE)
     position = torch.tensor([0, 3, 2**33, 12345], device=DEVICE)
     u = sampling.uniforms(sampling.noise_keys(low, high, position), vocab)
-    x = -(-_device_log(-_device_log(u)))
-    assert sampling.gumbel_argmax(x, low, high, position, log=_device_log).tolist() == [0] * 4
-    assert triton_fused.gumbel_argmax(x, low, high, position).tolist() == [0] * 4
+    gumbel = -_device_log(-_device_log(u))
+    assert sampling.gumbel_argmax(-gumbel, low, high, position, log=_device_log).tolist() == [0] * 4
+    assert triton_fused.gumbel_argmax(-gumbel, low, high, position).tolist() == [0] * 4
+    # divided by a temperature first: logits of -gumbel * t leave residuals of an ulp or so after the
+    # division, so the draw is the token whose division rounded highest (the last row is greedy)
+    temperature = torch.tensor([0.7, 0.3, 1.9, 0.0], device=DEVICE)
+    x = -gumbel * temperature.unsqueeze(1)
+    expected = sampling.gumbel_argmax(x, low, high, position, temperature, log=_device_log)
+    assert (expected[:3] != 0).all() and expected[3] == sampling.first_argmax(x[3:]).item()
+    assert torch.equal(triton_fused.gumbel_argmax(x, low, high, position, temperature), expected)

@@ -109,15 +109,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, ops: Ops, needs: Sampling
     """The token chosen in each row of fp32 logits [R, V] (int64 [R], on the logits' device). `needs`
     (what the caller knows of the rows' settings) skips the noise, or the sort, over the vocabulary
     that no row would use; the choice is the same."""
-    greedy = ops.first_argmax(logits)
     if needs.greedy_only:
-        return greedy
-    if needs.filtering:
-        scaled = filtered_logits(logits, batch, ops)
-    else:
-        scaled = logits / torch.where(batch.temperature > 0, batch.temperature, 1.0).unsqueeze(1)
-    drawn = ops.gumbel_argmax(scaled, batch.seed_low, batch.seed_high, batch.position)
-    return torch.where(batch.temperature > 0, drawn, greedy)
+        return ops.first_argmax(logits)
+    if not needs.filtering:  # temperature and the greedy rows inside the draw
+        return ops.gumbel_argmax(logits, batch.seed_low, batch.seed_high, batch.position, batch.temperature)
+    drawn = ops.gumbel_argmax(filtered_logits(logits, batch, ops), batch.seed_low, batch.seed_high, batch.position)
+    return torch.where(batch.temperature > 0, drawn, ops.first_argmax(logits))
 
 
 def top_logprobs(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
