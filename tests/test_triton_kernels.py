@@ -535,12 +535,13 @@ def test_sinkhorn_does_not_depend_on_batch(batch: tuple[int, int], seed: int) ->
 
 def test_every_registered_op_keeps_the_reference_signature() -> None:
     """Each CUDA op takes what the op it replaces takes: the PyTorch primitive's parameters, a cache
-    format's (with its defaults), or a composite's (less the primitives `kernels.bind` supplies as
-    keywords)."""
-    from deepinfer.kernels import composite, quant
+    format's (with its defaults), a sampling chain's, or a composite's (less the primitives
+    `kernels.bind` supplies as keywords)."""
+    from deepinfer.kernels import composite, quant, sampling
 
     for name, fn in {**triton_ops.OPS, **triton_fused.OPS}.items():
-        reference = getattr(invariant, name, None) or getattr(quant, name, None) or getattr(composite, name)
+        reference = next(getattr(module, name) for module in (invariant, quant, sampling, composite)
+                         if hasattr(module, name))
         expected = [(p, spec.default) for p, spec in inspect.signature(reference).parameters.items()
                     if spec.kind != spec.KEYWORD_ONLY]
         got = [(p, spec.default) for p, spec in inspect.signature(fn).parameters.items()]
