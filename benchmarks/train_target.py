@@ -556,9 +556,9 @@ def reuse_trained(trained: Path, folder: Path, args: argparse.Namespace) -> dict
             raise TrainError(f"--trained {trained}: trained with {name} {record.get(name)!r}, not {getattr(args, name)!r}")
     shutil.copytree(trained, folder, dirs_exist_ok=True)
     digest = content_hash(folder)
-    known = {record["checkpoint"]["content_hash"]: "as trained"}
+    known = {record.get("checkpoint", {}).get("content_hash"): "as trained"}
     if (folder / DISTILL_RECORD).is_file():  # a run that distilled it after training
-        known[json.loads((folder / DISTILL_RECORD).read_text())["content_hash"]["after"]] = "distilled earlier"
+        known[json.loads((folder / DISTILL_RECORD).read_text()).get("content_hash", {}).get("after")] = "distilled earlier"
     if digest not in known:
         raise TrainError(f"--trained {trained}: content hash {digest} is neither the trained one nor a distillation's")
     record["trained"] = {"by": record.pop("command", None), "on": record.pop("device", None), "folder": trained.name,
