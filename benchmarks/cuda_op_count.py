@@ -1,11 +1,11 @@
-"""What a decode step's forward launches on CUDA outside the Triton kernels, counted on a CPU machine.
+"""What a decode step's forward launches on CUDA, PyTorch ops and Triton kernels, counted on a CPU machine.
 
     python benchmarks/cuda_op_count.py [--preset v41-tiny] [--top 30] [--out counts.json]
 
 Binds the invariant CUDA table (`kernels.bind("batch_invariant", "cuda")`: the Triton matmuls, norms,
 attention and fused ops) to a model on the CPU, its Triton kernels run by the interpreter, and counts
 the PyTorch ops one decode step's forward dispatches outside them, by the innermost line of ours that
-called each: on the GPU each is a kernel launch (a few microseconds in a decode step however small), so
+called each, and the Triton kernels it launches, by kernel: on the GPU each is a kernel launch (a few microseconds in a decode step however small), so
 the lines with the most are where fusing pays. Ops that launch nothing are left out: views, empty
 tensors, scalars read from CPU tensors, and casts or `contiguous` calls that return their input. The
 model is built for the CPU, so a weight laid out for oneDNN (column-major) shows a copy the GPU build
@@ -29,6 +29,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from triton.language.extra import libdevice  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from deepinfer import LLM, EngineConfig, SamplingParams  # noqa: E402
 from deepinfer.engine import host  # noqa: E402
@@ -38,19 +39,51 @@ import deepinfer.kernels as kernels  # noqa: E402
 SILENT = {"empty", "empty_like", "empty_strided", "new_empty", "lift_fresh", "detach", "detach_", "item",
           "_local_scalar_dense", "view", "_unsafe_view", "slice", "select", "unsqueeze", "squeeze", "reshape",
           "flatten", "unflatten", "expand", "t", "transpose", "permute", "split", "split_with_sizes", "unbind",
-          "alias", "as_strided"}
+          "alias", "as_strided", "chunk", "narrow", "view_as", "expand_as", "movedim"}
 MAYBE_SILENT = {"to", "_to_copy", "contiguous", "clone"}  # silent where they return their input
 
 
 class Counting(TorchDispatchMode):
     """Counts the ops that launch something, by the innermost frame under `root` that called them
-    (ops inside the interpreter's Triton kernels are theirs, not ours: left out)."""
+    (ops inside the interpreter's Triton kernels are theirs, not ours: left out), and the Triton
+    kernels launched, by name; both also by the target layer running them."""
 
     def __init__(self, root: str) -> None:
         super().__init__()
         self.root = root
         self.sites: collections.Counter = collections.Counter()
         self.ops: collections.Counter = collections.Counter()
+        self.kernels: collections.Counter = collections.Counter()
+        self.by_layer: collections.Counter = collections.Counter()
+        self.layer = "outside the target's layers"
+
+    def attribute_layers(self, layers) -> None:
+        """Count each launch also by the target layer (a block of `layers`) running it."""
+        def entering(index):
+            def enter(module, args):
+                role = getattr(module, "role", None)
+                self.layer = f"layer {index:2d}" + (f" ({role.kind}{', engram' if role.engram else ''})" if role else "")
+            return enter
+
+        for index, block in enumerate(layers):
+            block.register_forward_pre_hook(entering(index))
+            block.register_forward_hook(lambda module, args, out: setattr(self, "layer", "outside the target's layers"))
+
+    def __enter__(self):
+        launch = InterpretedFunction.run
+
+        def counted(function, *args, warmup=False, **kwargs):
+            if not warmup:
+                self.kernels[function.fn.__name__] += 1
+                self.by_layer[self.layer] += 1
+            return launch(function, *args, warmup=warmup, **kwargs)
+
+        self._launch, InterpretedFunction.run = launch, counted
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        InterpretedFunction.run = self._launch
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -66,6 +99,7 @@ class Counting(TorchDispatchMode):
         site = f"{Path(ours[-1].filename).relative_to(self.root)}:{ours[-1].lineno} {ours[-1].line}" if ours else "?"
         self.sites[site] += 1
         self.ops[name] += 1
+        self.by_layer[self.layer] += 1
         return out
 
 
@@ -103,6 +137,7 @@ def main() -> None:
     while not llm.scheduler.running or len(llm.scheduler.running[0].output_token_ids) < 2:
         llm.step()
     counting = Counting(str(Path(__file__).resolve().parents[1]) + os.sep)
+    counting.attribute_layers(llm.model.layers)
     if speculating:
         what = "engine step verifying drafts and drafting after it"
         with torch.inference_mode(), counting:
@@ -114,11 +149,17 @@ def main() -> None:
         with torch.inference_mode(), counting:
             llm.model(batch, llm.cache.layer_views)
     total = sum(counting.sites.values())
+    triton_launches = sum(counting.kernels.values())
     layers = llm.config.num_hidden_layers
     by_file = collections.Counter()
     for site, count in counting.sites.items():
         by_file[site.split(":")[0]] += count
-    print(f"{args.preset}: {total} launches outside Triton kernels in one {what} ({total / layers:.0f} a target layer)")
+    print(f"{args.preset}: {total + triton_launches} kernel launches in one {what} "
+          f"({(total + triton_launches) / layers:.0f} a target layer): {total} PyTorch ops, {triton_launches} Triton")
+    for layer, count in sorted(counting.by_layer.items()):
+        print(f"{count:5d}  {layer}")
+    for kernel, count in counting.kernels.most_common():
+        print(f"{count:5d}  triton {kernel}")
     for file, count in by_file.most_common():
         print(f"{count:5d}  {file}")
     for site, count in counting.sites.most_common(args.top):
@@ -128,6 +169,9 @@ def main() -> None:
         device = f"cpu ({cpu_isa.cpu_model()}), the invariant CUDA table under the Triton interpreter"
         Path(args.out).write_text(json.dumps({"command": command, "device": device, "preset": args.preset,
                                               "counted": what, "layers": layers, "launches": total,
+                                              "triton_launches": triton_launches,
+                                              "by_layer": dict(sorted(counting.by_layer.items())),
+                                              "by_kernel": dict(counting.kernels.most_common()),
                                               "by_file": dict(by_file.most_common()),
                                               "by_op": dict(counting.ops.most_common()),
                                               "by_line": dict(counting.sites.most_common())}, indent=1))

@@ -53,8 +53,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (weight * xf).to(x.dtype)
 
 
-def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm without weight; the fp32 inverse RMS is cast to x's dtype before scaling."""
+def unweighted_rms_norm(x: torch.Tensor, eps: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """RMSNorm without weight; the fp32 inverse RMS is cast to x's dtype before scaling. With `dtype`,
+    the norm of x cast to it (a kernel reads x as it is and casts in registers: no copy of x)."""
+    x = x if dtype is None else x.to(dtype)
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + scalar(eps)).to(x.dtype)
 
 
@@ -66,11 +68,13 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.log_softmax(x.float(), dim=dim)
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Interleaved RoPE on the trailing `2 * cos.shape[-1]` channels of x [T, ..., D].
 
-    cos/sin are [T, rope_dim // 2] in fp32; channel pairs (2i, 2i+1) rotate by angle i.
+    cos/sin are [T, rope_dim // 2] in fp32; channel pairs (2i, 2i+1) rotate by angle i (by minus it
+    with `inverse`, which undoes the rotation: sin negated, exactly).
     """
+    sin = -sin if inverse else sin
     half = cos.shape[-1]
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
     cos, sin = cos.view(shape), sin.view(shape)

@@ -62,9 +62,10 @@ def _silu(z):
 
 @triton.jit
 def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, rows, per_token, D, HALF,
-                   ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                   ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, INVERSE: tl.constexpr):
     """ROWS rows of x [rows, D] per program: the leading D - 2 * HALF channels copied, the pairs of
-    the trailing ones rotated by their token's angles (row // per_token) as `fast.rotary` does."""
+    the trailing ones rotated by their token's angles (row // per_token; minus them if INVERSE) as
+    `fast.rotary` does."""
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = row < rows
     base = row.to(tl.int64)[:, None] * D
@@ -78,6 +79,8 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, rows, per_token, D, HALF,
     angle = (row // per_token).to(tl.int64)[:, None] * HALF + pairs[None, :]
     cos = tl.load(cos_ptr + angle, mask=ok, other=0.0)
     sin = tl.load(sin_ptr + angle, mask=ok, other=0.0)
+    if INVERSE:
+        sin = -sin
     even_at = base + plain + 2 * pairs[None, :]
     even = tl.load(x_ptr + even_at, mask=ok, other=0.0).to(tl.float32)
     odd = tl.load(x_ptr + even_at + 1, mask=ok, other=0.0).to(tl.float32)
@@ -86,9 +89,9 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, rows, per_token, D, HALF,
     tl.store(out_ptr + even_at + 1, (odd * cos + even * sin).to(out_ty), mask=ok)
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """`fast.rotary` in one launch: interleaved RoPE on the trailing `2 * cos.shape[-1]` channels of
-    x [T, ..., D]; cos/sin [T, rope_dim // 2] fp32."""
+    x [T, ..., D]; cos/sin [T, rope_dim // 2] fp32; `inverse` negates sin in the kernel."""
     x = x.contiguous()
     out = torch.empty_like(x)
     if out.numel() == 0:
@@ -98,7 +101,8 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     plain = width - 2 * half
     _fused(_rotary_kernel, (triton.cdiv(rows, ROTARY_ROWS),), x, cos.float().contiguous(), sin.float().contiguous(),
            out, rows, rows // x.shape[0], width, half, ROWS=ROTARY_ROWS,
-           BLOCK_D=min(max(triton.next_power_of_2(plain), 16), 512), BLOCK_HALF=max(triton.next_power_of_2(half), 2))
+           BLOCK_D=min(max(triton.next_power_of_2(plain), 16), 512), BLOCK_HALF=max(triton.next_power_of_2(half), 2),
+           INVERSE=inverse)
     return out
 
 

@@ -602,9 +602,10 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, eps, WEIGHTED: tl.constexpr, BLOC
         tl.store(out_ptr + row + cols, y.to(out_ty), mask=cols < N)
 
 
-def _launch_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+def _launch_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                     dtype: torch.dtype | None = None) -> torch.Tensor:
     x = x.contiguous()
-    out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=dtype or x.dtype, device=x.device)
     width = x.shape[-1]
     rows = x.numel() // width if width else 0
     if rows == 0:
@@ -619,9 +620,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _launch_rms_norm(x, weight, eps)
 
 
-def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm without weight; the fp32 inverse RMS is cast to x's dtype before scaling."""
-    return _launch_rms_norm(x, None, eps)
+def unweighted_rms_norm(x: torch.Tensor, eps: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """RMSNorm without weight; the fp32 inverse RMS is cast to the output's dtype (`dtype`, x's by
+    default) before scaling. x is read in its own dtype and widened in registers, exactly as a cast first."""
+    return _launch_rms_norm(x, None, eps, dtype)
 
 
 @triton.jit

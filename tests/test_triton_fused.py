@@ -57,6 +57,10 @@ def test_rotary_is_the_op_chain_bit_for_bit(dtype: torch.dtype, shape: tuple[int
     cos, sin = _rope(shape[0], half, seed=2)
     _assert_same_bits(triton_fused.rotary(x, cos, sin), fast.rotary(x, cos, sin))
     _assert_same_bits(triton_fused.rotary(x, cos, -sin), fast.rotary(x, cos, -sin))
+    # the inverse rotation negates sin inside the op: the bits of passing -sin, in both tables
+    _assert_same_bits(triton_fused.rotary(x, cos, sin, inverse=True), fast.rotary(x, cos, -sin))
+    _assert_same_bits(fast.rotary(x, cos, sin, inverse=True), fast.rotary(x, cos, -sin))
+    assert not torch.equal(fast.rotary(x, cos, sin, inverse=True), fast.rotary(x, cos, sin))
 
 
 def test_rotary_takes_strided_inputs() -> None:

@@ -36,7 +36,7 @@ class HyperMix(nn.Module):
         self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(pre [T, n], post [T, n], comb [T, n, n]) in fp32 from the streams [T, n, hidden]."""
-        flat = self.ops.unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
+        flat = self.ops.unweighted_rms_norm(streams.flatten(1), self.norm_eps, torch.float32)
         return self.ops.hyper_coefficients(self.ops.linear(flat, fn), base, scale, self.n, self.iters, self.hc_eps)
 
 
@@ -63,6 +63,6 @@ def head_collapse(ops: Ops, streams: torch.Tensor, weights: tuple[torch.Tensor, 
     """The final collapse of streams [T, n, hidden] with (fn, base, scale) [n, n * hidden], [n], [1]: a
     function, since the MTP block holds its own under other names (`hc_head_fn`, ...)."""
     fn, base, scale = weights
-    flat = ops.unweighted_rms_norm(streams.flatten(1).float(), norm_eps)
+    flat = ops.unweighted_rms_norm(streams.flatten(1), norm_eps, torch.float32)
     pre = ops.sigmoid(ops.linear(flat, fn) * scale + base) + eps
     return ops.hyper_collapse(pre, streams)

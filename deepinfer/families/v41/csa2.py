@@ -227,7 +227,7 @@ class Attention2(nn.Module):
 
     def project_out(self, out: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The attention output [T, heads, head_dim] with its RoPE undone, through the grouped `wo_a` and `wo_b`."""
-        out = self.ops.rotary(out, rope[0], -rope[1])
+        out = self.ops.rotary(out, *rope, inverse=True)
         grouped = self.ops.grouped_linear(out.reshape(out.shape[0], self.o_groups, -1), self.wo_a.weight, self.o_groups)
         return self.wo_b(grouped.flatten(1))
 
