@@ -12,8 +12,9 @@ without touching the model and no call pays for a lookup. Modes:
   grouped GEMMs for the routed experts and in-place decoding kernels for stored weights
   (`kernels/fast_cuda.py`), so that nothing reads the host and steps are captured in CUDA graphs.
 
-The cache formats (`fp8_ue8m0_qdq`, `nvfp4_qdq`, `mxfp4_qdq`: kernels/quant.py) are one implementation
-shared by every table; they are ops so that what a model does to its caches is seen where its other
+`paged_slots` (kernels/paging.py: the paged caches' slot arithmetic, integers) is one implementation
+shared by every table, one Triton launch on CUDA in both modes. The cache formats (`fp8_ue8m0_qdq`,
+`nvfp4_qdq`, `mxfp4_qdq`: kernels/quant.py) are one implementation shared by every table; they are ops so that what a model does to its caches is seen where its other
 numerics are (`audit capture` names them).
 
 Composite ops (`kernels/composite.py`, and the routed experts) are built from each table's own
@@ -32,14 +33,14 @@ from functools import partial
 
 import torch
 
-from deepinfer.kernels import composite, fast, invariant, quant, sampling
+from deepinfer.kernels import composite, fast, invariant, paging, quant, sampling
 
 NUMERICS = ("batch_invariant", "fast")
 OPS = (
     "clamped_swiglu", "cos_sin", "expert_outputs", "first_argmax", "fp8_ue8m0_qdq", "grouped_linear", "gumbel_argmax",
     "hyper_coefficients", "hyper_collapse", "hyper_expand", "indexer_scores", "linear", "log", "log_softmax",
     "matmul_layout", "mix_streams", "moe_experts", "moe_gate", "mxfp4_qdq", "nvfp4_qdq", "ordered_sum",
-    "paged_indexer_scores", "paged_sink_attention", "rms_norm", "rotary", "rotary_table", "sigmoid", "sink_attention",
+    "paged_indexer_scores", "paged_slots", "paged_sink_attention", "rms_norm", "rotary", "rotary_table", "sigmoid", "sink_attention",
     "sinkhorn", "softmax", "softplus", "topk_indices", "unweighted_rms_norm", "weighted_combine", "window_pool",
 )
 _COMPOSITES = ("expert_outputs", "first_argmax", "gumbel_argmax", "hyper_coefficients", "hyper_collapse",
@@ -47,7 +48,8 @@ _COMPOSITES = ("expert_outputs", "first_argmax", "gumbel_argmax", "hyper_coeffic
 # the release's cache formats (kernels/quant.py): one implementation, the same bits in every table
 _CACHE_FORMATS = ("fp8_ue8m0_qdq", "mxfp4_qdq", "nvfp4_qdq")
 _SAMPLING = ("first_argmax", "gumbel_argmax")  # the sampler's, the same in both modes (`kernels.sampling`)
-_PRIMITIVES = tuple(name for name in OPS if name not in _COMPOSITES + _CACHE_FORMATS)
+_PAGING = ("paged_slots",)  # the caches' slot arithmetic, the same in both modes (`kernels.paging`)
+_PRIMITIVES = tuple(name for name in OPS if name not in _COMPOSITES + _CACHE_FORMATS + _PAGING)
 
 
 class Ops:
@@ -69,6 +71,7 @@ def _complete(table: dict) -> dict:
     routed experts use whichever matmul the table has), unless the table brings its own (fused) version."""
     for name in _CACHE_FORMATS:
         table.setdefault(name, getattr(quant, name))
+    table.setdefault("paged_slots", paging.paged_slots)
     table.setdefault("moe_experts", partial(fast.routed_experts, matmul=table["linear"],
                                             swiglu=table["clamped_swiglu"]))
     table.setdefault("expert_outputs", partial(fast.expert_outputs, matmul=table["linear"],
@@ -108,10 +111,11 @@ def _table(numerics: str, device_type: str, row_tiles: invariant.RowTiles) -> di
     elif device_type == "cuda":
         from deepinfer.kernels import fast_cuda, triton_fused
 
-        # the cache formats' and the sampler's one-launch kernels give quant's and `kernels.sampling`'s
-        # bits: the fast mode takes them too, so the invariance tax is not measured against launches the
-        # invariant mode does not pay (and sampling stays the same in both modes)
-        table.update(fast_cuda.OPS, **{name: triton_fused.OPS[name] for name in (*_CACHE_FORMATS, *_SAMPLING)})
+        # the cache formats', the sampler's and the slot arithmetic's one-launch kernels give quant's,
+        # `kernels.sampling`'s and `kernels.paging`'s bits: the fast mode takes them too, so the invariance
+        # tax is not measured against launches the invariant mode does not pay (and sampling stays the same
+        # in both modes)
+        table.update(fast_cuda.OPS, **{name: triton_fused.OPS[name] for name in (*_CACHE_FORMATS, *_SAMPLING, *_PAGING)})
     return _complete(table)
 
 

@@ -700,7 +700,62 @@ def gumbel_argmax(logits: torch.Tensor, seed_low: torch.Tensor, seed_high: torch
     return _argmax(logits, (seed_low, seed_high, position), temperature)
 
 
+# paged slots -------------------------------------------------------------------------------------
+
+PAGED_ROWS, PAGED_COLS = 16, 64  # (rows, logical rows) per program of the slot arithmetic
+
+
+@triton.jit
+def _paged_slots_kernel(table_ptr, seq_ptr, first_ptr, keep_ptr, limit_ptr, slots_ptr, valid_ptr, N, W,
+                        table_width, block_size, last_row, offset, null_slot, HAS_FIRST: tl.constexpr,
+                        HAS_KEEP: tl.constexpr, HAS_LIMIT: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """A (ROWS, COLS) tile of `paging.paged_slots`: int64 throughout; every row clamped into the
+    table is non-negative, so C's division and remainder are Python's there."""
+    n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    j = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    n_ok = n < N
+    ok = n_ok[:, None] & (j < W)[None, :]
+    rows = j.to(tl.int64)[None, :] + offset
+    if HAS_FIRST:
+        rows = rows + tl.load(first_ptr + n, mask=n_ok, other=0).to(tl.int64)[:, None]
+    valid = rows >= 0
+    if HAS_LIMIT:
+        valid = valid & (rows < tl.load(limit_ptr + n, mask=n_ok, other=0).to(tl.int64)[:, None])
+    clamped = tl.minimum(tl.maximum(rows, 0), last_row)
+    seq = tl.load(seq_ptr + n, mask=n_ok, other=0).to(tl.int64)[:, None]
+    block = tl.load(table_ptr + seq * table_width + clamped // block_size, mask=ok, other=0).to(tl.int64)
+    slots = block * block_size + clamped % block_size
+    if HAS_KEEP:
+        keep = tl.load(keep_ptr + n, mask=n_ok, other=0) != 0
+        slots = tl.where(keep[:, None], slots, null_slot)
+    at = n.to(tl.int64)[:, None] * W + j[None, :]
+    tl.store(slots_ptr + at, slots, mask=ok)
+    tl.store(valid_ptr + at, valid.to(tl.int8), mask=ok)
+
+
+def paged_slots(
+    table: torch.Tensor, block_size: int, seq: torch.Tensor, first: torch.Tensor | None, offset: int, width: int,
+    keep: torch.Tensor | None = None, null_slot: int = 0, limit: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`paging.paged_slots` in one launch (the same integers)."""
+    rows = seq.shape[0]
+    slots = torch.empty(rows, width, dtype=torch.int64, device=seq.device)
+    valid = torch.empty(rows, width, dtype=torch.bool, device=seq.device)
+    if slots.numel():
+        table = table.contiguous()
+        seq = seq.contiguous()
+        keep = keep.view(torch.int8) if keep is not None else None
+        args = [t.contiguous() if t is not None else seq for t in (first, keep, limit)]
+        grid = (triton.cdiv(rows, PAGED_ROWS), triton.cdiv(width, PAGED_COLS))
+        _paged_slots_kernel[grid](table, seq, *args, slots, valid.view(torch.int8), rows, width, table.shape[1],
+                                  block_size, table.shape[1] * block_size - 1, offset, null_slot, HAS_FIRST=first is not None,
+                                  HAS_KEEP=keep is not None, HAS_LIMIT=limit is not None, ROWS=PAGED_ROWS,
+                                  COLS=PAGED_COLS)
+    return slots, valid
+
+
 OPS = {
+    "paged_slots": paged_slots,
     "first_argmax": first_argmax,
     "gumbel_argmax": gumbel_argmax,
     "rotary": rotary,

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_triton_kernels import _assert_same_bits, _interpreter_patches, _randn  # noqa: F401  (fixture)
 
-from deepinfer.kernels import composite, fast, invariant, quant, sampling, triton_fused
+from deepinfer.kernels import composite, fast, invariant, paging, quant, sampling, triton_fused
 
 FEW = settings(max_examples=8, deadline=None)
 N = 4  # hc_mult of every V4 and V4.1 configuration
@@ -431,3 +431,36 @@ def test_gumbel_argmax_follows_every_bit_of_the_noise(vocab: int) -> None:
     expected = sampling.gumbel_argmax(x, low, high, position, temperature, log=_device_log)
     assert (expected[:3] != 0).all() and expected[3] == sampling.first_argmax(x[3:]).item()
     assert torch.equal(triton_fused.gumbel_argmax(x, low, high, position, temperature), expected)
+
+
+# paged slots --------------------------------------------------------------------------------------
+
+@settings(max_examples=25, deadline=None)
+@given(sequences=st.integers(1, 5), table_width=st.integers(1, 9), block_size=st.sampled_from([1, 2, 16, 64]),
+       rows=st.integers(0, 40), width=st.integers(1, 150), offset=st.integers(-200, 50),
+       parts=st.sets(st.sampled_from(["first", "keep", "limit"])), seed=st.integers(0, 2**31 - 1))
+def test_paged_slots_are_the_chains_integers(sequences: int, table_width: int, block_size: int, rows: int, width: int,
+                                             offset: int, parts: set, seed: int) -> None:
+    """Every address of a step (window reads and writes, entries, a compressor's state) is one call: the
+    same slots and masks as `paging.paged_slots`'s chain, rows below 0 and past the table included."""
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randint(0, 1000, (sequences, table_width), generator=g)
+    seq = torch.randint(0, sequences, (rows,), generator=g)
+    first = torch.randint(-300, table_width * block_size + 300, (rows,), generator=g) if "first" in parts else None
+    keep = torch.rand(rows, generator=g) < 0.6 if "keep" in parts else None
+    limit = torch.randint(-5, table_width * block_size + 5, (rows,), generator=g) if "limit" in parts else None
+    args = (block_size, seq.to(DEVICE), None if first is None else first.to(DEVICE), offset, width,
+            None if keep is None else keep.to(DEVICE), 7 * block_size, None if limit is None else limit.to(DEVICE))
+    slots, valid = triton_fused.paged_slots(table.to(DEVICE), *args)
+    ref_slots, ref_valid = paging.paged_slots(table.to(DEVICE), *args)
+    assert slots.dtype == ref_slots.dtype == torch.int64 and valid.dtype == ref_valid.dtype == torch.bool
+    assert torch.equal(slots, ref_slots) and torch.equal(valid, ref_valid)
+
+
+def test_paged_slots_of_the_reference_chain_are_block_times_size_plus_offset() -> None:
+    """The chain itself, on a worked case: table rows [5, 9] and [3, 4] of blocks of 4 rows."""
+    table = torch.tensor([[5, 9], [3, 4]])
+    slots, valid = paging.paged_slots(table, 4, torch.tensor([0, 1]), torch.tensor([3, -2]), 0, 3,
+                                      keep=torch.tensor([True, False]), null_slot=0, limit=torch.tensor([5, 9]))
+    assert slots.tolist() == [[23, 36, 37], [0, 0, 0]]  # row 0: rows 3, 4, 5 -> 5*4+3, 9*4+0, 9*4+1
+    assert valid.tolist() == [[True, True, False], [False, False, True]]

@@ -120,7 +120,7 @@ class DSparkRunner:
         self.views = [cache.layer_views[layer]["window"] for layer in draft_pool(draft).layers]
 
     def run(self, step: DraftInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        paged = Paged.of(step.batch)
+        paged = Paged.of(step.batch, self.draft.ops)
         self._write_context(step.batch, paged, step.streams_at)
         return self._propose(step, paged) if step.sample_chunks.numel() else None
 
@@ -133,10 +133,9 @@ class DSparkRunner:
 
     def _propose(self, step: DraftInputs, paged: Paged) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         tokens, anchors = last_kept(step)
-        positions = anchors.unsqueeze(1) - self.window + torch.arange(self.window, device=anchors.device)
-        slots = paged.slots(DRAFT_POOL, step.sample_chunks.unsqueeze(1), positions)
+        slots, valid = paged.slots(DRAFT_POOL, step.sample_chunks, anchors, self.window, offset=-self.window)
         context = torch.stack([view[slots] for view in self.views])
-        out = self.draft.blocks(tokens, anchors, context, positions >= 0)
+        out = self.draft.blocks(tokens, anchors, context, valid)
         drafts = self.draft.drafts(out, tokens, chooser(step, anchors, self.draft.ops))
         return drafts.tokens, *confident_lengths(drafts.confidence, self.threshold)
 
@@ -156,7 +155,7 @@ class MTPRunner:
         """Run the block over every token of the step (padding writes to the null block); its output
         streams [T, n, hidden]."""
         batch = step.batch
-        addresses = CacheAddresses.of(batch, [self.window])
+        addresses = CacheAddresses.of(batch, [self.window], self.mtp.ops)
         return self.mtp.paged(step.next_ids, batch.positions, step.streams_at[self.mtp.layer_id], addresses,
                               self.cache)
 
@@ -166,8 +165,7 @@ class MTPRunner:
         first = batch.query_start[step.sample_chunks]  # each chunk's first row, at its first position
         streams = out[first + anchors - 1 - batch.positions[first]]
         width = self.window.window - 1
-        positions = anchors.unsqueeze(1) - width + torch.arange(width, device=anchors.device)
-        slots = Paged.of(batch).slots("window", step.sample_chunks.unsqueeze(1), positions)
-        drafts, confidence = self.mtp.drafts(streams, anchors, self.cache["window"][slots], positions >= 0,
+        slots, valid = Paged.of(batch, self.mtp.ops).slots("window", step.sample_chunks, anchors, width, offset=-width)
+        drafts, confidence = self.mtp.drafts(streams, anchors, self.cache["window"][slots], valid,
                                              self.draft_tokens, chooser(step, anchors, self.mtp.ops))
         return drafts, *confident_lengths(torch.sigmoid(confidence), self.threshold)

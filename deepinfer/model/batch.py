@@ -4,7 +4,8 @@ The step metadata has fixed capacity: every tensor's shape depends only on the s
 (tokens, sequences, blocks per pool; see `bucket`) and the model config, never on the values it
 holds, so a step of a given bucket can be captured as a CUDA graph and replayed with new values.
 The runner builds a `StepBatch` on the host; the model turns it into cache addresses on the device,
-once per step (`CacheAddresses.of`), with plain torch ops on every device.
+once per step (`CacheAddresses.of`): the slot arithmetic is its numerics table's `paged_slots` (one
+launch per address on CUDA), the rest plain torch ops.
 
 Padding. Tokens past the real ones (from `query_start[-1]` on) have id 0 and position 0, and their
 cache writes go to the null block. Sequence rows past the real ones have empty token ranges and
@@ -24,6 +25,7 @@ import torch
 from deepinfer.transfer import upload
 
 if TYPE_CHECKING:  # the parallel package imports the model: no import back at run time
+    from deepinfer.kernels import Ops
     from deepinfer.parallel.context import ContextSplit
 
 NULL_BLOCK = 0
@@ -191,21 +193,18 @@ class CacheAddresses:
     context: ContextSplit | None = None
 
     @classmethod
-    def of(cls, batch: StepBatch, pools: list[PoolSpec], context: ContextSplit | None = None) -> "CacheAddresses":
-        """The addresses of every pool in `pools` (a model's `pool_specs()`); compressors are keyed by
-        their pools' prefix. With a `context` split (`deepinfer.parallel.context`), what each query
-        reads is that of this rank's rows only; writes stay the whole step's."""
+    def of(cls, batch: StepBatch, pools: list[PoolSpec], ops: Ops, context: ContextSplit | None = None
+           ) -> "CacheAddresses":
+        """The addresses of every pool in `pools` (a model's `pool_specs()`), by `ops.paged_slots`;
+        compressors are keyed by their pools' prefix. With a `context` split
+        (`deepinfer.parallel.context`), what each query reads is that of this rank's rows only; writes
+        stay the whole step's."""
         rows_of = batch.query_start.shape[0] - 1
         pos = batch.positions
-        paged = Paged.of(batch)
-        seq = paged.seq
+        paged = Paged.of(batch, ops)
         window = next(spec.window for spec in pools if spec.kind == "window")
-        read = pos.unsqueeze(1) - window + 1 + torch.arange(window, device=pos.device)
-        addresses = cls(
-            window_write=paged.write("window", pos),
-            window_read=paged.slots("window", seq.unsqueeze(1), read),
-            window_valid=read >= 0,
-        )
+        window_read, window_valid = paged.slots("window", paged.seq, pos, window, offset=1 - window)
+        addresses = cls(window_write=paged.write("window", pos), window_read=window_read, window_valid=window_valid)
         for spec in pools:
             if spec.kind == "entries":
                 addresses.compressors[spec.prefix] = _compressor_addresses(paged, spec, rows_of)
@@ -224,58 +223,58 @@ class CacheAddresses:
 
 
 class Paged:
-    """Slot arithmetic over one step's block tables: `seq` [T] each token's sequence row, `real` [T]
-    whether it is a real token (not padding)."""
+    """Slot arithmetic over one step's block tables, by a numerics table's `paged_slots`: `seq` [T]
+    each token's sequence row, `real` [T] whether it is a real token (not padding)."""
 
-    def __init__(self, batch: StepBatch, seq: torch.Tensor, real: torch.Tensor) -> None:
-        self.batch, self.seq, self.real = batch, seq, real
+    def __init__(self, batch: StepBatch, seq: torch.Tensor, real: torch.Tensor, ops: Ops) -> None:
+        self.batch, self.seq, self.real, self.ops = batch, seq, real, ops
         self.null_slot = NULL_BLOCK * batch.block_size
 
     @classmethod
-    def of(cls, batch: StepBatch) -> "Paged":
+    def of(cls, batch: StepBatch, ops: Ops) -> "Paged":
         index = torch.arange(batch.positions.shape[0], device=batch.positions.device)
         rows_of = batch.query_start.shape[0] - 1
         seq = (torch.searchsorted(batch.query_start, index, right=True) - 1).clamp(0, rows_of - 1)
-        return cls(batch, seq, index < batch.query_start[-1])
+        return cls(batch, seq, index < batch.query_start[-1], ops)
 
-    def slots(self, pool: str, seq: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Physical rows of logical `rows` of sequence rows `seq` (broadcast). Rows outside the table
-        are clamped into it: callers mask what they read there and never write there."""
-        table, size = self.batch.block_tables[pool], self.batch.block_size
-        rows = rows.clamp(0, table.shape[1] * size - 1)
-        return table[seq, rows // size] * size + rows % size
+    def slots(self, pool: str, seq: torch.Tensor, first: torch.Tensor | None, width: int, offset: int = 0,
+              keep: torch.Tensor | None = None, limit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Physical rows [N, width] of the logical rows `first[n] + offset + j` (j < width; `first` None
+        counts as 0) of sequence rows `seq` [N], and whether each is in [0, limit[n]) (`kernels.paging`).
+        Rows outside the table are clamped into it: callers mask what they read there and never write
+        there; rows n where `keep` is false get the null block's first slot."""
+        return self.ops.paged_slots(self.batch.block_tables[pool], self.batch.block_size, seq, first, offset, width,
+                                    keep, self.null_slot, limit)
 
     def write(self, pool: str, rows: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         """Slots where each token writes logical row `rows[t]`; padding tokens (and, with `keep`, the
         tokens it masks out) write to the null block."""
         keep = self.real if keep is None else keep & self.real
-        return torch.where(keep, self.slots(pool, self.seq, rows), self.null_slot)
+        return self.slots(pool, self.seq, rows, 1, keep=keep)[0].squeeze(1)
 
 
 def _compressor_addresses(paged: Paged, entries: PoolSpec, rows_of: int) -> CompressorAddresses:
     """Addresses of one compressor (its entries pool, and its state pool when it has one)."""
     state, ratio, overlap = f"{entries.prefix}_state", entries.ratio, entries.overlap
     pos = paged.batch.positions
-    device = pos.device
     closes = paged.real & ((pos + 1) % ratio == 0)
     capacity = close_capacity(pos.shape[0], rows_of, ratio)
     # the closing tokens first, in token order (a fixed-shape compaction: no host read of how many)
     token = torch.sort((~closes).to(torch.int32), stable=True).indices[:capacity]
     window = pos[token] // ratio
-    used = closes[token]
+    used, token_seq = closes[token], paged.seq[token]
     width = paged.batch.block_tables[entries.name].shape[1] * paged.batch.block_size
-    entry = torch.arange(width, device=device).expand(pos.shape[0], width)
+    entry_read, entry_valid = paged.slots(entries.name, paged.seq, None, width, limit=(pos + 1) // ratio)
     addresses = CompressorAddresses(
         close_token=token,
-        close_write=torch.where(used, paged.slots(entries.name, paged.seq[token], window), paged.null_slot),
+        close_write=paged.slots(entries.name, token_seq, window, 1, keep=used)[0].squeeze(1),
         close_position=window * ratio,
-        entry_read=paged.slots(entries.name, paged.seq.unsqueeze(1), entry),
-        entry_valid=entry < ((pos + 1) // ratio).unsqueeze(1),
+        entry_read=entry_read,
+        entry_valid=entry_valid,
     )
     if state in paged.batch.block_tables:
-        first = window * ratio - (ratio if overlap else 0)
-        read = first.unsqueeze(1) + torch.arange(2 * ratio if overlap else ratio, device=device)
+        close_read, in_table = paged.slots(state, token_seq, addresses.close_position,
+                                           2 * ratio if overlap else ratio, offset=-ratio if overlap else 0)
         addresses.state_write = paged.write(state, pos)
-        addresses.close_read = paged.slots(state, paged.seq[token].unsqueeze(1), read)
-        addresses.close_valid = (read >= 0) & used.unsqueeze(1)
+        addresses.close_read, addresses.close_valid = close_read, in_table & used.unsqueeze(1)
     return addresses

@@ -113,7 +113,7 @@ class DeepseekV4(Decoder):
         layer the streams enter, as in `DeepseekV41.forward`). Reading them changes nothing else.
         With `context` set, a long step's rows are split over the ranks (`deepinfer.parallel.context`)."""
         split = None if self.context is None else self.context.split(batch.input_ids.shape[0], batch.input_ids.device)
-        addresses = CacheAddresses.of(batch, self.pools, split)
+        addresses = CacheAddresses.of(batch, self.pools, self.ops, split)
         input_ids, positions = batch.input_ids, batch.positions
         if split is not None:  # this rank runs its own rows; attention gathers what they write
             input_ids, positions = input_ids[split.own], positions[split.own]
