@@ -12,8 +12,8 @@ without touching the model and no call pays for a lookup. Modes:
   grouped GEMMs for the routed experts and in-place decoding kernels for stored weights
   (`kernels/fast_cuda.py`), so that nothing reads the host and steps are captured in CUDA graphs.
 
-`paged_slots` (kernels/paging.py: the paged caches' slot arithmetic, integers) is one implementation
-shared by every table, one Triton launch on CUDA in both modes. The cache formats (`fp8_ue8m0_qdq`,
+`paged_slots` and `closing_tokens` (kernels/paging.py: the paged caches' slot arithmetic, integers)
+have one implementation shared by every table, one Triton launch on CUDA in both modes. The cache formats (`fp8_ue8m0_qdq`,
 `nvfp4_qdq`, `mxfp4_qdq`: kernels/quant.py) are one implementation shared by every table; they are ops so that what a model does to its caches is seen where its other
 numerics are (`audit capture` names them).
 
@@ -37,7 +37,7 @@ from deepinfer.kernels import composite, fast, invariant, paging, quant, samplin
 
 NUMERICS = ("batch_invariant", "fast")
 OPS = (
-    "clamped_swiglu", "cos_sin", "expert_outputs", "first_argmax", "fp8_ue8m0_qdq", "grouped_linear", "gumbel_argmax",
+    "clamped_swiglu", "closing_tokens", "cos_sin", "expert_outputs", "first_argmax", "fp8_ue8m0_qdq", "grouped_linear", "gumbel_argmax",
     "hyper_coefficients", "hyper_collapse", "hyper_expand", "indexer_scores", "linear", "log", "log_softmax",
     "matmul_layout", "mix_streams", "moe_experts", "moe_gate", "mxfp4_qdq", "nvfp4_qdq", "ordered_sum",
     "paged_indexer_scores", "paged_slots", "paged_sink_attention", "rms_norm", "rotary", "rotary_table", "sigmoid", "sink_attention",
@@ -48,7 +48,7 @@ _COMPOSITES = ("expert_outputs", "first_argmax", "gumbel_argmax", "hyper_coeffic
 # the release's cache formats (kernels/quant.py): one implementation, the same bits in every table
 _CACHE_FORMATS = ("fp8_ue8m0_qdq", "mxfp4_qdq", "nvfp4_qdq")
 _SAMPLING = ("first_argmax", "gumbel_argmax")  # the sampler's, the same in both modes (`kernels.sampling`)
-_PAGING = ("paged_slots",)  # the caches' slot arithmetic, the same in both modes (`kernels.paging`)
+_PAGING = ("paged_slots", "closing_tokens")  # the caches' slot arithmetic, the same in both modes (`kernels.paging`)
 _PRIMITIVES = tuple(name for name in OPS if name not in _COMPOSITES + _CACHE_FORMATS + _PAGING)
 
 
@@ -71,7 +71,8 @@ def _complete(table: dict) -> dict:
     routed experts use whichever matmul the table has), unless the table brings its own (fused) version."""
     for name in _CACHE_FORMATS:
         table.setdefault(name, getattr(quant, name))
-    table.setdefault("paged_slots", paging.paged_slots)
+    for name in _PAGING:
+        table.setdefault(name, getattr(paging, name))
     table.setdefault("moe_experts", partial(fast.routed_experts, matmul=table["linear"],
                                             swiglu=table["clamped_swiglu"]))
     table.setdefault("expert_outputs", partial(fast.expert_outputs, matmul=table["linear"],

@@ -1,5 +1,6 @@
-"""The paged caches' slot arithmetic as one op: integers only, so every table gives the same values; on
-CUDA it is one Triton launch (`triton_fused.paged_slots`) instead of this chain's eight or so."""
+"""The paged caches' slot arithmetic as ops: integers only, so every table gives the same values; on
+CUDA each is one Triton launch (`triton_fused.paged_slots`, `triton_fused.closing_tokens`) instead of
+its chain's six to ten."""
 
 from __future__ import annotations
 
@@ -24,3 +25,14 @@ def paged_slots(
     if keep is not None:
         slots = torch.where(keep.unsqueeze(1), slots, null_slot)
     return slots, valid
+
+
+def closing_tokens(positions: torch.Tensor, real: torch.Tensor, ratio: int, capacity: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's tokens that close a compression window of `ratio` tokens (real tokens at positions p
+    with (p + 1) % ratio == 0) first, in token order, then the others in token order: the first
+    `capacity` of them as (token indices [C] int64, whether each closes [C] bool, the window of its
+    position `positions[token] // ratio` [C]). A fixed-shape compaction: no host read of how many close."""
+    closes = real & ((positions + 1) % ratio == 0)
+    token = torch.sort((~closes).to(torch.int32), stable=True).indices[:capacity]
+    return token, closes[token], positions[token] // ratio

@@ -754,8 +754,55 @@ def paged_slots(
     return slots, valid
 
 
+CLOSING_BLOCK = 1024  # tokens per pass of the compaction's one program
+
+
+@triton.jit
+def _closing_tokens_kernel(pos_ptr, real_ptr, token_ptr, used_ptr, window_ptr, T, ratio, capacity,
+                           BLOCK: tl.constexpr):
+    """`paging.closing_tokens` as a stable partition in one program: a pass counting the closing
+    tokens, then one placing each token at (closing ones before it) or (all closing ones + the others
+    before it), the running counts carried from block to block."""
+    closing = tl.zeros([], tl.int64)
+    for start in range(0, T, BLOCK):
+        t = start + tl.arange(0, BLOCK)
+        ok = t < T
+        pos = tl.load(pos_ptr + t, mask=ok, other=0)
+        closes = ok & (tl.load(real_ptr + t, mask=ok, other=0) != 0) & ((pos + 1) % ratio == 0)
+        closing += tl.sum(closes.to(tl.int64), axis=0)
+    before, others = tl.zeros([], tl.int64), tl.zeros([], tl.int64)
+    for start in range(0, T, BLOCK):
+        t = start + tl.arange(0, BLOCK)
+        ok = t < T
+        pos = tl.load(pos_ptr + t, mask=ok, other=0)
+        closes = ok & (tl.load(real_ptr + t, mask=ok, other=0) != 0) & ((pos + 1) % ratio == 0)
+        rank = tl.cumsum(closes.to(tl.int64), axis=0)
+        other_rank = tl.cumsum((ok & ~closes).to(tl.int64), axis=0)
+        at = tl.where(closes, before + rank - 1, closing + others + other_rank - 1)
+        keep = ok & (at < capacity)
+        tl.store(token_ptr + at, t.to(tl.int64), mask=keep)
+        tl.store(used_ptr + at, closes.to(tl.int8), mask=keep)
+        tl.store(window_ptr + at, pos.to(tl.int64) // ratio, mask=keep)
+        before += tl.sum(closes.to(tl.int64), axis=0)
+        others += tl.sum((ok & ~closes).to(tl.int64), axis=0)
+
+
+def closing_tokens(positions: torch.Tensor, real: torch.Tensor, ratio: int, capacity: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`paging.closing_tokens` in one launch (the same integers; positions are never negative)."""
+    token = torch.empty(capacity, dtype=torch.int64, device=positions.device)
+    used = torch.empty(capacity, dtype=torch.bool, device=positions.device)
+    window = torch.empty(capacity, dtype=torch.int64, device=positions.device)
+    if capacity:
+        _closing_tokens_kernel[(1,)](positions.contiguous(), real.contiguous().view(torch.int8), token,
+                                     used.view(torch.int8), window, positions.shape[0], ratio, capacity,
+                                     BLOCK=min(CLOSING_BLOCK, max(triton.next_power_of_2(positions.shape[0]), 16)))
+    return token, used, window
+
+
 OPS = {
     "paged_slots": paged_slots,
+    "closing_tokens": closing_tokens,
     "first_argmax": first_argmax,
     "gumbel_argmax": gumbel_argmax,
     "rotary": rotary,

@@ -80,7 +80,7 @@ kernels = {
               {"BLOCK_S": 512, "BLOCK_E": 512, "CHUNK": 8, "HAS_ROWS": False}),
     "rotary": (f._rotary_kernel, {"x_ptr": bf16, "cos_ptr": fp32, "sin_ptr": fp32, "out_ptr": bf16, "rows": "i32",
                                   "per_token": "i32", "D": "i32", "HALF": "i32"},
-               {"ROWS": 16, "BLOCK_D": 512, "BLOCK_HALF": 32}),
+               {"ROWS": 16, "BLOCK_D": 512, "BLOCK_HALF": 32, "INVERSE": True}),
     "rotary_table": (f._rotary_table_kernel, {"pos_ptr": "*i64", "inv_freq_ptr": fp32, "cos_ptr": fp32,
                                               "sin_ptr": fp32, "tokens": "i32", "HALF": "i32", "scale": "fp32"},
                      {"ROWS": 16, "BLOCK_HALF": 32}),
@@ -104,6 +104,15 @@ kernels = {
                                  "temperature_ptr": fp32, "out_ptr": "*i64", "V": "i32", "stride": "i32"},
               {"NOISE": noise, "TEMPERATURE": noise, "BLOCK": 2048})
        for name, noise in (("argmax", False), ("gumbel", True))},
+    "paged_slots": (f._paged_slots_kernel, {**{name: "*i64" for name in ("table_ptr", "seq_ptr", "first_ptr", "limit_ptr",
+                                                                          "slots_ptr")},
+                                            "keep_ptr": "*i8", "valid_ptr": "*i8", "N": "i32", "W": "i32",
+                                            "table_width": "i32", "block_size": "i32", "last_row": "i32",
+                                            "offset": "i32", "null_slot": "i32"},
+                    {"HAS_FIRST": True, "HAS_KEEP": True, "HAS_LIMIT": True, "ROWS": 16, "COLS": 64}),
+    "closing_tokens": (f._closing_tokens_kernel, {"pos_ptr": "*i64", "real_ptr": "*i8", "token_ptr": "*i64",
+                                                  "used_ptr": "*i8", "window_ptr": "*i64", "T": "i32", "ratio": "i32",
+                                                  "capacity": "i32"}, {"BLOCK": 1024}),
     **{fmt: (f._cache_qdq_kernel, {"x_ptr": bf16, "out_ptr": bf16, "width": "i32", "x_stride": "i32"},
              {"FORMAT": fmt, "GROUP": group, "BLOCK": f.QDQ_BLOCK}) for fmt, group in f.QDQ_FORMATS.items()},
 }
@@ -119,7 +128,8 @@ def test_fused_kernels_compile_for_hopper_without_contraction():
     and mixing sums, the combine, the cache formats); in rotary and the expansion the compiler does fuse
     them when allowed, so the option is what keeps their bits. (The rotary table, the coefficients,
     SwiGLU, the router and the Gumbel draw are left out: libdevice's exp, log, log1p, cos and sin use FMAs
-    by design; they are compiled here all the same, with the experts' routing and the argmax.)"""
+    by design; they are compiled here all the same, with the experts' routing, the argmax and the
+    caches' integer slot arithmetic.)"""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     helper = COMPILE.split("results = []")[0]
     done = subprocess.run([sys.executable, "-c", FUSED], input=helper, capture_output=True, text=True, env=env,
@@ -129,7 +139,8 @@ def test_fused_kernels_compile_for_hopper_without_contraction():
                   (line.split() for line in done.stdout.strip().splitlines())}
     formats = ("fp8_ue8m0", "mxfp4", "nvfp4")
     assert set(contracted) == {"rotary", "rotary_table", "coefficients", "collapse", "expand", "swiglu", "combine",
-                               "ordered_sum", "gate", "route", "argmax", "gumbel", *formats}
+                               "ordered_sum", "gate", "route", "argmax", "gumbel", "paged_slots", "closing_tokens",
+                               *formats}
     assert not any(contracted[name][0] for name in ("rotary", "collapse", "expand", "combine", "ordered_sum",
                                                     "route", "argmax", *formats)), contracted
     assert contracted["rotary"][1] and contracted["expand"][1], contracted

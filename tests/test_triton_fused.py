@@ -14,7 +14,7 @@ import pytest
 from triton_target import DEVICE, DTYPES, INTERPRETED  # first: it picks the interpreter or the GPU
 
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_triton_kernels import _assert_same_bits, _interpreter_patches, _randn  # noqa: F401  (fixture)
 
@@ -464,3 +464,20 @@ def test_paged_slots_of_the_reference_chain_are_block_times_size_plus_offset() -
                                       keep=torch.tensor([True, False]), null_slot=0, limit=torch.tensor([5, 9]))
     assert slots.tolist() == [[23, 36, 37], [0, 0, 0]]  # row 0: rows 3, 4, 5 -> 5*4+3, 9*4+0, 9*4+1
     assert valid.tolist() == [[True, True, False], [False, False, True]]
+
+
+@settings(max_examples=25, deadline=None)
+@example(tokens=2500, ratio=2, real_share=0.9, capacity_share=0.6, seed=3)  # three blocks, counts carried
+@given(tokens=st.integers(1, 2600), ratio=st.sampled_from([1, 2, 4, 128]), real_share=st.floats(0, 1),
+       capacity_share=st.floats(0, 1), seed=st.integers(0, 2**31 - 1))
+def test_closing_tokens_are_the_stable_sorts_compaction(tokens: int, ratio: int, real_share: float,
+                                                        capacity_share: float, seed: int) -> None:
+    """A compressor's closing windows in one program (more tokens than one block: the carried counts)."""
+    g = torch.Generator().manual_seed(seed)
+    positions = torch.randint(0, 4 * ratio + 9, (tokens,), generator=g)
+    real = torch.rand(tokens, generator=g) < real_share
+    capacity = round(capacity_share * tokens)
+    out = triton_fused.closing_tokens(positions.to(DEVICE), real.to(DEVICE), ratio, capacity)
+    ref = paging.closing_tokens(positions.to(DEVICE), real.to(DEVICE), ratio, capacity)
+    for got, expected in zip(out, ref):
+        assert got.dtype == expected.dtype and torch.equal(got, expected)

@@ -257,12 +257,8 @@ def _compressor_addresses(paged: Paged, entries: PoolSpec, rows_of: int) -> Comp
     """Addresses of one compressor (its entries pool, and its state pool when it has one)."""
     state, ratio, overlap = f"{entries.prefix}_state", entries.ratio, entries.overlap
     pos = paged.batch.positions
-    closes = paged.real & ((pos + 1) % ratio == 0)
-    capacity = close_capacity(pos.shape[0], rows_of, ratio)
-    # the closing tokens first, in token order (a fixed-shape compaction: no host read of how many)
-    token = torch.sort((~closes).to(torch.int32), stable=True).indices[:capacity]
-    window = pos[token] // ratio
-    used, token_seq = closes[token], paged.seq[token]
+    token, used, window = paged.ops.closing_tokens(pos, paged.real, ratio, close_capacity(pos.shape[0], rows_of, ratio))
+    token_seq = paged.seq[token]
     width = paged.batch.block_tables[entries.name].shape[1] * paged.batch.block_size
     entry_read, entry_valid = paged.slots(entries.name, paged.seq, None, width, limit=(pos + 1) // ratio)
     addresses = CompressorAddresses(
