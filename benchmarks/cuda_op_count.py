@@ -137,7 +137,8 @@ def main() -> None:
     while not llm.scheduler.running or len(llm.scheduler.running[0].output_token_ids) < 2:
         llm.step()
     counting = Counting(str(Path(__file__).resolve().parents[1]) + os.sep)
-    counting.attribute_layers(llm.model.layers)
+    counting.attribute_layers(next(module.layers for module in llm.model.modules()  # V4 nests its decoder
+                                   if isinstance(getattr(module, "layers", None), torch.nn.ModuleList)))
     if speculating:
         what = "engine step verifying drafts and drafting after it"
         with torch.inference_mode(), counting:

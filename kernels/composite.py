@@ -1,7 +1,7 @@
 """Ops composed from a numerics table's own primitives: attention and indexer scores over keys read
-from the paged caches, the rotary table, the hyper-connection ops (DeepSeek-V4's
+from the paged caches, the compressors' pooling of state rows read from them, the rotary table, the hyper-connection ops (DeepSeek-V4's
 manifold-constrained residual streams) and the MoE router's routing. `kernels.bind` builds them from
-the table's `sink_attention`, `indexer_scores`, `cos_sin`, `sigmoid`, `sinkhorn`, `ordered_sum`,
+the table's `sink_attention`, `indexer_scores`, `window_pool`, `cos_sin`, `sigmoid`, `sinkhorn`, `ordered_sum`,
 `mix_streams`, `softplus`, `softmax` and `topk_indices`, so their bits in each mode are those of that
 mode's primitives. The batch-invariant CUDA table replaces them with Triton kernels that compute the
 same bits: the paged ones read keys through their slots instead of gathering them
@@ -32,6 +32,30 @@ def paged_sink_attention(
         keys.append(entries[entry_slots, :q.shape[-1]])
         valid.append(entry_valid)
     return sink_attention(q, torch.cat(keys, dim=1), torch.cat(valid, dim=1), sinks, scale)
+
+
+def paged_window_pool(
+    state: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor, bias: torch.Tensor | None, dim: int,
+    overlap: bool, *, window_pool: Op,
+) -> torch.Tensor:
+    """A compressor's pooling of the state rows `slots` [C, S] (validity `valid`) of its state pool
+    columns `state` [rows, 2 * width] ([kv | gate], width = 2 * dim with `overlap`, else dim) into
+    [C, dim] fp32. With `overlap` the first S / 2 slots pool the first series (kv, gate and `bias`
+    columns :dim) and the others the second (dim:); `bias` [S or S / 2, width] fp32, or None for
+    none (zeros). Invalid slots (stale rows, NaN possibly) weigh nothing."""
+    width = 2 * dim if overlap else dim
+    if bias is None:
+        bias = torch.zeros(slots.shape[1] // (2 if overlap else 1), width, device=state.device)
+    rows = state[slots]
+    kv, gate = rows[..., :width], rows[..., width:2 * width]
+    if overlap:
+        half = slots.shape[1] // 2
+        kv = torch.cat([kv[:, :half, :dim], kv[:, half:, dim:]], dim=1)
+        gate = torch.cat([gate[:, :half, :dim], gate[:, half:, dim:]], dim=1)
+        bias = torch.cat([bias[:, :dim], bias[:, dim:]], dim=0)
+    gate = gate.float().masked_fill(~valid.unsqueeze(-1), float("-inf"))
+    kv = kv.masked_fill(~valid.unsqueeze(-1), 0)
+    return window_pool(kv, gate, bias)
 
 
 def paged_indexer_scores(

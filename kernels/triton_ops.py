@@ -845,23 +845,58 @@ def paged_indexer_scores(
 
 
 @triton.jit
-def _window_pool_kernel(kv_ptr, gate_ptr, bias_ptr, out_ptr, S, D, BLOCK_D: tl.constexpr):
-    """One program per (window, block of features): max pass, then exp-weighted sum over slots in order."""
+def _window_pool_kernel(kv_ptr, gate_ptr, bias_ptr, out_ptr, slots_ptr, valid_ptr, S, D, row_stride, bias_stride,
+                        PAGED: tl.constexpr, OVERLAP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per (window, block of features): max pass, then exp-weighted sum over slots in order.
+    Plain: slot s of window w is row w * S + s of kv and gate (row_stride apart), bias row s. PAGED: it
+    is row slots[w, s] of the state pool, read only where valid[w, s] (else kv 0, gate -inf); with
+    OVERLAP the second half of the slots reads columns D.. of kv, gate and bias row s - S / 2. Without
+    HAS_BIAS the bias is 0.0."""
     window = tl.program_id(0).to(tl.int64)
     dims = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = dims < D
     top = tl.full((BLOCK_D,), float("-inf"), dtype=tl.float32)
     for slot in range(S):
-        logit = tl.load(gate_ptr + (window * S + slot) * D + dims, mask=ok, other=0.0).to(tl.float32)
-        top = tl.maximum(top, logit + tl.load(bias_ptr + slot * D + dims, mask=ok, other=0.0))
+        row, bias_row, shift, read = _pool_slot(slots_ptr, valid_ptr, window, slot, S, dims, PAGED, OVERLAP)
+        at = row * row_stride + shift * D + dims
+        logit = tl.load(gate_ptr + at, mask=ok & read, other=float("-inf")).to(tl.float32)
+        top = tl.maximum(top, logit + _pool_bias(bias_ptr, bias_row * bias_stride + shift * D + dims, ok, HAS_BIAS))
     total = tl.zeros((BLOCK_D,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for slot in range(S):
-        logit = tl.load(gate_ptr + (window * S + slot) * D + dims, mask=ok, other=0.0).to(tl.float32)
-        weight = tl.exp(logit + tl.load(bias_ptr + slot * D + dims, mask=ok, other=0.0) - top)
+        row, bias_row, shift, read = _pool_slot(slots_ptr, valid_ptr, window, slot, S, dims, PAGED, OVERLAP)
+        at = row * row_stride + shift * D + dims
+        logit = tl.load(gate_ptr + at, mask=ok & read, other=float("-inf")).to(tl.float32)
+        weight = tl.exp(logit + _pool_bias(bias_ptr, bias_row * bias_stride + shift * D + dims, ok, HAS_BIAS) - top)
         total += weight
-        acc += weight * tl.load(kv_ptr + (window * S + slot) * D + dims, mask=ok, other=0.0).to(tl.float32)
+        acc += weight * tl.load(kv_ptr + at, mask=ok & read, other=0.0).to(tl.float32)
     tl.store(out_ptr + window * D + dims, acc / total, mask=ok)
+
+
+@triton.jit
+def _pool_bias(bias_ptr, at, ok, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        return tl.load(bias_ptr + at, mask=ok, other=0.0)
+    return tl.zeros(at.shape, tl.float32)
+
+
+@triton.jit
+def _pool_slot(slots_ptr, valid_ptr, window, slot, S, dims, PAGED: tl.constexpr, OVERLAP: tl.constexpr):
+    """(row, bias row, 1 where it reads the second series' columns, whether to read, as a mask like
+    `dims`) of slot `slot` of `window` (see _window_pool_kernel)."""
+    if PAGED:
+        row = tl.load(slots_ptr + window * S + slot)
+        read = (tl.zeros_like(dims) + tl.load(valid_ptr + window * S + slot)) != 0
+    else:
+        row = window * S + slot
+        read = dims >= 0
+    bias_row = slot
+    shift = slot * 0
+    if OVERLAP:
+        second = slot >= S // 2
+        bias_row = tl.where(second, slot - S // 2, slot)
+        shift = tl.where(second, 1, 0)
+    return row, bias_row, shift, read
 
 
 def window_pool(kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -874,7 +909,27 @@ def window_pool(kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor) -> tor
     if out.numel():
         block = min(triton.next_power_of_2(dim), 256)
         _window_pool_kernel[(windows, triton.cdiv(dim, block))](
-            kv.contiguous(), gate.contiguous(), bias.float().contiguous(), out, slots, dim, BLOCK_D=block,
+            kv.contiguous(), gate.contiguous(), bias.float().contiguous(), out, out, out, slots, dim, dim, dim,
+            PAGED=False, OVERLAP=False, HAS_BIAS=True, BLOCK_D=block,
+        )
+    return out
+
+
+def paged_window_pool(state: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor, bias: torch.Tensor | None,
+                      dim: int, overlap: bool) -> torch.Tensor:
+    """`composite.paged_window_pool` in one launch, reading the state rows through their slots: the bits
+    of `window_pool` over the gathered, masked rows."""
+    windows, count = slots.shape
+    out = torch.empty(windows, dim, dtype=torch.float32, device=state.device)
+    if out.numel():
+        width = 2 * dim if overlap else dim
+        if state.stride(-1) != 1:
+            state = state.contiguous()
+        block = min(triton.next_power_of_2(dim), 256)
+        _window_pool_kernel[(windows, triton.cdiv(dim, block))](
+            state, state[:, width:], out if bias is None else bias.float().contiguous(), out, slots.contiguous(),
+            valid.contiguous().view(torch.int8), count, dim, state.stride(0), width,
+            PAGED=True, OVERLAP=overlap, HAS_BIAS=bias is not None, BLOCK_D=block,
         )
     return out
 
@@ -891,4 +946,5 @@ OPS = {
     "indexer_scores": indexer_scores,
     "paged_indexer_scores": paged_indexer_scores,
     "window_pool": window_pool,
+    "paged_window_pool": paged_window_pool,
 }

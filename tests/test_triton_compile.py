@@ -110,6 +110,11 @@ kernels = {
                                             "table_width": "i32", "block_size": "i32", "last_row": "i32",
                                             "offset": "i32", "null_slot": "i32"},
                     {"HAS_FIRST": True, "HAS_KEEP": True, "HAS_LIMIT": True, "ROWS": 16, "COLS": 64}),
+    "paged_window_pool": (triton_ops._window_pool_kernel, {"kv_ptr": bf16, "gate_ptr": bf16, "bias_ptr": fp32,
+                                                            "out_ptr": fp32, "slots_ptr": "*i64", "valid_ptr": "*i8",
+                                                            "S": "i32", "D": "i32", "row_stride": "i32",
+                                                            "bias_stride": "i32"},
+                          {"PAGED": True, "OVERLAP": True, "HAS_BIAS": True, "BLOCK_D": 128}),
     "closing_tokens": (f._closing_tokens_kernel, {"pos_ptr": "*i64", "real_ptr": "*i8", "token_ptr": "*i64",
                                                   "used_ptr": "*i8", "window_ptr": "*i64", "T": "i32", "ratio": "i32",
                                                   "capacity": "i32"}, {"BLOCK": 1024}),
@@ -129,7 +134,8 @@ def test_fused_kernels_compile_for_hopper_without_contraction():
     them when allowed, so the option is what keeps their bits. (The rotary table, the coefficients,
     SwiGLU, the router and the Gumbel draw are left out: libdevice's exp, log, log1p, cos and sin use FMAs
     by design; they are compiled here all the same, with the experts' routing, the argmax and the
-    caches' integer slot arithmetic.)"""
+    caches' integer slot arithmetic; and the compressors' pooling through state slots, a `triton_ops`
+    kernel whose bits are its own.)"""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     helper = COMPILE.split("results = []")[0]
     done = subprocess.run([sys.executable, "-c", FUSED], input=helper, capture_output=True, text=True, env=env,
@@ -140,7 +146,7 @@ def test_fused_kernels_compile_for_hopper_without_contraction():
     formats = ("fp8_ue8m0", "mxfp4", "nvfp4")
     assert set(contracted) == {"rotary", "rotary_table", "coefficients", "collapse", "expand", "swiglu", "combine",
                                "ordered_sum", "gate", "route", "argmax", "gumbel", "paged_slots", "closing_tokens",
-                               *formats}
+                               "paged_window_pool", *formats}
     assert not any(contracted[name][0] for name in ("rotary", "collapse", "expand", "combine", "ordered_sum",
                                                     "route", "argmax", *formats)), contracted
     assert contracted["rotary"][1] and contracted["expand"][1], contracted

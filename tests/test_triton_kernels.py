@@ -526,6 +526,33 @@ def test_window_pool_does_not_depend_on_batch(batch: tuple[int, int], seed: int)
     _assert_same_bits(triton_ops.window_pool(kv, gate, bias)[at:at + 1], alone)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("overlap", "with_bias"), [(True, True), (False, True), (False, False)])
+def test_paged_window_pool_reads_state_rows_with_the_bits_of_pooling_them_gathered(
+        dtype: torch.dtype, overlap: bool, with_bias: bool) -> None:
+    """A compressor's pooling reads its state rows through their slots: the bits of `window_pool` over
+    the rows gathered and masked (`composite.paged_window_pool`), for V4's overlapping series, its
+    plain ones and V4.1's bias-free ones. Invalid slots hold NaN (stale rows) and weigh nothing; a
+    window with no valid slot (unused capacity) pools to NaN in both."""
+    from deepinfer.kernels import composite
+
+    dim, ratio = 40, 4
+    width = 2 * dim if overlap else dim
+    count = 2 * ratio if overlap else ratio
+    pool = _randn(30, 3 + 2 * width + 5, seed=11, dtype=dtype)  # other columns around this compressor's
+    pool[20:] = float("nan")  # stale rows: what invalid slots point at
+    valid = (torch.rand(6, count, generator=torch.Generator().manual_seed(13)) < 0.7).to(DEVICE)
+    valid[:, 0], valid[4] = True, False
+    slots = torch.where(valid, torch.randint(0, 20, (6, count), generator=torch.Generator().manual_seed(12)).to(DEVICE),
+                        torch.randint(20, 30, (6, count), generator=torch.Generator().manual_seed(14)).to(DEVICE))
+    state = pool[:, 3:3 + 2 * width]
+    bias = _randn(ratio, width, seed=14) if with_bias else None
+    out = triton_ops.paged_window_pool(state, slots, valid, bias, dim, overlap)
+    ref = composite.paged_window_pool(state, slots, valid, bias, dim, overlap, window_pool=triton_ops.window_pool)
+    assert out.shape == (6, dim) and out[4].isnan().all() and not out[:4].isnan().any()
+    _assert_same_bits(torch.nan_to_num(out), torch.nan_to_num(ref))
+
+
 @pytest.mark.parametrize("n", [1, 3, 4])
 def test_sinkhorn_matches_reference(n: int) -> None:
     logits = _randn(7, n, n, seed=n)

@@ -46,21 +46,6 @@ class Compressor(nn.Module):
         """Per-token state row: [kv | gate]."""
         return torch.cat([self.wkv(x), self.wgate(x)], dim=-1)
 
-    def pool(self, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """rows [C, S, state_width] (S = 2r with overlap, else r) -> normalised entries [C, dim] fp32."""
-        width = self.wkv.weight.shape[0]
-        kv, gate = rows[..., :width], rows[..., width:]
-        if self.overlap:
-            r, d = self.ratio, self.dim
-            kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], dim=1)
-            gate = torch.cat([gate[:, :r, :d], gate[:, r:, d:]], dim=1)
-            bias = torch.cat([self.ape[:, :d], self.ape[:, d:]], dim=0)
-        else:
-            bias = self.ape
-        gate = gate.float().masked_fill(~valid.unsqueeze(-1), float("-inf"))
-        kv = kv.masked_fill(~valid.unsqueeze(-1), 0)
-        return self.norm(self.ops.window_pool(kv, gate, bias))
-
     def update(
         self, rows: torch.Tensor, step: CompressorAddresses, state: torch.Tensor, entries: torch.Tensor,
         rope: RotaryTable, state_cols: slice, entry_cols: slice,
@@ -69,7 +54,8 @@ class Compressor(nn.Module):
         the step closes into `entries` (a fixed-shape write: capacity the step does not use pools
         nothing valid into the null block)."""
         state[step.state_write, state_cols] = rows.to(state.dtype)
-        pooled = self.pool(state[step.close_read][..., state_cols], step.close_valid)
+        pooled = self.norm(self.ops.paged_window_pool(state[:, state_cols], step.close_read, step.close_valid,
+                                                      self.ape, self.dim, self.overlap))
         cos, sin = rope(step.close_position)
         entries[step.close_write, entry_cols] = self.ops.rotary(pooled, cos, sin).to(entries.dtype)
 

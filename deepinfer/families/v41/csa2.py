@@ -102,12 +102,8 @@ class Compressor2(nn.Module):
             return self.norm(addresses.everyone(self.wkv(x.float()))[step.close_token])
         rows = torch.cat([self.wkv(x.float()), self.wgate(x.float())], dim=-1)
         state[step.state_write] = addresses.everyone(rows).to(state.dtype)
-        rows = state[step.close_read]
-        valid = step.close_valid.unsqueeze(-1)
-        values = rows[..., :self.dim].float().masked_fill(~valid, 0)
-        scores = rows[..., self.dim:].float().masked_fill(~valid, float("-inf"))
-        bias = torch.zeros(self.ratio, self.dim, device=x.device)
-        return self.norm(self.ops.window_pool(values, scores, bias).to(x.dtype))
+        pooled = self.ops.paged_window_pool(state, step.close_read, step.close_valid, None, self.dim, False)
+        return self.norm(pooled.to(x.dtype))
 
 
 class Indexer2(nn.Module):
