@@ -37,13 +37,13 @@ from deepinfer.kernels import composite, fast, invariant, paging, quant, samplin
 
 NUMERICS = ("batch_invariant", "fast")
 OPS = (
-    "clamped_swiglu", "closing_tokens", "cos_sin", "expert_outputs", "first_argmax", "fp8_ue8m0_qdq", "grouped_linear", "gumbel_argmax",
+    "ascending_topk", "clamped_swiglu", "closing_tokens", "cos_sin", "expert_outputs", "first_argmax", "fp8_ue8m0_qdq", "grouped_linear", "gumbel_argmax",
     "hyper_coefficients", "hyper_collapse", "hyper_expand", "indexer_scores", "linear", "log", "log_softmax",
     "matmul_layout", "mix_streams", "moe_experts", "moe_gate", "mxfp4_qdq", "nvfp4_qdq", "ordered_sum",
     "paged_indexer_scores", "paged_slots", "paged_window_pool", "paged_sink_attention", "rms_norm", "rotary", "rotary_table", "sigmoid", "sink_attention",
     "sinkhorn", "softmax", "softplus", "topk_indices", "unweighted_rms_norm", "weighted_combine", "window_pool",
 )
-_COMPOSITES = ("expert_outputs", "first_argmax", "gumbel_argmax", "hyper_coefficients", "hyper_collapse",
+_COMPOSITES = ("ascending_topk", "expert_outputs", "first_argmax", "gumbel_argmax", "hyper_coefficients", "hyper_collapse",
                "hyper_expand", "moe_experts", "moe_gate", "paged_indexer_scores", "paged_sink_attention", "paged_window_pool",
                "rotary_table")
 # the release's cache formats (kernels/quant.py): one implementation, the same bits in every table
@@ -83,6 +83,7 @@ def _complete(table: dict) -> dict:
     table.setdefault("paged_indexer_scores", partial(composite.paged_indexer_scores,
                                                      indexer_scores=table["indexer_scores"]))
     table.setdefault("paged_window_pool", partial(composite.paged_window_pool, window_pool=table["window_pool"]))
+    table.setdefault("ascending_topk", partial(composite.ascending_topk, topk_indices=table["topk_indices"]))
     table.setdefault("rotary_table", partial(composite.rotary_table, cos_sin=table["cos_sin"]))
     table.setdefault("hyper_coefficients", partial(composite.hyper_coefficients, sigmoid=table["sigmoid"],
                                                    sinkhorn=table["sinkhorn"]))

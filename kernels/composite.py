@@ -2,7 +2,7 @@
 from the paged caches, the compressors' pooling of state rows read from them, the rotary table, the hyper-connection ops (DeepSeek-V4's
 manifold-constrained residual streams) and the MoE router's routing. `kernels.bind` builds them from
 the table's `sink_attention`, `indexer_scores`, `window_pool`, `cos_sin`, `sigmoid`, `sinkhorn`, `ordered_sum`,
-`mix_streams`, `softplus`, `softmax` and `topk_indices`, so their bits in each mode are those of that
+`mix_streams`, `softplus`, `softmax` and `topk_indices` (also the indexer's `ascending_topk`), so their bits in each mode are those of that
 mode's primitives. The batch-invariant CUDA table replaces them with Triton kernels that compute the
 same bits: the paged ones read keys through their slots instead of gathering them
 (`kernels/triton_ops.py`), the others fuse a chain of launches into one (`kernels/triton_fused.py`).
@@ -56,6 +56,18 @@ def paged_window_pool(
     gate = gate.float().masked_fill(~valid.unsqueeze(-1), float("-inf"))
     kv = kv.masked_fill(~valid.unsqueeze(-1), 0)
     return window_pool(kv, gate, bias)
+
+
+def ascending_topk(scores: torch.Tensor, k: int, *, topk_indices: Op) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `topk_indices` of each row of scores [T, W] (the k best, ties to the lower index), reordered:
+    those scoring above -inf first in ascending order, then the others in ascending order, where
+    padding cannot move them -> (chosen [T, k], whether each scores above -inf [T, k])."""
+    width = scores.shape[1]
+    chosen = topk_indices(scores, k)
+    good = scores.gather(1, chosen) > float("-inf")
+    order = torch.sort(torch.where(good, chosen, chosen + width), dim=-1).values
+    good = order < width
+    return torch.where(good, order, order - width), good
 
 
 def paged_indexer_scores(

@@ -700,6 +700,37 @@ def gumbel_argmax(logits: torch.Tensor, seed_low: torch.Tensor, seed_high: torch
     return _argmax(logits, (seed_low, seed_high, position), temperature)
 
 
+# the indexer's choice ------------------------------------------------------------------------------
+
+@triton.jit
+def _ascending_topk_kernel(scores_ptr, chosen_ptr, out_ptr, good_ptr, W, K, stride, BLOCK: tl.constexpr):
+    """One program per row: the row's k chosen entries keyed by index (plus W where the entry scores
+    -inf or NaN), sorted, the keys at W and above moved back below it."""
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK)
+    ok = i < K
+    chosen = tl.load(chosen_ptr + row * K + i, mask=ok, other=0)
+    score = tl.load(scores_ptr + row * stride + chosen, mask=ok, other=float("-inf"))
+    key = tl.where(ok, tl.where(score > float("-inf"), chosen, chosen + W), 3 * W)
+    key = tl.sort(key)
+    good = key < W
+    tl.store(out_ptr + row * K + i, tl.where(good, key, key - W), mask=ok)
+    tl.store(good_ptr + row * K + i, good.to(tl.int8), mask=ok)
+
+
+def ascending_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`composite.ascending_topk` with the invariant `topk_indices`, the reordering in one launch."""
+    chosen = invariant.topk_indices(scores, k).contiguous()
+    out = torch.empty_like(chosen)
+    good = torch.empty(chosen.shape, dtype=torch.bool, device=chosen.device)
+    if out.numel():
+        if scores.stride(-1) != 1:
+            scores = scores.contiguous()
+        _ascending_topk_kernel[(scores.shape[0],)](scores, chosen, out, good.view(torch.int8), scores.shape[1], k,
+                                                   scores.stride(0), BLOCK=max(triton.next_power_of_2(k), 2))
+    return out, good
+
+
 # paged slots -------------------------------------------------------------------------------------
 
 PAGED_ROWS, PAGED_COLS = 16, 64  # (rows, logical rows) per program of the slot arithmetic
@@ -801,6 +832,7 @@ def closing_tokens(positions: torch.Tensor, real: torch.Tensor, ratio: int, capa
 
 
 OPS = {
+    "ascending_topk": ascending_topk,
     "paged_slots": paged_slots,
     "closing_tokens": closing_tokens,
     "first_argmax": first_argmax,

@@ -481,3 +481,24 @@ def test_closing_tokens_are_the_stable_sorts_compaction(tokens: int, ratio: int,
     ref = paging.closing_tokens(positions.to(DEVICE), real.to(DEVICE), ratio, capacity)
     for got, expected in zip(out, ref):
         assert got.dtype == expected.dtype and torch.equal(got, expected)
+
+
+# the indexer's choice -----------------------------------------------------------------------------
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 6), width=st.integers(1, 300), k_share=st.floats(0.01, 1),
+       masked_share=st.floats(0, 1), seed=st.integers(0, 2**31 - 1))
+def test_ascending_topk_is_the_chains_choice_in_its_order(rows: int, width: int, k_share: float, masked_share: float,
+                                                          seed: int) -> None:
+    """The indexer's top-k, valid entries first in ascending order: the kernel's reordering gives the
+    chain's indices and flags, with ties (scores from a few values), -inf (masked entries, whole rows
+    too) and NaN among the scores."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(-3, 4, (rows, width), generator=g).float()
+    scores[torch.rand(rows, width, generator=g) < masked_share] = float("-inf")
+    scores[torch.rand(rows, width, generator=g) < 0.05] = float("nan")
+    k = max(1, round(k_share * width))
+    chosen, good = triton_fused.ascending_topk(scores.to(DEVICE), k)
+    ref_chosen, ref_good = composite.ascending_topk(scores.to(DEVICE), k, topk_indices=invariant.topk_indices)
+    assert torch.equal(chosen, ref_chosen) and torch.equal(good, ref_good)
+    assert chosen.dtype == torch.int64 and good.dtype == torch.bool

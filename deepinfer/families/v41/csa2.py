@@ -142,13 +142,8 @@ class Indexer2(nn.Module):
             candidates = self._candidate_pool(scores, visible) & valid
         elif self.role.uses_candidates:
             scores = scores.masked_fill(~candidates, float("-inf"))
-        width = scores.shape[1]
-        chosen = self.ops.topk_indices(scores, min(self.topk, width))
-        good = scores.gather(1, chosen) > float("-inf")
-        # valid choices first, ascending; the invalid ones after (where padding cannot move them)
-        order = torch.sort(torch.where(good, chosen, chosen + width), dim=-1).values
-        good = order < width
-        return Selection(torch.where(good, order, order - width), good, candidates)
+        chosen, good = self.ops.ascending_topk(scores, min(self.topk, scores.shape[1]))
+        return Selection(chosen, good, candidates)
 
     def _candidate_pool(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """Blocks of `candidate_block_size` entries scored by their best entry; the block holding the
