@@ -12,10 +12,11 @@ without touching the model and no call pays for a lookup. Modes:
   grouped GEMMs for the routed experts and in-place decoding kernels for stored weights
   (`kernels/fast_cuda.py`), so that nothing reads the host and steps are captured in CUDA graphs.
 
-`paged_slots` and `closing_tokens` (kernels/paging.py: the paged caches' slot arithmetic, integers)
-have one implementation shared by every table, one Triton launch on CUDA in both modes. The cache formats (`fp8_ue8m0_qdq`,
-`nvfp4_qdq`, `mxfp4_qdq`: kernels/quant.py) are one implementation shared by every table; they are ops so that what a model does to its caches is seen where its other
-numerics are (`audit capture` names them).
+The integer ops, `paged_slots` and `closing_tokens` (kernels/paging.py: the paged caches' slot
+arithmetic) and `engram_rows` (kernels/ngram.py: V4.1's n-gram hashing), have one implementation shared
+by every table, one Triton launch each on CUDA in both modes. The cache formats (`fp8_ue8m0_qdq`,
+`nvfp4_qdq`, `mxfp4_qdq`: kernels/quant.py) are one implementation shared by every table; they are ops
+so that what a model does to its caches is seen where its other numerics are (`audit capture` names them).
 
 Composite ops (`kernels/composite.py`, and the routed experts) are built from each table's own
 primitives unless the table brings a kernel of its own for them.
@@ -33,11 +34,11 @@ from functools import partial
 
 import torch
 
-from deepinfer.kernels import composite, fast, invariant, paging, quant, sampling
+from deepinfer.kernels import composite, fast, invariant, ngram, paging, quant, sampling
 
 NUMERICS = ("batch_invariant", "fast")
 OPS = (
-    "ascending_topk", "clamped_swiglu", "closing_tokens", "cos_sin", "expert_outputs", "first_argmax", "fp8_ue8m0_qdq", "grouped_linear", "gumbel_argmax",
+    "ascending_topk", "clamped_swiglu", "closing_tokens", "cos_sin", "engram_rows", "expert_outputs", "first_argmax", "fp8_ue8m0_qdq", "grouped_linear", "gumbel_argmax",
     "hyper_coefficients", "hyper_collapse", "hyper_expand", "indexer_scores", "linear", "log", "log_softmax",
     "matmul_layout", "mix_streams", "moe_experts", "moe_gate", "mxfp4_qdq", "nvfp4_qdq", "ordered_sum",
     "paged_indexer_scores", "paged_slots", "paged_window_pool", "paged_sink_attention", "rms_norm", "rotary", "rotary_table", "sigmoid", "sink_attention",
@@ -49,8 +50,10 @@ _COMPOSITES = ("ascending_topk", "expert_outputs", "first_argmax", "gumbel_argma
 # the release's cache formats (kernels/quant.py): one implementation, the same bits in every table
 _CACHE_FORMATS = ("fp8_ue8m0_qdq", "mxfp4_qdq", "nvfp4_qdq")
 _SAMPLING = ("first_argmax", "gumbel_argmax")  # the sampler's, the same in both modes (`kernels.sampling`)
-_PAGING = ("paged_slots", "closing_tokens")  # the caches' slot arithmetic, the same in both modes (`kernels.paging`)
-_PRIMITIVES = tuple(name for name in OPS if name not in _COMPOSITES + _CACHE_FORMATS + _PAGING)
+# integer ops (the caches' slot arithmetic, Engram's hashing): one chain, the same in both modes
+_INTEGER = {"paged_slots": paging.paged_slots, "closing_tokens": paging.closing_tokens,
+            "engram_rows": ngram.engram_rows}
+_PRIMITIVES = tuple(name for name in OPS if name not in _COMPOSITES + _CACHE_FORMATS + tuple(_INTEGER))
 
 
 class Ops:
@@ -72,8 +75,8 @@ def _complete(table: dict) -> dict:
     routed experts use whichever matmul the table has), unless the table brings its own (fused) version."""
     for name in _CACHE_FORMATS:
         table.setdefault(name, getattr(quant, name))
-    for name in _PAGING:
-        table.setdefault(name, getattr(paging, name))
+    for name, chain in _INTEGER.items():
+        table.setdefault(name, chain)
     table.setdefault("moe_experts", partial(fast.routed_experts, matmul=table["linear"],
                                             swiglu=table["clamped_swiglu"]))
     table.setdefault("expert_outputs", partial(fast.expert_outputs, matmul=table["linear"],
@@ -115,11 +118,10 @@ def _table(numerics: str, device_type: str, row_tiles: invariant.RowTiles) -> di
     elif device_type == "cuda":
         from deepinfer.kernels import fast_cuda, triton_fused
 
-        # the cache formats', the sampler's and the slot arithmetic's one-launch kernels give quant's,
-        # `kernels.sampling`'s and `kernels.paging`'s bits: the fast mode takes them too, so the invariance
-        # tax is not measured against launches the invariant mode does not pay (and sampling stays the same
-        # in both modes)
-        table.update(fast_cuda.OPS, **{name: triton_fused.OPS[name] for name in (*_CACHE_FORMATS, *_SAMPLING, *_PAGING)})
+        # the cache formats', the sampler's and the integer ops' one-launch kernels give their chains' bits:
+        # the fast mode takes them too, so the invariance tax is not measured against launches the
+        # invariant mode does not pay (and sampling stays the same in both modes)
+        table.update(fast_cuda.OPS, **{name: triton_fused.OPS[name] for name in (*_CACHE_FORMATS, *_SAMPLING, *_INTEGER)})
     return _complete(table)
 
 

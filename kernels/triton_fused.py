@@ -700,6 +700,58 @@ def gumbel_argmax(logits: torch.Tensor, seed_low: torch.Tensor, seed_high: torch
     return _argmax(logits, (seed_low, seed_high, position), temperature)
 
 
+# Engram's n-gram rows ------------------------------------------------------------------------------
+
+ENGRAM_ROWS = 16  # tokens per program
+
+
+@triton.jit
+def _engram_rows_kernel(compressed_ptr, query_start_ptr, lookback_ptr, multipliers_ptr, primes_ptr, offsets_ptr,
+                        out_ptr, T, B, H, J, N: tl.constexpr, ROWS: tl.constexpr, BLOCK_B: tl.constexpr,
+                        BLOCK_J: tl.constexpr):
+    """`ngram.engram_rows` for ROWS tokens: each token's sequence row (how many of query_start[1..B-1]
+    it has reached), its context column by column (from the step or its row's lookback), the rolling
+    XOR of context * multiplier (int64, wrapping as torch's does) and each column j's order
+    j // H + 2 n-gram hash taken modulo its prime as torch's remainder (the divisor's sign, here +)."""
+    t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    t_ok = t < T
+    t64 = t.to(tl.int64)
+    b = tl.arange(0, BLOCK_B)
+    starts = tl.load(query_start_ptr + 1 + b, mask=b < B - 1, other=T + 1)
+    row = tl.sum((starts[None, :] <= t64[:, None]).to(tl.int64), axis=1)
+    pos = t64 - tl.load(query_start_ptr + row, mask=t_ok, other=0)
+    j = tl.arange(0, BLOCK_J)
+    j_ok = j < J
+    order = j // H + 1  # the last context column of column j's n-gram
+    rolling = tl.zeros((ROWS, BLOCK_J), tl.int64)
+    for k in tl.static_range(N):
+        from_step = tl.load(compressed_ptr + tl.maximum(t64 - k, 0), mask=t_ok, other=0)
+        slot = tl.minimum(tl.maximum(N - 1 - k + pos, 0), N - 2)
+        from_lookback = tl.load(lookback_ptr + row * (N - 1) + slot, mask=t_ok, other=0)
+        product = tl.where(k <= pos, from_step, from_lookback) * tl.load(multipliers_ptr + k)
+        rolling = tl.where((k <= order)[None, :], rolling ^ product[:, None], rolling)
+    primes = tl.load(primes_ptr + j, mask=j_ok, other=1)
+    rest = rolling % primes[None, :]
+    rest = tl.where(rest < 0, rest + primes[None, :], rest)
+    out = rest + tl.load(offsets_ptr + j, mask=j_ok, other=0)[None, :]
+    tl.store(out_ptr + t64[:, None] * J + j[None, :], out, mask=t_ok[:, None] & j_ok[None, :])
+
+
+def engram_rows(compressed: torch.Tensor, query_start: torch.Tensor, lookback: torch.Tensor,
+                multipliers: torch.Tensor, primes: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """`ngram.engram_rows` in one launch (the same integers)."""
+    tokens, orders = compressed.shape[0], multipliers.shape[0]
+    out = torch.empty(tokens, primes.shape[0], dtype=torch.int64, device=compressed.device)
+    if out.numel():
+        rows_of = query_start.shape[0] - 1
+        _engram_rows_kernel[(triton.cdiv(tokens, ENGRAM_ROWS),)](
+            compressed.contiguous(), query_start.contiguous(), lookback.contiguous(), multipliers.contiguous(),
+            primes.contiguous(), offsets.contiguous(), out, tokens, rows_of, primes.shape[0] // (orders - 1),
+            primes.shape[0], N=orders, ROWS=ENGRAM_ROWS, BLOCK_B=max(triton.next_power_of_2(rows_of), 2),
+            BLOCK_J=max(triton.next_power_of_2(primes.shape[0]), 2))
+    return out
+
+
 # the indexer's choice ------------------------------------------------------------------------------
 
 @triton.jit
@@ -833,6 +885,7 @@ def closing_tokens(positions: torch.Tensor, real: torch.Tensor, ratio: int, capa
 
 OPS = {
     "ascending_topk": ascending_topk,
+    "engram_rows": engram_rows,
     "paged_slots": paged_slots,
     "closing_tokens": closing_tokens,
     "first_argmax": first_argmax,

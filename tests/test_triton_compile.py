@@ -118,6 +118,11 @@ kernels = {
     "ascending_topk": (f._ascending_topk_kernel, {"scores_ptr": fp32, "chosen_ptr": "*i64", "out_ptr": "*i64",
                                                   "good_ptr": "*i8", "W": "i32", "K": "i32", "stride": "i32"},
                        {"BLOCK": 512}),
+    "engram_rows": (f._engram_rows_kernel, {**{name: "*i64" for name in ("compressed_ptr", "query_start_ptr",
+                                                                        "lookback_ptr", "multipliers_ptr", "primes_ptr",
+                                                                        "offsets_ptr", "out_ptr")},
+                                            "T": "i32", "B": "i32", "H": "i32", "J": "i32"},
+                    {"N": 3, "ROWS": 16, "BLOCK_B": 256, "BLOCK_J": 16}),
     "closing_tokens": (f._closing_tokens_kernel, {"pos_ptr": "*i64", "real_ptr": "*i8", "token_ptr": "*i64",
                                                   "used_ptr": "*i8", "window_ptr": "*i64", "T": "i32", "ratio": "i32",
                                                   "capacity": "i32"}, {"BLOCK": 1024}),
@@ -137,7 +142,7 @@ def test_fused_kernels_compile_for_hopper_without_contraction():
     them when allowed, so the option is what keeps their bits. (The rotary table, the coefficients,
     SwiGLU, the router and the Gumbel draw are left out: libdevice's exp, log, log1p, cos and sin use FMAs
     by design; they are compiled here all the same, with the experts' routing, the argmax and the
-    caches' integer slot arithmetic, the indexer's reordering; and the compressors' pooling through state slots, a `triton_ops`
+    caches' integer slot arithmetic, Engram's hashing, the indexer's reordering; and the compressors' pooling through state slots, a `triton_ops`
     kernel whose bits are its own.)"""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     helper = COMPILE.split("results = []")[0]
@@ -149,7 +154,7 @@ def test_fused_kernels_compile_for_hopper_without_contraction():
     formats = ("fp8_ue8m0", "mxfp4", "nvfp4")
     assert set(contracted) == {"rotary", "rotary_table", "coefficients", "collapse", "expand", "swiglu", "combine",
                                "ordered_sum", "gate", "route", "argmax", "gumbel", "paged_slots", "closing_tokens",
-                               "paged_window_pool", "ascending_topk", *formats}
+                               "paged_window_pool", "ascending_topk", "engram_rows", *formats}
     assert not any(contracted[name][0] for name in ("rotary", "collapse", "expand", "combine", "ordered_sum",
                                                     "route", "argmax", *formats)), contracted
     assert contracted["rotary"][1] and contracted["expand"][1], contracted

@@ -502,3 +502,28 @@ def test_ascending_topk_is_the_chains_choice_in_its_order(rows: int, width: int,
     ref_chosen, ref_good = composite.ascending_topk(scores.to(DEVICE), k, topk_indices=invariant.topk_indices)
     assert torch.equal(chosen, ref_chosen) and torch.equal(good, ref_good)
     assert chosen.dtype == torch.int64 and good.dtype == torch.bool
+
+
+# Engram's n-gram rows -----------------------------------------------------------------------------
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.integers(0, 9), min_size=1, max_size=6), padding=st.integers(0, 5),
+       orders=st.integers(2, 4), heads=st.integers(1, 5), seed=st.integers(0, 2**31 - 1))
+def test_engram_rows_are_the_chains_integers(lengths: list, padding: int, orders: int, heads: int, seed: int) -> None:
+    """Engram's table rows of a step in one launch: the chain's, for rows of any length (empty ones and
+    padding tokens included), placeholders (negative ids, whose products hash through negative values:
+    torch's remainder takes the prime's sign) and 64-bit multipliers that overflow as they do in torch."""
+    from deepinfer.kernels import ngram
+
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.tensor([0] + lengths).cumsum(0)
+    tokens = int(starts[-1]) + padding
+    compressed = torch.randint(-3, 500, (tokens,), generator=g)
+    lookback = torch.randint(0, 500, (len(lengths), orders - 1), generator=g)
+    multipliers = torch.randint(-2**62, 2**62, (orders,), generator=g) * 2 + 1
+    primes = torch.tensor([7, 11, 13, 499, 503, 509, 521, 523, 541, 547, 557, 563, 569, 571, 577])[:(orders - 1) * heads]
+    offsets = torch.randint(0, 10**6, primes.shape, generator=g)
+    args = [t.to(DEVICE) for t in (compressed, starts, lookback, multipliers, primes, offsets)]
+    rows = triton_fused.engram_rows(*args)
+    expected = ngram.engram_rows(*args)
+    assert rows.dtype == expected.dtype == torch.int64 and torch.equal(rows, expected)

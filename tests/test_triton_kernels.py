@@ -573,10 +573,10 @@ def test_every_registered_op_keeps_the_reference_signature() -> None:
     """Each CUDA op takes what the op it replaces takes: the PyTorch primitive's parameters, a cache
     format's (with its defaults), a sampling chain's, or a composite's (less the primitives
     `kernels.bind` supplies as keywords)."""
-    from deepinfer.kernels import composite, paging, quant, sampling
+    from deepinfer.kernels import composite, ngram, paging, quant, sampling
 
     for name, fn in {**triton_ops.OPS, **triton_fused.OPS}.items():
-        reference = next(getattr(module, name) for module in (invariant, quant, sampling, paging, composite)
+        reference = next(getattr(module, name) for module in (invariant, quant, sampling, paging, ngram, composite)
                          if hasattr(module, name))
         expected = [(p, spec.default) for p, spec in inspect.signature(reference).parameters.items()
                     if spec.kind != spec.KEYWORD_ONLY]

@@ -7,10 +7,11 @@ Four pieces, in the order the engine uses them:
    texts fold to the same key share a compressed id. Built once per checkpoint.
 2. `engram_layouts`: per Engram layer, the odd 64-bit hash multipliers and the prime sizes and
    offsets of its (order, head) sub-tables. Pure functions of the config.
-3. `ngram_context` and `hash_rows`: for every token of a step, the compressed ids of the token and
-   the ones before it (from the step itself or from the caller's per-row lookback), then one table
-   row per (order, head). Fixed shapes and no host reads, so a sequence's rows do not depend on how
-   its tokens were split into steps or on what else shares the step.
+3. `ngram_context` and `hash_rows` (in `kernels/ngram.py`: the numerics tables' `engram_rows` op, one
+   launch on CUDA): for every token of a step, the compressed ids of the token and the ones before it
+   (from the step itself or from the caller's per-row lookback), then one table row per (order,
+   head). Fixed shapes and no host reads, so a sequence's rows do not depend on how its tokens were
+   split into steps or on what else shares the step.
 4. `Engram`: gathers those rows, projects them to one key per stream and a shared value, and adds
    the value to each stream behind a gate that compares the stream with its key.
 """
@@ -30,6 +31,7 @@ from deepinfer.families.v4.config import ConfigError
 from deepinfer.families.v41.config import V41Config
 from deepinfer.model.layers import Linear, empty
 from deepinfer.kernels import Ops
+from deepinfer.kernels.ngram import engram_rows, hash_rows, ngram_context  # noqa: F401  (the family's hashing)
 from deepinfer.kernels.quant import QuantizedWeight
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -229,54 +231,6 @@ def lookback_ids(previous: Sequence[int], width: int, pad_id: int) -> list[int]:
     before them where there are fewer: a row of `ngram_context`'s lookback."""
     kept = list(previous[-width:])
     return [pad_id] * (width - len(kept)) + kept
-
-
-def ngram_context(compressed: torch.Tensor, query_start: torch.Tensor, lookback: torch.Tensor) -> torch.Tensor:
-    """Each token's compressed id and the ones before it in its sequence: [T, N], column k = k back.
-
-    compressed [T]: the step's compressed ids, rows flattened, padding after `query_start[-1]`;
-    query_start [B + 1]: row b's tokens are [query_start[b], query_start[b + 1]); lookback [B, N - 1]:
-    row b's compressed ids just before its first token here, most recent last, the pad id where the
-    sequence has none. Positions before a row's first token come from its lookback, so a sequence's
-    context is the same however its tokens are split into steps. Padding tokens get in-range values.
-    """
-    tokens = torch.arange(compressed.shape[0], device=compressed.device, dtype=query_start.dtype)
-    last_row = query_start.shape[0] - 2
-    row = (torch.searchsorted(query_start, tokens, right=True) - 1).clamp(0, last_row)
-    pos = tokens - query_start[row]
-    width = lookback.shape[1]
-    back = torch.arange(width + 1, device=compressed.device, dtype=query_start.dtype)
-    in_step = back <= pos.unsqueeze(1)
-    from_step = compressed[(tokens.unsqueeze(1) - back).clamp(min=0)]
-    slot = (width - back + pos.unsqueeze(1)).clamp(0, width - 1)
-    from_lookback = lookback[row.unsqueeze(1), slot]
-    return torch.where(in_step, from_step, from_lookback)
-
-
-def hash_rows(
-    context: torch.Tensor, multipliers: torch.Tensor, primes: torch.Tensor, offsets: torch.Tensor
-) -> torch.Tensor:
-    """One layer's table rows per token: [T, (N - 1) * heads], order 2's heads first.
-
-    The order-(k + 1) n-gram hashes to r_k = XOR of context[:, i] * multipliers[i] for i <= k, and
-    head h of it to r_k mod its prime plus its offset.
-    """
-    products = context * multipliers
-    heads = primes.shape[0] // (products.shape[1] - 1)
-    rolling = products[:, 0]
-    per_order = []
-    for k in range(1, products.shape[1]):
-        rolling = torch.bitwise_xor(rolling, products[:, k])
-        per_order.append(rolling.unsqueeze(1) % primes[(k - 1) * heads:k * heads])
-    return torch.cat(per_order, dim=1) + offsets
-
-
-def engram_rows(
-    compressed: torch.Tensor, query_start: torch.Tensor, lookback: torch.Tensor,
-    multipliers: torch.Tensor, primes: torch.Tensor, offsets: torch.Tensor,
-) -> torch.Tensor:
-    """`hash_rows` of `ngram_context` (arguments as there)."""
-    return hash_rows(ngram_context(compressed, query_start, lookback), multipliers, primes, offsets)
 
 
 class EngramTable(nn.Module):

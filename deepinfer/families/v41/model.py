@@ -163,8 +163,8 @@ class DeepseekV41(Decoder):
                 memory = batch.engram_memory[layer]
                 memory = memory if split is None else memory[split.own]
             elif block.role.engram:
-                rows = engram_rows(batch.engram_ids, batch.query_start, batch.engram_lookback,
-                                   *self.engram_layouts[layer])
+                rows = self.ops.engram_rows(batch.engram_ids, batch.query_start, batch.engram_lookback,
+                                            *self.engram_layouts[layer])
                 memory = block.engram.embed(rows if split is None else rows[split.own])
             role = block.role
             # a compressed layer reads its KV source's entries (and, being the source, writes them)
