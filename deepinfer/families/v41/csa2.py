@@ -100,7 +100,8 @@ class Compressor2(nn.Module):
             if addresses.context is None:
                 return self.norm(self.wkv(x.float()[step.close_token]))
             return self.norm(addresses.everyone(self.wkv(x.float()))[step.close_token])
-        rows = torch.cat([self.wkv(x.float()), self.wgate(x.float())], dim=-1)
+        wide = x.float()
+        rows = torch.cat([self.wkv(wide), self.wgate(wide)], dim=-1)
         state[step.state_write] = addresses.everyone(rows).to(state.dtype)
         pooled = self.ops.paged_window_pool(state, step.close_read, step.close_valid, None, self.dim, False)
         return self.norm(pooled.to(x.dtype))
@@ -127,19 +128,19 @@ class Indexer2(nn.Module):
 
     def select(
         self, x: torch.Tensor, q_residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-        entries: torch.Tensor, entry_slots: torch.Tensor, column: int, valid: torch.Tensor, visible: torch.Tensor,
+        entries: torch.Tensor, entry_slots: torch.Tensor, column: int, valid: torch.Tensor, positions: torch.Tensor,
         carried: Selection | None,
     ) -> Selection:
         """Score each token's visible entries (index keys: columns `column`.. of the entries pool's rows
-        `entry_slots` [T, E]; `valid` [T, E]; `visible` [T] how many it may see) and keep the top-k,
-        inside the candidate pool once there is one."""
+        `entry_slots` [T, E]; `valid` [T, E]; `positions` [T] the tokens') and keep the top-k, inside the
+        candidate pool once there is one."""
         q = self.wq_b(q_residual).view(x.shape[0], self.n_heads, self.head_dim)
         q = self.formats.index(self.ops, self.ops.rotary(q, *rope))
         weights = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
         scores = self.ops.paged_indexer_scores(q, entries, entry_slots, column, weights, valid, 1.0)
         candidates = carried.candidates if carried is not None else None
         if self.role.candidate_source:
-            candidates = self._candidate_pool(scores, visible) & valid
+            candidates = self._candidate_pool(scores, (positions + 1) // self.role.ratio) & valid
         elif self.role.uses_candidates:
             scores = scores.masked_fill(~candidates, float("-inf"))
         chosen, good = self.ops.ascending_topk(scores, min(self.topk, scores.shape[1]))
@@ -246,9 +247,8 @@ class Attention2(nn.Module):
             entries, entry_read = cache["entries"], step.entry_read[rows]
             carried = selection.rows(rows) if selection is not None else None
             if self.role.kind in (FULL, REINDEX):
-                visible = (positions[rows] + 1) // self.role.ratio
                 carried = self.indexer.select(x[rows], q_residual[rows], (rope[0][rows], rope[1][rows]), entries,
-                                              entry_read, self.head_dim, step.entry_valid[rows], visible, carried)
+                                              entry_read, self.head_dim, step.entry_valid[rows], positions[rows], carried)
             entry_slots, entry_valid = entry_read.gather(1, carried.chosen), carried.valid
             selection = carried
         out = self.ops.paged_sink_attention(q[rows], cache["window"], addresses.window_read[rows],
