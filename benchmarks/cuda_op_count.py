@@ -166,7 +166,8 @@ def main() -> None:
     for site, count in counting.sites.most_common(args.top):
         print(f"{count:5d}  {site[:140]}")
     if args.out:
-        command = " ".join(["python"] + [a if a != args.out else Path(args.out).name for a in sys.argv])
+        command = " ".join(["python", "benchmarks/cuda_op_count.py"]
+                           + [a if a != args.out else Path(args.out).name for a in sys.argv[1:]])
         device = f"cpu ({cpu_isa.cpu_model()}), the invariant CUDA table under the Triton interpreter"
         Path(args.out).write_text(json.dumps({"command": command, "device": device, "preset": args.preset,
                                               "counted": what, "layers": layers, "launches": total,
