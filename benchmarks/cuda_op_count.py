@@ -5,8 +5,9 @@
 Binds the invariant CUDA table (`kernels.bind("batch_invariant", "cuda")`: the Triton matmuls, norms,
 attention and fused ops) to a model on the CPU, its Triton kernels run by the interpreter, and counts
 the PyTorch ops one decode step's forward dispatches outside them, by the innermost line of ours that
-called each, and the Triton kernels it launches, by kernel: on the GPU each is a kernel launch (a few microseconds in a decode step however small), so
-the lines with the most are where fusing pays. Ops that launch nothing are left out: views, empty
+called each, and the Triton kernels it launches, by kernel; both also by the target layer running them.
+On the GPU each is a kernel launch (a few microseconds in a decode step however small), so the lines and
+layers with the most are where fusing pays. Ops that launch nothing are left out: views, empty
 tensors, scalars read from CPU tensors, and casts or `contiguous` calls that return their input. The
 model is built for the CPU, so a weight laid out for oneDNN (column-major) shows a copy the GPU build
 does not make; the counts are otherwise the GPU's op chains. No GPU time: a proxy to choose what to
@@ -62,7 +63,8 @@ class Counting(TorchDispatchMode):
         def entering(index):
             def enter(module, args):
                 role = getattr(module, "role", None)
-                self.layer = f"layer {index:2d}" + (f" ({role.kind}{', engram' if role.engram else ''})" if role else "")
+                kind = f" ({role.kind}{', engram' if role.engram else ''})" if role else ""
+                self.layer = f"layer {index:2d}{kind}"
             return enter
 
         for index, block in enumerate(layers):

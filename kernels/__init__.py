@@ -38,15 +38,17 @@ from deepinfer.kernels import composite, fast, invariant, ngram, paging, quant, 
 
 NUMERICS = ("batch_invariant", "fast")
 OPS = (
-    "ascending_topk", "clamped_swiglu", "closing_tokens", "cos_sin", "engram_rows", "expert_outputs", "first_argmax", "fp8_ue8m0_qdq", "grouped_linear", "gumbel_argmax",
-    "hyper_coefficients", "hyper_collapse", "hyper_expand", "indexer_scores", "linear", "log", "log_softmax",
-    "matmul_layout", "mix_streams", "moe_experts", "moe_gate", "mxfp4_qdq", "nvfp4_qdq", "ordered_sum",
-    "paged_indexer_scores", "paged_slots", "paged_window_pool", "paged_sink_attention", "rms_norm", "rotary", "rotary_table", "sigmoid", "sink_attention",
-    "sinkhorn", "softmax", "softplus", "topk_indices", "unweighted_rms_norm", "weighted_combine", "window_pool",
+    "ascending_topk", "clamped_swiglu", "closing_tokens", "cos_sin", "engram_rows", "expert_outputs",
+    "first_argmax", "fp8_ue8m0_qdq", "grouped_linear", "gumbel_argmax", "hyper_coefficients", "hyper_collapse",
+    "hyper_expand", "indexer_scores", "linear", "log", "log_softmax", "matmul_layout", "mix_streams",
+    "moe_experts", "moe_gate", "mxfp4_qdq", "nvfp4_qdq", "ordered_sum", "paged_indexer_scores",
+    "paged_sink_attention", "paged_slots", "paged_window_pool", "rms_norm", "rotary", "rotary_table", "sigmoid",
+    "sink_attention", "sinkhorn", "softmax", "softplus", "topk_indices", "unweighted_rms_norm", "weighted_combine",
+    "window_pool",
 )
-_COMPOSITES = ("ascending_topk", "expert_outputs", "first_argmax", "gumbel_argmax", "hyper_coefficients", "hyper_collapse",
-               "hyper_expand", "moe_experts", "moe_gate", "paged_indexer_scores", "paged_sink_attention", "paged_window_pool",
-               "rotary_table")
+_COMPOSITES = ("ascending_topk", "expert_outputs", "first_argmax", "gumbel_argmax", "hyper_coefficients",
+               "hyper_collapse", "hyper_expand", "moe_experts", "moe_gate", "paged_indexer_scores",
+               "paged_sink_attention", "paged_window_pool", "rotary_table")
 # the release's cache formats (kernels/quant.py): one implementation, the same bits in every table
 _CACHE_FORMATS = ("fp8_ue8m0_qdq", "mxfp4_qdq", "nvfp4_qdq")
 _SAMPLING = ("first_argmax", "gumbel_argmax")  # the sampler's, the same in both modes (`kernels.sampling`)
@@ -121,7 +123,8 @@ def _table(numerics: str, device_type: str, row_tiles: invariant.RowTiles) -> di
         # the cache formats', the sampler's and the integer ops' one-launch kernels give their chains' bits:
         # the fast mode takes them too, so the invariance tax is not measured against launches the
         # invariant mode does not pay (and sampling stays the same in both modes)
-        table.update(fast_cuda.OPS, **{name: triton_fused.OPS[name] for name in (*_CACHE_FORMATS, *_SAMPLING, *_INTEGER)})
+        one_launch = (*_CACHE_FORMATS, *_SAMPLING, *_INTEGER)
+        table.update(fast_cuda.OPS, **{name: triton_fused.OPS[name] for name in one_launch})
     return _complete(table)
 
 

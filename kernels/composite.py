@@ -1,9 +1,9 @@
 """Ops composed from a numerics table's own primitives: attention and indexer scores over keys read
-from the paged caches, the compressors' pooling of state rows read from them, the rotary table, the hyper-connection ops (DeepSeek-V4's
-manifold-constrained residual streams) and the MoE router's routing. `kernels.bind` builds them from
-the table's `sink_attention`, `indexer_scores`, `window_pool`, `cos_sin`, `sigmoid`, `sinkhorn`, `ordered_sum`,
-`mix_streams`, `softplus`, `softmax` and `topk_indices` (also the indexer's `ascending_topk`), so their bits in each mode are those of that
-mode's primitives. The batch-invariant CUDA table replaces them with Triton kernels that compute the
+from the paged caches, the compressors' pooling of state rows read from them, the indexer's ordered
+top-k, the rotary table, the hyper-connection ops (DeepSeek-V4's manifold-constrained residual
+streams) and the MoE router's routing. `kernels.bind` builds them from the table's `sink_attention`,
+`indexer_scores`, `window_pool`, `cos_sin`, `sigmoid`, `sinkhorn`, `ordered_sum`, `mix_streams`,
+`softplus`, `softmax` and `topk_indices`, so their bits in each mode are those of that mode's primitives. The batch-invariant CUDA table replaces them with Triton kernels that compute the
 same bits: the paged ones read keys through their slots instead of gathering them
 (`kernels/triton_ops.py`), the others fuse a chain of launches into one (`kernels/triton_fused.py`).
 """

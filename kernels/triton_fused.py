@@ -831,7 +831,8 @@ def paged_slots(
         args = [t.contiguous() if t is not None else seq for t in (first, keep, limit)]
         grid = (triton.cdiv(rows, PAGED_ROWS), triton.cdiv(width, PAGED_COLS))
         _paged_slots_kernel[grid](table, seq, *args, slots, valid.view(torch.int8), rows, width, table.shape[1],
-                                  block_size, table.shape[1] * block_size - 1, offset, null_slot, HAS_FIRST=first is not None,
+                                  block_size, table.shape[1] * block_size - 1, offset, null_slot,
+                                  HAS_FIRST=first is not None,
                                   HAS_KEEP=keep is not None, HAS_LIMIT=limit is not None, ROWS=PAGED_ROWS,
                                   COLS=PAGED_COLS)
     return slots, valid

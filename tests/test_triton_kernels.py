@@ -314,8 +314,8 @@ def test_rms_norms_match_reference(dtype: torch.dtype, rows: int, width: int) ->
 def test_an_unweighted_norm_in_fp32_of_a_narrower_input_is_the_norm_of_its_cast(dtype: torch.dtype) -> None:
     """The streams' norm before the hyper-connection coefficients: x read as it is, no copy of its cast."""
     x = _randn(5, 3 * 160, seed=10, dtype=dtype)
-    _assert_same_bits(triton_ops.unweighted_rms_norm(x, 1e-6, torch.float32), triton_ops.unweighted_rms_norm(x.float(), 1e-6))
-    _assert_same_bits(invariant.unweighted_rms_norm(x, 1e-6, torch.float32), invariant.unweighted_rms_norm(x.float(), 1e-6))
+    for table in (triton_ops, invariant):
+        _assert_same_bits(table.unweighted_rms_norm(x, 1e-6, torch.float32), table.unweighted_rms_norm(x.float(), 1e-6))
     assert triton_ops.unweighted_rms_norm(x, 1e-6, torch.float32).dtype == torch.float32
 
 

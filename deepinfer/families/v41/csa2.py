@@ -248,7 +248,8 @@ class Attention2(nn.Module):
             carried = selection.rows(rows) if selection is not None else None
             if self.role.kind in (FULL, REINDEX):
                 carried = self.indexer.select(x[rows], q_residual[rows], (rope[0][rows], rope[1][rows]), entries,
-                                              entry_read, self.head_dim, step.entry_valid[rows], positions[rows], carried)
+                                              entry_read, self.head_dim, step.entry_valid[rows], positions[rows],
+                                              carried)
             entry_slots, entry_valid = entry_read.gather(1, carried.chosen), carried.valid
             selection = carried
         out = self.ops.paged_sink_attention(q[rows], cache["window"], addresses.window_read[rows],
