@@ -832,13 +832,21 @@ def paged_slots(
         grid = (triton.cdiv(rows, PAGED_ROWS), triton.cdiv(width, PAGED_COLS))
         _paged_slots_kernel[grid](table, seq, *args, slots, valid.view(torch.int8), rows, width, table.shape[1],
                                   block_size, table.shape[1] * block_size - 1, offset, null_slot,
-                                  HAS_FIRST=first is not None,
-                                  HAS_KEEP=keep is not None, HAS_LIMIT=limit is not None, ROWS=PAGED_ROWS,
-                                  COLS=PAGED_COLS)
+                                  HAS_FIRST=first is not None, HAS_KEEP=keep is not None,
+                                  HAS_LIMIT=limit is not None, ROWS=PAGED_ROWS, COLS=PAGED_COLS)
     return slots, valid
 
 
 CLOSING_BLOCK = 1024  # tokens per pass of the compaction's one program
+
+
+@triton.jit
+def _closing_block(pos_ptr, real_ptr, start, T, ratio, BLOCK: tl.constexpr):
+    """Tokens start .. start + BLOCK: (index, in range, position, closes a window)."""
+    t = start + tl.arange(0, BLOCK)
+    ok = t < T
+    pos = tl.load(pos_ptr + t, mask=ok, other=0)
+    return t, ok, pos, ok & (tl.load(real_ptr + t, mask=ok, other=0) != 0) & ((pos + 1) % ratio == 0)
 
 
 @triton.jit
@@ -849,17 +857,11 @@ def _closing_tokens_kernel(pos_ptr, real_ptr, token_ptr, used_ptr, window_ptr, T
     before it), the running counts carried from block to block."""
     closing = tl.zeros([], tl.int64)
     for start in range(0, T, BLOCK):
-        t = start + tl.arange(0, BLOCK)
-        ok = t < T
-        pos = tl.load(pos_ptr + t, mask=ok, other=0)
-        closes = ok & (tl.load(real_ptr + t, mask=ok, other=0) != 0) & ((pos + 1) % ratio == 0)
+        _, _, _, closes = _closing_block(pos_ptr, real_ptr, start, T, ratio, BLOCK)
         closing += tl.sum(closes.to(tl.int64), axis=0)
     before, others = tl.zeros([], tl.int64), tl.zeros([], tl.int64)
     for start in range(0, T, BLOCK):
-        t = start + tl.arange(0, BLOCK)
-        ok = t < T
-        pos = tl.load(pos_ptr + t, mask=ok, other=0)
-        closes = ok & (tl.load(real_ptr + t, mask=ok, other=0) != 0) & ((pos + 1) % ratio == 0)
+        t, ok, pos, closes = _closing_block(pos_ptr, real_ptr, start, T, ratio, BLOCK)
         rank = tl.cumsum(closes.to(tl.int64), axis=0)
         other_rank = tl.cumsum((ok & ~closes).to(tl.int64), axis=0)
         at = tl.where(closes, before + rank - 1, closing + others + other_rank - 1)
