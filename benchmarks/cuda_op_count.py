@@ -106,12 +106,13 @@ class Counting(TorchDispatchMode):
 
 
 def cuda_table_on_cpu() -> kernels.Ops:
-    """The invariant CUDA table, bound for CPU tensors: libdevice's exp, cos, sin, log and log1p (which the
-    interpreter lacks) become the interpreter's (log1p as log(1 + x): only launches are counted), and the
-    CPU start self-test is skipped (it checks CPU primitives)."""
+    """The invariant CUDA table, bound for CPU tensors: libdevice's exp, cos, sin, log, log1p and rsqrt
+    (which the interpreter lacks) become the interpreter's (log1p as log(1 + x), rsqrt as 1 / sqrt: only
+    launches are counted), and the CPU start self-test is skipped (it checks CPU primitives)."""
     for name in ("exp", "cos", "sin", "log"):
         setattr(libdevice, name, lambda x, _name=name, **_: getattr(triton.language, _name)(x))
     libdevice.log1p = lambda x, **_: triton.language.log(x + 1.0)
+    libdevice.rsqrt = lambda x, **_: 1.0 / triton.language.sqrt(x)
     return kernels.Ops("batch_invariant", "cuda", kernels._table("batch_invariant", "cuda", invariant.CANONICAL),
                        invariant.CANONICAL)
 

@@ -1,11 +1,13 @@
 """Ops composed from a numerics table's own primitives: attention and indexer scores over keys read
 from the paged caches, the compressors' pooling of state rows read from them, the indexer's ordered
 top-k, the rotary table, the hyper-connection ops (DeepSeek-V4's manifold-constrained residual
-streams) and the MoE router's routing. `kernels.bind` builds them from the table's `sink_attention`,
-`indexer_scores`, `window_pool`, `cos_sin`, `sigmoid`, `sinkhorn`, `ordered_sum`, `mix_streams`,
-`softplus`, `softmax` and `topk_indices`, so their bits in each mode are those of that mode's primitives. The batch-invariant CUDA table replaces them with Triton kernels that compute the
-same bits: the paged ones read keys through their slots instead of gathering them
-(`kernels/triton_ops.py`), the others fuse a chain of launches into one (`kernels/triton_fused.py`).
+streams), the MoE router's routing and V4.1's Engram gating. `kernels.bind` builds them from the
+table's `sink_attention`, `indexer_scores`, `window_pool`, `cos_sin`, `sigmoid`, `sinkhorn`,
+`ordered_sum`, `mix_streams`, `softplus`, `softmax` and `topk_indices`, so their bits in each mode are
+those of that mode's primitives. The batch-invariant CUDA table replaces them with Triton kernels that
+compute the same bits: the paged ones read keys through their slots instead of gathering them
+(`kernels/triton_ops.py`), the others fuse a chain of launches into one or two
+(`kernels/triton_fused.py`).
 """
 
 from __future__ import annotations
@@ -139,3 +141,25 @@ def moe_gate(logits: torch.Tensor, score_func: str, bias: torch.Tensor | None, c
     weights = weights / (ordered_sum(weights, dim=-1).unsqueeze(-1) + 1e-20)
     return indices, weights * scale
 
+
+
+def engram_mix(streams: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+               floor: float, *, ordered_sum: Op, sigmoid: Op) -> torch.Tensor:
+    """V4.1's Engram gating (`families.v41.engram.Engram`): streams [T, n, H] plus gate * value, from kv
+    [T, (n + 1) H] (n keys, one per stream, then the value) and q_weight, k_weight [n, H] (fp32), where
+    gate = sigmoid(signed sqrt(max(|dot|, floor))) and dot is the (q_weight * k_weight)-weighted dot
+    product of the stream and its key, each RMS-normalised (eps), scaled by H^-1/2. In fp32, sums over
+    H by `ordered_sum`; the result in the streams' dtype."""
+    n, width = streams.shape[1:]
+    key, value = kv.float().split((n * width, width), dim=-1)
+    key = key.unflatten(-1, (n, width))
+    hidden = streams.float()
+
+    def rsqrt_mean_square(x: torch.Tensor) -> torch.Tensor:
+        return torch.rsqrt(ordered_sum(x.square(), dim=-1) / width + eps)
+
+    rstd = rsqrt_mean_square(hidden) * rsqrt_mean_square(key)
+    weighted = hidden * (q_weight * k_weight) * key
+    dot = ordered_sum(weighted, dim=-1) * rstd * width ** -0.5
+    gate = sigmoid(torch.copysign(dot.abs().clamp_min(floor).sqrt(), dot))
+    return (hidden + gate.unsqueeze(-1) * value.unsqueeze(-2)).to(streams.dtype)

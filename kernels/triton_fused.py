@@ -275,6 +275,74 @@ def ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     return out
 
 
+# V4.1's Engram gating ----------------------------------------------------------------------------------
+
+ENGRAM_BLOCK = 1024  # output columns per program
+
+
+@triton.jit
+def _engram_sums_kernel(streams_ptr, kv_ptr, q_ptr, k_ptr, sums_ptr, H, N, LEVELS: tl.constexpr):
+    """Program per (token, stream, quantity): one of the three fp32 sums over H of `composite.engram_mix`
+    (0: the stream's squares, 1: the key's squares, 2: the (q * k)-weighted products) by
+    `invariant.ordered_sum`'s tree, on terms loaded in its leaf order (`_tree_leaves`). One tree per
+    program: Triton 3.6 takes minutes to compile three 8192-leaf trees in one kernel."""
+    program = tl.program_id(0).to(tl.int64)
+    row, quantity = program // 3, program % 3
+    token, stream = row // N, row % N
+    term = _tree_leaves(H, LEVELS)[None, :]  # [1, leaves]: the tree's rows as `_tree_sum` takes them
+    real = term >= 0
+    quantity_of = tl.broadcast_to(quantity, term.shape)  # (the interpreter masks by a tensor, not a scalar)
+    hidden = tl.load(streams_ptr + row * H + term, mask=real & (quantity_of != 1), other=0.0).to(tl.float32)
+    key = tl.load(kv_ptr + (token * (N + 1) + stream) * H + term, mask=real & (quantity_of != 0), other=0.0)
+    key = key.to(tl.float32)
+    weighted = real & (quantity_of == 2)
+    qk = tl.load(q_ptr + stream * H + term, mask=weighted, other=0.0) * tl.load(k_ptr + stream * H + term,
+                                                                                mask=weighted, other=0.0)
+    terms = tl.where(quantity == 0, hidden * hidden, tl.where(quantity == 1, key * key, (hidden * qk) * key))
+    total = _tree_sum(terms, real, 1, LEVELS, tl.float32)
+    tl.store(sums_ptr + program + tl.arange(0, 1), total)
+
+
+@triton.jit
+def _engram_out_kernel(streams_ptr, kv_ptr, sums_ptr, out_ptr, H, inverse_h, eps, scale, floor, N,
+                       BLOCK: tl.constexpr):
+    """Program per (token, stream, column block): the stream's gate from its three sums, then its columns
+    plus gate * value. The mean of the squares multiplies by 1/H (`inverse_h`, fp32): PyTorch's CUDA
+    division by a host scalar is a multiplication by its reciprocal."""
+    row = tl.program_id(0).to(tl.int64)
+    token = row // N
+    hidden_squares = tl.load(sums_ptr + row * 3)
+    key_squares = tl.load(sums_ptr + row * 3 + 1)
+    dot = tl.load(sums_ptr + row * 3 + 2)
+    rstd = libdevice.rsqrt(hidden_squares * inverse_h + eps) * libdevice.rsqrt(key_squares * inverse_h + eps)
+    dot = dot * rstd * scale
+    magnitude = tl.sqrt_rn(tl.where(tl.abs(dot) < floor, floor, tl.abs(dot)))  # NaN stays NaN, as clamp_min
+    sign = dot.to(tl.uint32, bitcast=True) & 0x80000000
+    gate = _sigmoid((magnitude.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True))  # copysign
+    columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = columns < H
+    stream_part = tl.load(streams_ptr + row * H + columns, mask=ok, other=0.0).to(tl.float32)
+    value = tl.load(kv_ptr + (token * (N + 1) + N) * H + columns, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * H + columns, (stream_part + gate * value).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def engram_mix(streams: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+               floor: float) -> torch.Tensor:
+    """`composite.engram_mix` with `invariant.ordered_sum` and torch's sigmoid, in two launches (the sums,
+    then the gates and the output)."""
+    tokens, n, width = streams.shape
+    out = torch.empty_like(streams)
+    if out.numel():
+        streams, kv = streams.contiguous(), kv.contiguous()
+        sums = torch.empty(tokens * n * 3, dtype=torch.float32, device=streams.device)
+        _fused(_engram_sums_kernel, (tokens * n * 3,), streams, kv, q_weight.float().contiguous(),
+               k_weight.float().contiguous(), sums, width, n, LEVELS=max(1, (width - 1).bit_length()), num_warps=8)
+        block = min(ENGRAM_BLOCK, triton.next_power_of_2(width))
+        _fused(_engram_out_kernel, (tokens * n, triton.cdiv(width, block)), streams, kv, sums, out, width,
+               1.0 / width, eps, width ** -0.5, floor, n, BLOCK=block)
+    return out
+
+
 # the MoE router ---------------------------------------------------------------------------------------
 
 GATE_MAX_EXPERTS = 4096  # experts a router program holds; more take the op chain
@@ -899,6 +967,7 @@ OPS = {
     "hyper_coefficients": hyper_coefficients,
     "ordered_sum": ordered_sum,
     "hyper_collapse": hyper_collapse,
+    "engram_mix": engram_mix,
     "mix_streams": mix_streams,
     "hyper_expand": hyper_expand,
     "clamped_swiglu": clamped_swiglu,

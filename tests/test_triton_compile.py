@@ -97,6 +97,11 @@ kernels = {
                 {"TOP_K": 6, "BLOCK": 256}),
     "ordered_sum": (f._ordered_sum_kernel, {"x_ptr": bf16, "out_ptr": bf16, "outputs": "i32", "inner": "i32",
                                             "n": "i32"}, {"LEVELS": 13, "ROWS": 1}),
+    "engram_sums": (f._engram_sums_kernel, {"streams_ptr": bf16, "kv_ptr": bf16, "q_ptr": fp32, "k_ptr": fp32,
+                                            "sums_ptr": fp32, "H": "i32", "N": "i32"}, {"LEVELS": 13}),
+    "engram_out": (f._engram_out_kernel, {"streams_ptr": bf16, "kv_ptr": bf16, "sums_ptr": fp32, "out_ptr": bf16,
+                                          "H": "i32", "inverse_h": "fp32", "eps": "fp32", "scale": "fp32",
+                                          "floor": "fp32", "N": "i32"}, {"BLOCK": 1024}),
     "gate": (f._sqrtsoftplus_gate_kernel, {"logits_ptr": bf16, "bias_ptr": fp32, "chosen_ptr": "*i64",
                                             "indices_ptr": "*i64", "weights_ptr": bf16, "E": "i32", "scale": "fp32"},
              {"K": 6, "LEVELS": 3, "BLOCK_E": 512, "CHOSEN": False}),
@@ -138,12 +143,13 @@ for name, (fn, signature, constexprs) in kernels.items():
 
 def test_fused_kernels_compile_for_hopper_without_contraction():
     """No fused multiply-add where the op chain rounds a product before adding (rotary, the collapse
-    and mixing sums, the combine, the cache formats); in rotary and the expansion the compiler does fuse
-    them when allowed, so the option is what keeps their bits. (The rotary table, the coefficients,
-    SwiGLU, the router and the Gumbel draw are left out: libdevice's exp, log, log1p, cos and sin use FMAs
-    by design; they are compiled here all the same, with the experts' routing, the argmax and the
-    caches' integer slot arithmetic, Engram's hashing, the indexer's reordering; and the compressors' pooling through state slots, a `triton_ops`
-    kernel whose bits are its own.)"""
+    and mixing sums, Engram's sums, the combine, the cache formats); in rotary and the expansion the
+    compiler does fuse them when allowed, so the option is what keeps their bits. (The rotary table, the
+    coefficients, SwiGLU, the router, Engram's gates and the Gumbel draw are left out: libdevice's exp,
+    log, log1p, rsqrt, cos and sin use FMAs by design; they are compiled here all the same, with the
+    experts' routing, the argmax and the caches' integer slot arithmetic, Engram's hashing, the
+    indexer's reordering; and the compressors' pooling through state slots, a `triton_ops` kernel whose
+    bits are its own.) Engram's sums are compiled at V4.1-Flash's width: an 8192-leaf tree."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     helper = COMPILE.split("results = []")[0]
     done = subprocess.run([sys.executable, "-c", FUSED], input=helper, capture_output=True, text=True, env=env,
@@ -154,7 +160,8 @@ def test_fused_kernels_compile_for_hopper_without_contraction():
     formats = ("fp8_ue8m0", "mxfp4", "nvfp4")
     assert set(contracted) == {"rotary", "rotary_table", "coefficients", "collapse", "expand", "swiglu", "combine",
                                "ordered_sum", "gate", "route", "argmax", "gumbel", "paged_slots", "closing_tokens",
-                               "paged_window_pool", "ascending_topk", "engram_rows", *formats}
+                               "paged_window_pool", "ascending_topk", "engram_rows", "engram_sums", "engram_out",
+                               *formats}
     assert not any(contracted[name][0] for name in ("rotary", "collapse", "expand", "combine", "ordered_sum",
-                                                    "route", "argmax", *formats)), contracted
+                                                    "engram_sums", "route", "argmax", *formats)), contracted
     assert contracted["rotary"][1] and contracted["expand"][1], contracted

@@ -177,6 +177,32 @@ def test_moe_gate_hands_other_routers_to_the_op_chain() -> None:
     assert indices.shape == weights.shape == (0, 2)
 
 
+# V4.1's Engram gating ------------------------------------------------------------------------------
+
+def _engram_inputs(tokens: int, width: int, seed: int, dtype: torch.dtype):
+    streams = _randn(tokens, N, width, seed=seed, dtype=dtype)
+    kv = _randn(tokens, (N + 1) * width, seed=seed + 1, dtype=dtype)
+    return streams, kv, _randn(N, width, seed=seed + 2), _randn(N, width, seed=seed + 3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1, 64, 300, 5120])
+def test_engram_mix_is_the_op_chain(dtype: torch.dtype, width: int) -> None:
+    """Every stream's gate and sum, including a dot product below the clamp's floor and a NaN stream, at
+    widths up to V4.1-Flash's: bitwise compiled; under the interpreter within a few ulps (its rsqrt and
+    exp are NumPy's, and the host's division by H is exact where CUDA multiplies by 1/H). A token's rows
+    are the same alone as in the batch."""
+    streams, kv, q_weight, k_weight = _engram_inputs(3, width, seed=width, dtype=dtype)
+    q_weight[1] = 0.0  # stream 1's dot product is 0: the gate is sigmoid(sqrt(floor))
+    streams[2, 3, width // 2] = float("nan")
+    fused = triton_fused.engram_mix(streams, kv, q_weight, k_weight, 1e-6, 1e-6)
+    chain = composite.engram_mix(streams, kv, q_weight, k_weight, 1e-6, 1e-6, ordered_sum=invariant.ordered_sum,
+                                 sigmoid=torch.sigmoid)
+    _assert_transcendental(fused, chain)
+    assert fused[2, 3].isnan().all() and not fused[2, :3].isnan().any()
+    _assert_same_bits(fused[1:2], triton_fused.engram_mix(streams[1:2], kv[1:2], q_weight, k_weight, 1e-6, 1e-6))
+
+
 # hyper-connections -----------------------------------------------------------------------------------
 
 def _site(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -39,8 +39,9 @@ def _interpreter_patches():
       a 1-element array to int implicitly (triton-lang/triton#9171). 3.9.0 converts it itself; the
       replacement below gives the same int there, so it is kept for older Tritons;
     - libdevice's functions have no interpreter implementation (their calls return None): `exp`, `cos`,
-      `sin`, `log` and `log1p`, the ones `kernels.triton_fused` uses, become NumPy's, so results under the
-      interpreter are close to torch's sigmoid, SiLU, softplus, cos, sin and log rather than bitwise equal;
+      `sin`, `log`, `log1p` and `rsqrt`, the ones `kernels.triton_fused` uses, become NumPy's, so results
+      under the interpreter are close to torch's sigmoid, SiLU, softplus, cos, sin, log and rsqrt rather
+      than bitwise equal;
     - the interpreter casts fp32 to bf16 by truncating (and mangles fp32 subnormals); compiled kernels
       round to nearest even as PyTorch does, so those casts go through PyTorch.
     """
@@ -84,8 +85,9 @@ def _interpreter_patches():
     with pytest.MonkeyPatch.context() as patch:
         for name in ("exp", "cos", "sin", "log"):
             patch.setattr(libdevice, name, lambda x, _name=name, **_: getattr(triton.language, _name)(x))
-        patch.setattr(libdevice, "log1p", lambda x, **_: triton.language.core.tensor(
-            interpreter.TensorHandle(np.log1p(x.handle.data), x.handle.dtype.scalar), x.type))
+        for name, fn in (("log1p", np.log1p), ("rsqrt", lambda v: 1 / np.sqrt(v))):
+            patch.setattr(libdevice, name, lambda x, _fn=fn, **_: triton.language.core.tensor(
+                interpreter.TensorHandle(_fn(x.handle.data), x.handle.dtype.scalar), x.type))
         patch.setattr(interpreter, "_patch_lang_tensor", patched_tensor)
         patch.setattr(interpreter.InterpreterBuilder, "create_dot", patched_dot)
         patch.setattr(interpreter.InterpreterBuilder, "cast_impl", rounded)

@@ -257,9 +257,10 @@ class Engram(nn.Module):
     Stream s gets gate * value, where gate = sigmoid(signed sqrt(dot)) and dot is the
     (q_weight * k_weight)-weighted dot product of the stream with its key, each RMS-normalised
     (eps = rms_norm_eps) and scaled by hidden_size^-1/2. All of it in fp32; sums over the hidden
-    dimension go through `ops.ordered_sum`, so a row's bits depend only on that row. (With the
-    batch-invariant ops that order differs from a library sum's, and near dot = 0 the signed square
-    root magnifies the last-bit difference: a few 1e-6 in the output against NeMo at worst.)
+    dimension go through `ops.ordered_sum`, so a row's bits depend only on that row (`ops.engram_mix`,
+    two launches on CUDA). (With the batch-invariant ops that order differs from a library sum's, and
+    near dot = 0 the signed square root magnifies the last-bit difference: a few 1e-6 in the output
+    against NeMo at worst.)
     `q_weight` and `k_weight` are kept in fp32 (the release's bf16 widens exactly).
     """
 
@@ -282,15 +283,4 @@ class Engram(nn.Module):
     def mix(self, streams: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
         """`forward` from the table rows already read, memory [T, K * head_dim] (tables in host memory
         are read by the runner)."""
-        key, value = self.wkv(memory).float().split(
-            (self.hc_mult * self.hidden, self.hidden), dim=-1)
-        key = key.unflatten(-1, (self.hc_mult, self.hidden))
-        hidden = streams.float()
-        rstd = self._rsqrt_mean_square(hidden) * self._rsqrt_mean_square(key)
-        weighted = hidden * (self.q_weight * self.k_weight) * key
-        dot = self.ops.ordered_sum(weighted, dim=-1) * rstd * self.hidden ** -0.5
-        gate = self.ops.sigmoid(torch.copysign(dot.abs().clamp_min(GATE_FLOOR).sqrt(), dot))
-        return (hidden + gate.unsqueeze(-1) * value.unsqueeze(-2)).to(streams.dtype)
-
-    def _rsqrt_mean_square(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.rsqrt(self.ops.ordered_sum(x.square(), dim=-1) / self.hidden + self.eps)
+        return self.ops.engram_mix(streams, self.wkv(memory), self.q_weight, self.k_weight, self.eps, GATE_FLOOR)
