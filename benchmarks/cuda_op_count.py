@@ -56,6 +56,7 @@ class Counting(TorchDispatchMode):
         self.ops: collections.Counter = collections.Counter()
         self.kernels: collections.Counter = collections.Counter()
         self.by_layer: collections.Counter = collections.Counter()
+        self.sequence: collections.defaultdict = collections.defaultdict(list)  # layer -> its launches in order
         self.layer = "outside the target's layers"
 
     def attribute_layers(self, layers) -> None:
@@ -78,6 +79,7 @@ class Counting(TorchDispatchMode):
             if not warmup:
                 self.kernels[function.fn.__name__] += 1
                 self.by_layer[self.layer] += 1
+                self.sequence[self.layer].append(f"triton {function.fn.__name__}")
             return launch(function, *args, warmup=warmup, **kwargs)
 
         self._launch, InterpretedFunction.run = launch, counted
@@ -102,6 +104,7 @@ class Counting(TorchDispatchMode):
         self.sites[site] += 1
         self.ops[name] += 1
         self.by_layer[self.layer] += 1
+        self.sequence[self.layer].append(f"{name} at {site}")
         return out
 
 
@@ -127,6 +130,7 @@ def main() -> None:
                              "after it (sampling and the drafter's pass included) instead of the forward alone")
     parser.add_argument("--draft-tokens", type=int, default=5)
     parser.add_argument("--temperature", type=float, default=0.0, help="the request's (a whole step's sampling)")
+    parser.add_argument("--sequence", type=int, metavar="LAYER", help="also print this layer's launches in order")
     parser.add_argument("--out", help="write the counts as JSON here")
     args = parser.parse_args()
     ops = cuda_table_on_cpu()
@@ -168,6 +172,13 @@ def main() -> None:
         print(f"{count:5d}  {file}")
     for site, count in counting.sites.most_common(args.top):
         print(f"{count:5d}  {site[:140]}")
+    if args.sequence is not None:
+        layer = next((name for name in counting.sequence if name.startswith(f"layer {args.sequence:2d}")), None)
+        if layer is None:
+            sys.exit(f"error: --sequence {args.sequence}: the target has layers 0 to {layers - 1}")
+        print(f"{layer}, in order:")
+        for number, launch in enumerate(counting.sequence[layer], 1):
+            print(f"{number:5d}  {launch[:140]}")
     if args.out:
         command = " ".join(["python", "benchmarks/cuda_op_count.py"]
                            + [a if a != args.out else Path(args.out).name for a in sys.argv[1:]])
