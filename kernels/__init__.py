@@ -38,17 +38,19 @@ from deepinfer.kernels import composite, fast, invariant, ngram, paging, quant, 
 
 NUMERICS = ("batch_invariant", "fast")
 OPS = (
-    "ascending_topk", "clamped_swiglu", "closing_tokens", "cos_sin", "engram_mix", "engram_rows", "expert_outputs",
-    "first_argmax", "fp8_ue8m0_qdq", "grouped_linear", "gumbel_argmax", "hyper_coefficients", "hyper_collapse",
-    "hyper_expand", "indexer_scores", "linear", "log", "log_softmax", "matmul_layout", "mix_streams",
-    "moe_experts", "moe_gate", "mxfp4_qdq", "nvfp4_qdq", "ordered_sum", "paged_indexer_scores",
+    "ascending_topk", "clamped_swiglu", "closing_tokens", "collapsed_norm", "cos_sin", "engram_mix", "engram_rows",
+    "expert_outputs", "first_argmax", "fp8_ue8m0_qdq", "grouped_linear", "gumbel_argmax", "hyper_coefficients",
+    "hyper_collapse", "hyper_expand", "indexer_scores", "linear", "log", "log_softmax", "matmul_layout",
+    "mix_streams", "moe_experts", "moe_gate", "mxfp4_qdq", "nvfp4_qdq", "ordered_sum", "paged_indexer_scores",
     "paged_sink_attention", "paged_slots", "paged_window_pool", "rms_norm", "rotary", "rotary_table", "sigmoid",
     "sink_attention", "sinkhorn", "softmax", "softplus", "topk_indices", "unweighted_rms_norm", "weighted_combine",
     "window_pool",
 )
-_COMPOSITES = ("ascending_topk", "engram_mix", "expert_outputs", "first_argmax", "gumbel_argmax", "hyper_coefficients",
-               "hyper_collapse", "hyper_expand", "moe_experts", "moe_gate", "paged_indexer_scores",
-               "paged_sink_attention", "paged_window_pool", "rotary_table")
+_COMPOSITES = (
+    "ascending_topk", "collapsed_norm", "engram_mix", "expert_outputs", "first_argmax", "gumbel_argmax",
+    "hyper_coefficients", "hyper_collapse", "hyper_expand", "moe_experts", "moe_gate", "paged_indexer_scores",
+    "paged_sink_attention", "paged_window_pool", "rotary_table",
+)
 # the release's cache formats (kernels/quant.py): one implementation, the same bits in every table
 _CACHE_FORMATS = ("fp8_ue8m0_qdq", "mxfp4_qdq", "nvfp4_qdq")
 _SAMPLING = ("first_argmax", "gumbel_argmax")  # the sampler's, the same in both modes (`kernels.sampling`)
@@ -94,6 +96,8 @@ def _complete(table: dict) -> dict:
                                                    sinkhorn=table["sinkhorn"]))
     table.setdefault("hyper_collapse", partial(composite.hyper_collapse, ordered_sum=table["ordered_sum"]))
     table.setdefault("hyper_expand", partial(composite.hyper_expand, mix_streams=table["mix_streams"]))
+    table.setdefault("collapsed_norm", partial(composite.collapsed_norm, hyper_collapse=table["hyper_collapse"],
+                                               rms_norm=table["rms_norm"]))
     table.setdefault("moe_gate", _composite_gate(table))
     table.setdefault("engram_mix", partial(composite.engram_mix, ordered_sum=table["ordered_sum"],
                                            sigmoid=table["sigmoid"]))

@@ -110,6 +110,13 @@ def hyper_collapse(pre: torch.Tensor, streams: torch.Tensor, *, ordered_sum: Op)
     return ordered_sum(pre.unsqueeze(-1) * streams, dim=1).to(streams.dtype)
 
 
+def collapsed_norm(pre: torch.Tensor, streams: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                   hyper_collapse: Op, rms_norm: Op) -> torch.Tensor:
+    """A block's normed input: `rms_norm` (fp32 weight, eps) of the streams collapsed by pre; the collapsed
+    input itself is not kept (hyper-connections read it only through the norm)."""
+    return rms_norm(hyper_collapse(pre, streams), weight, eps)
+
+
 def hyper_expand(
     post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, streams: torch.Tensor, *, mix_streams: Op,
 ) -> torch.Tensor:

@@ -418,18 +418,26 @@ def moe_gate(logits: torch.Tensor, score_func: str, bias: torch.Tensor | None, c
 # collapse, stream mixing and expansion ------------------------------------------------------------
 
 @triton.jit
+def _collapsed_columns(pre, streams_ptr, token, cols, ok, H, N: tl.constexpr, LEVELS: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """Columns `cols` of a token's block input, in fp32 before its cast: the sum over the N = 2^LEVELS
+    streams of pre [N] (fp32) * stream, as `invariant.ordered_sum`'s tree (first half plus second half,
+    halving)."""
+    streams = tl.arange(0, N)
+    rows = tl.load(streams_ptr + (token * N + streams[None, :]) * H + cols[:, None], mask=ok[:, None], other=0.0)
+    terms = pre[None, :] * rows.to(tl.float32)  # [BLOCK, N]: a power of two, every leaf holding its stream
+    return _tree_sum(terms, tl.full((BLOCK, N), 1, tl.int1), BLOCK, LEVELS, tl.float32)
+
+
+@triton.jit
 def _hyper_collapse_kernel(pre_ptr, streams_ptr, out_ptr, H, N: tl.constexpr, LEVELS: tl.constexpr,
                            BLOCK: tl.constexpr):
-    """Program (token, column block): sum over the N = 2^LEVELS streams of pre * stream in fp32, as
-    `invariant.ordered_sum`'s tree (first half plus second half, halving), cast to the output."""
+    """Program (token, column block): `_collapsed_columns`, cast to the output."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < H
-    streams = tl.arange(0, N)
-    pre = tl.load(pre_ptr + token * N + streams)
-    rows = tl.load(streams_ptr + (token * N + streams[None, :]) * H + cols[:, None], mask=ok[:, None], other=0.0)
-    terms = pre[None, :] * rows.to(tl.float32)  # [BLOCK, N]: a power of two, every leaf holding its stream
-    total = _tree_sum(terms, tl.full((BLOCK, N), 1, tl.int1), BLOCK, LEVELS, tl.float32)
+    pre = tl.load(pre_ptr + token * N + tl.arange(0, N))
+    total = _collapsed_columns(pre, streams_ptr, token, cols, ok, H, N, LEVELS, BLOCK)
     tl.store(out_ptr + token * H + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 

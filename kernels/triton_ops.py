@@ -581,9 +581,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, grou
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, eps, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per row. WEIGHTED: (w * (x * r)) cast to out; else x * r.to(out dtype)."""
-    row = tl.program_id(0).to(tl.int64) * N
+def _rms_norm_row(x_ptr, w_ptr, out_ptr, row, N, eps, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr):
+    """The row at offset `row`. WEIGHTED: (w * (x * r)) cast to out; else x * r.to(out dtype)."""
     squares = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(0, N, BLOCK):
         cols = start + tl.arange(0, BLOCK)
@@ -602,6 +601,29 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, eps, WEIGHTED: tl.constexpr, BLOC
         tl.store(out_ptr + row + cols, y.to(out_ty), mask=cols < N)
 
 
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, eps, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row (`_rms_norm_row`)."""
+    _rms_norm_row(x_ptr, w_ptr, out_ptr, tl.program_id(0).to(tl.int64) * N, N, eps, WEIGHTED, BLOCK)
+
+
+@triton.jit
+def _collapsed_norm_kernel(pre_ptr, streams_ptr, x_ptr, w_ptr, out_ptr, H, eps, N: tl.constexpr,
+                           LEVELS: tl.constexpr, COLLAPSE_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+    """Program per token: the block input (`triton_fused._collapsed_columns`, written to x as the
+    collapse kernel writes it), then `_rms_norm_row` over what it wrote: the bits of the two kernels
+    one after the other."""
+    token = tl.program_id(0).to(tl.int64)
+    pre = tl.load(pre_ptr + token * N + tl.arange(0, N))
+    for start in range(0, H, COLLAPSE_BLOCK):
+        cols = start + tl.arange(0, COLLAPSE_BLOCK)
+        ok = cols < H
+        total = triton_fused._collapsed_columns(pre, streams_ptr, token, cols, ok, H, N, LEVELS, COLLAPSE_BLOCK)
+        tl.store(x_ptr + token * H + cols, total.to(x_ptr.dtype.element_ty), mask=ok)
+    tl.debug_barrier()  # the row's columns were written by the program's other threads
+    _rms_norm_row(x_ptr, w_ptr, out_ptr, token * H, H, eps, True, BLOCK)
+
+
 def _launch_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
                      dtype: torch.dtype | None = None) -> torch.Tensor:
     x = x.contiguous()
@@ -611,7 +633,8 @@ def _launch_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     if rows == 0:
         return out
     w = x if weight is None else weight.contiguous()
-    _rms_norm_kernel[(rows,)](x, w, out, width, eps, WEIGHTED=weight is not None, BLOCK=ROW_BLOCK)
+    triton_fused._fused(_rms_norm_kernel, (rows,), x, w, out, width, eps, WEIGHTED=weight is not None,
+                        BLOCK=ROW_BLOCK)
     return out
 
 
@@ -624,6 +647,21 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float, dtype: torch.dtype | None =
     """RMSNorm without weight; the fp32 inverse RMS is cast to the output's dtype (`dtype`, x's by
     default) before scaling. x is read in its own dtype and widened in registers, exactly as a cast first."""
     return _launch_rms_norm(x, None, eps, dtype)
+
+
+def collapsed_norm(pre: torch.Tensor, streams: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`composite.collapsed_norm` with this module's `rms_norm` and `triton_fused.hyper_collapse`, in one
+    launch (a power-of-two stream count; any other takes the two ops)."""
+    tokens, n, width = streams.shape
+    if n & (n - 1):
+        return rms_norm(triton_fused.hyper_collapse(pre, streams), weight, eps)
+    x = torch.empty(tokens, width, dtype=streams.dtype, device=streams.device)
+    out = torch.empty_like(x)
+    if out.numel():
+        triton_fused._fused(_collapsed_norm_kernel, (tokens,), pre.float().contiguous(), streams.contiguous(), x,
+                            weight.contiguous(), out, width, eps, N=n, LEVELS=n.bit_length() - 1,
+                            COLLAPSE_BLOCK=triton_fused.BLOCK_H, BLOCK=ROW_BLOCK)
+    return out
 
 
 @triton.jit
@@ -939,6 +977,7 @@ OPS = {
     "grouped_linear": grouped_linear,
     "rms_norm": rms_norm,
     "unweighted_rms_norm": unweighted_rms_norm,
+    "collapsed_norm": collapsed_norm,
     "softmax": softmax,
     "log_softmax": log_softmax,
     "sink_attention": sink_attention,

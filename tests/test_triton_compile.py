@@ -87,6 +87,11 @@ kernels = {
     "coefficients": (f._hyper_coefficients_kernel, {"mix_ptr": fp32, "base_ptr": fp32, "scale_ptr": fp32,
                                                     "pre_ptr": fp32, "post_ptr": fp32, "comb_ptr": fp32, "n": "i32",
                                                     "iters": "i32", "eps": "fp32"}, {"BLOCK": 4}),
+    "rms_norm": (triton_ops._rms_norm_kernel, {"x_ptr": bf16, "w_ptr": fp32, "out_ptr": bf16, "N": "i32",
+                                               "eps": "fp32"}, {"WEIGHTED": True, "BLOCK": triton_ops.ROW_BLOCK}),
+    "collapsed_norm": (triton_ops._collapsed_norm_kernel, {"pre_ptr": fp32, "streams_ptr": bf16, "x_ptr": bf16,
+                                                           "w_ptr": fp32, "out_ptr": bf16, "H": "i32", "eps": "fp32"},
+                       {"N": 4, "LEVELS": 2, "COLLAPSE_BLOCK": f.BLOCK_H, "BLOCK": triton_ops.ROW_BLOCK}),
     "collapse": (f._hyper_collapse_kernel, {"pre_ptr": fp32, "streams_ptr": bf16, "out_ptr": bf16, "H": "i32"},
                  {"N": 4, "LEVELS": 2, "BLOCK": 256}),
     "expand": (f._hyper_expand_kernel, {"post_ptr": fp32, "comb_ptr": fp32, "block_ptr": bf16, "streams_ptr": bf16,
@@ -143,13 +148,14 @@ for name, (fn, signature, constexprs) in kernels.items():
 
 def test_fused_kernels_compile_for_hopper_without_contraction():
     """No fused multiply-add where the op chain rounds a product before adding (rotary, the collapse
-    and mixing sums, Engram's sums, the combine, the cache formats); in rotary and the expansion the
-    compiler does fuse them when allowed, so the option is what keeps their bits. (The rotary table, the
-    coefficients, SwiGLU, the router, Engram's gates and the Gumbel draw are left out: libdevice's exp,
-    log, log1p, rsqrt, cos and sin use FMAs by design; they are compiled here all the same, with the
-    experts' routing, the argmax and the caches' integer slot arithmetic, Engram's hashing, the
-    indexer's reordering; and the compressors' pooling through state slots, a `triton_ops` kernel whose
-    bits are its own.) Engram's sums are compiled at V4.1-Flash's width: an 8192-leaf tree."""
+    and mixing sums, Engram's sums, the combine, the cache formats) or where one kernel repeats another's
+    bits (the norm's, inside the collapsed norm); in rotary and the expansion the compiler does fuse
+    them when allowed, so the option is what keeps their bits. (The rotary table, the coefficients,
+    SwiGLU, the router, Engram's gates and the Gumbel draw are left out: libdevice's exp, log, log1p,
+    rsqrt, cos and sin use FMAs by design; they are compiled here all the same, with the experts'
+    routing, the argmax and the caches' integer slot arithmetic, Engram's hashing, the indexer's
+    reordering; and the compressors' pooling through state slots, a `triton_ops` kernel whose bits are
+    its own.) Engram's sums are compiled at V4.1-Flash's width: an 8192-leaf tree."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     helper = COMPILE.split("results = []")[0]
     done = subprocess.run([sys.executable, "-c", FUSED], input=helper, capture_output=True, text=True, env=env,
@@ -158,10 +164,12 @@ def test_fused_kernels_compile_for_hopper_without_contraction():
     contracted = {name: (off == "True", on == "True") for name, off, on in
                   (line.split() for line in done.stdout.strip().splitlines())}
     formats = ("fp8_ue8m0", "mxfp4", "nvfp4")
-    assert set(contracted) == {"rotary", "rotary_table", "coefficients", "collapse", "expand", "swiglu", "combine",
+    assert set(contracted) == {"rotary", "rotary_table", "coefficients", "rms_norm", "collapsed_norm", "collapse",
+                               "expand", "swiglu", "combine",
                                "ordered_sum", "gate", "route", "argmax", "gumbel", "paged_slots", "closing_tokens",
                                "paged_window_pool", "ascending_topk", "engram_rows", "engram_sums", "engram_out",
                                *formats}
-    assert not any(contracted[name][0] for name in ("rotary", "collapse", "expand", "combine", "ordered_sum",
-                                                    "engram_sums", "route", "argmax", *formats)), contracted
+    assert not any(contracted[name][0] for name in ("rotary", "rms_norm", "collapsed_norm", "collapse", "expand",
+                                                    "combine", "ordered_sum", "engram_sums", "route", "argmax",
+                                                    *formats)), contracted
     assert contracted["rotary"][1] and contracted["expand"][1], contracted

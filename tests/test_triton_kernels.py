@@ -340,6 +340,20 @@ def test_rms_norm_rows_do_not_depend_on_batch(batch: tuple[int, int], dtype: tor
     _assert_same_bits(triton_ops.unweighted_rms_norm(x, 1e-6)[at:at + 1], alone)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("streams_width", [(4, 40), (4, 1100), (4, 5120), (2, 300), (3, 64)])
+def test_collapsed_norm_is_the_collapse_then_the_norm(dtype: torch.dtype, streams_width: tuple[int, int]) -> None:
+    """One launch with the bits of the collapse kernel and then the norm kernel (3 streams take the two
+    ops), for every token, and a token's row is the same alone."""
+    n, width = streams_width
+    streams, pre = _randn(3, n, width, seed=width, dtype=dtype), _randn(3, n, seed=width + 1)
+    weight = _randn(width, seed=width + 2).abs()
+    fused = triton_ops.collapsed_norm(pre, streams, weight, 1e-6)
+    _assert_same_bits(fused, triton_ops.rms_norm(triton_fused.hyper_collapse(pre, streams), weight, 1e-6))
+    _assert_same_bits(fused[1:2], triton_ops.collapsed_norm(pre[1:2], streams[1:2], weight, 1e-6))
+    assert triton_ops.collapsed_norm(pre[:0], streams[:0], weight, 1e-6).shape == (0, width)
+
+
 # softmax / log_softmax --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from deepinfer.families.v4.config import ModelConfig
-from deepinfer.model.layers import empty
+from deepinfer.model.layers import RMSNorm, empty
 from deepinfer.kernels import Ops
 
 
@@ -26,11 +26,12 @@ class HyperMix(nn.Module):
         self.norm_eps = config.rms_norm_eps
 
     def forward(
-        self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor
+        self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(post, comb, the streams collapsed with this site's own `pre`): V4's mixing."""
+        """(post, comb, the streams collapsed with this site's own `pre`, normed by the block's `norm`):
+        V4's mixing."""
         pre, post, comb = self.coefficients(streams, fn, base, scale)
-        return post, comb, self.ops.hyper_collapse(pre, streams)
+        return post, comb, norm.collapsed(pre, streams)
 
     def coefficients(
         self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor
@@ -41,7 +42,8 @@ class HyperMix(nn.Module):
 
 
 class HyperHead(nn.Module):
-    """Final collapse of the streams into one hidden vector per token."""
+    """The final collapse's weights: `pre` [T, n] from the streams, which the decoder's final norm
+    collapses them with (`RMSNorm.collapsed`) into one hidden vector per token."""
 
     MATMUL_WEIGHTS = ("hc_fn",)
 
@@ -55,14 +57,14 @@ class HyperHead(nn.Module):
         self.hc_scale = empty(1, dtype=torch.float32, device=device)
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        return head_collapse(self.ops, streams, (self.hc_fn, self.hc_base, self.hc_scale), self.eps, self.norm_eps)
+        return head_pre(self.ops, streams, (self.hc_fn, self.hc_base, self.hc_scale), self.eps, self.norm_eps)
 
 
-def head_collapse(ops: Ops, streams: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                  eps: float, norm_eps: float) -> torch.Tensor:
-    """The final collapse of streams [T, n, hidden] with (fn, base, scale) [n, n * hidden], [n], [1]: a
-    function, since the MTP block holds its own under other names (`hc_head_fn`, ...)."""
+def head_pre(ops: Ops, streams: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+             eps: float, norm_eps: float) -> torch.Tensor:
+    """The final collapse's `pre` [T, n] (fp32) of streams [T, n, hidden] with (fn, base, scale)
+    [n, n * hidden], [n], [1]: a function, since the MTP block holds its own under other names
+    (`hc_head_fn`, ...)."""
     fn, base, scale = weights
     flat = ops.unweighted_rms_norm(streams.flatten(1), norm_eps, torch.float32)
-    pre = ops.sigmoid(ops.linear(flat, fn) * scale + base) + eps
-    return ops.hyper_collapse(pre, streams)
+    return ops.sigmoid(ops.linear(flat, fn) * scale + base) + eps

@@ -37,3 +37,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def collapsed(self, pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        """The norm of the hyper-connection streams [T, n, hidden] collapsed by pre [T, n] (a block's
+        input, seen only through this norm): `ops.collapsed_norm`, one launch on CUDA."""
+        return self.ops.collapsed_norm(pre, streams, self.weight, self.eps)

@@ -50,11 +50,11 @@ class Block(nn.Module):
               attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The block with its attention given as a function of the normed attention input [T, hidden]:
         the MTP block's drafting steps attend over keys they hold themselves, not the paged cache."""
-        post, comb, x = self.mix(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
-        attended = attend(self.attn_norm(x))
+        post, comb, x = self.mix(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.attn_norm)
+        attended = attend(x)
         streams = self.ops.hyper_expand(post, comb, attended, streams)
-        post, comb, x = self.mix(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
-        return self.ops.hyper_expand(post, comb, self.ffn(self.ffn_norm(x), input_ids), streams)
+        post, comb, x = self.mix(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.ffn_norm)
+        return self.ops.hyper_expand(post, comb, self.ffn(x, input_ids), streams)
 
 
 class Backbone(nn.Module):
@@ -124,11 +124,11 @@ class DeepseekV4(Decoder):
             rope = ropes["main" if block.attn.layer_type == SLIDING else "compress"]
             streams = block(streams, input_ids, addresses, cache, rope, self.compress_rope)
         if split is not None and streams_at is None:  # each rank heads its own rows, then all are gathered
-            hidden = addresses.everyone(self.model.norm(self.model.hc_head(streams)))
+            hidden = addresses.everyone(self.model.norm.collapsed(self.model.hc_head(streams), streams))
             return hidden if batch.sample_index is None else hidden[batch.sample_index]
         streams = addresses.everyone(streams)
         if streams_at is not None:
             streams_at[self.config.num_hidden_layers] = streams
         if batch.sample_index is not None:
             streams = streams[batch.sample_index]
-        return self.model.norm(self.model.hc_head(streams))
+        return self.model.norm.collapsed(self.model.hc_head(streams), streams)

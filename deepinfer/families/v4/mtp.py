@@ -26,7 +26,7 @@ from torch import nn
 
 from deepinfer.families.v4.config import SLIDING, ModelConfig
 from deepinfer.model.batch import CacheAddresses
-from deepinfer.model.hyper import head_collapse
+from deepinfer.model.hyper import head_pre
 from deepinfer.model.layers import Linear, RMSNorm, empty
 from deepinfer.model.rope import RotaryTable
 from deepinfer.families.v4.model import Block
@@ -83,7 +83,7 @@ class MTPLayer(Block):
     def hidden(self, streams: torch.Tensor) -> torch.Tensor:
         """The normed hidden state [T, hidden] of output streams, which the head and `confidence` read."""
         weights = (self.hc_head_fn, self.hc_head_base, self.hc_head_scale)
-        return self.norm(head_collapse(self.ops, streams, weights, self.hc_eps, self.norm_eps))
+        return self.norm.collapsed(head_pre(self.ops, streams, weights, self.hc_eps, self.norm_eps), streams)
 
 
 class MTP(DraftDecoder):

@@ -95,10 +95,10 @@ class DraftBlock(Block41):
         """S blocks of B rows each, flattened: streams [S * B, n, hidden] and carried `pre` [S * B, n] in
         and out; `context_kv` [S, C, head_dim] with `context_valid` [S, C] the keys each block reads."""
         attn_pre, post, comb = self.mix.coefficients(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
-        out = self._attend(self.attn_norm(self.ops.hyper_collapse(pre, streams)), context_kv, context_valid, rope)
+        out = self._attend(self.attn_norm.collapsed(pre, streams), context_kv, context_valid, rope)
         streams = self.ops.hyper_expand(post, comb, out, streams)
         ffn_pre, post, comb = self.mix.coefficients(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
-        out = self.ffn(self.ffn_norm(self.ops.hyper_collapse(attn_pre, streams)), input_ids)
+        out = self.ffn(self.ffn_norm.collapsed(attn_pre, streams), input_ids)
         return self.ops.hyper_expand(post, comb, out, streams), ffn_pre
 
     def _attend(self, x: torch.Tensor, context_kv: torch.Tensor, context_valid: torch.Tensor,

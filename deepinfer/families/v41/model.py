@@ -60,11 +60,11 @@ class Block41(nn.Module):
         if tap is not None:
             tap.append(streams)
         attn_pre, post, comb = self.mix.coefficients(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
-        out, selection = self.attn(self.attn_norm(self.ops.hyper_collapse(pre, streams)), addresses, cache, rope,
+        out, selection = self.attn(self.attn_norm.collapsed(pre, streams), addresses, cache, rope,
                                    compress_rope, positions, selection)
         streams = self.ops.hyper_expand(post, comb, out, streams)
         ffn_pre, post, comb = self.mix.coefficients(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
-        out = self.ffn(self.ffn_norm(self.ops.hyper_collapse(attn_pre, streams)), input_ids)
+        out = self.ffn(self.ffn_norm.collapsed(attn_pre, streams), input_ids)
         return self.ops.hyper_expand(post, comb, out, streams), ffn_pre, selection
 
 
@@ -176,8 +176,8 @@ class DeepseekV41(Decoder):
             if tap:
                 streams_at[layer] = addresses.everyone(tap[0])
         if split is not None:  # each rank collapses its own rows, then all are gathered
-            hidden = addresses.everyone(self.norm(self.ops.hyper_collapse(pre, streams)))
+            hidden = addresses.everyone(self.norm.collapsed(pre, streams))
             return hidden if batch.sample_index is None else hidden[batch.sample_index]
         if batch.sample_index is not None:
             streams, pre = streams[batch.sample_index], pre[batch.sample_index]
-        return self.norm(self.ops.hyper_collapse(pre, streams))
+        return self.norm.collapsed(pre, streams)
