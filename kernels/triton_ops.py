@@ -828,10 +828,10 @@ def paged_sink_attention(
 
 
 @triton.jit
-def _indexer_kernel(q_ptr, keys_ptr, slots_ptr, w_ptr, out_ptr, H, S, D, key_stride, PAGED: tl.constexpr, scale,
-                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program per (token, block of keys): heads accumulated in order. Key s of a token is row
-    slots[token, s] of `keys` (row token * S + s without PAGED)."""
+def _indexer_kernel(q_ptr, keys_ptr, slots_ptr, w_ptr, valid_ptr, out_ptr, H, S, D, key_stride, PAGED: tl.constexpr,
+                    scale, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per (token, block of keys): heads accumulated in order, -inf where valid[token, s] is
+    false. Key s of a token is row slots[token, s] of `keys` (row token * S + s without PAGED)."""
     token = tl.program_id(0).to(tl.int64)
     slots = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
@@ -847,7 +847,8 @@ def _indexer_kernel(q_ptr, keys_ptr, slots_ptr, w_ptr, out_ptr, H, S, D, key_str
         q = tl.load(q_ptr + (token * H + head) * D + dims, mask=dim_ok, other=0.0).to(tl.float32)
         weight = tl.load(w_ptr + token * H + head)
         acc += tl.maximum(tl.sum(keys * q[None, :], axis=1), 0.0) * scale * weight
-    tl.store(out_ptr + token * S + slots, acc, mask=slot_ok)
+    valid = tl.load(valid_ptr + token * S + slots, mask=slot_ok, other=0) != 0
+    tl.store(out_ptr + token * S + slots, tl.where(valid, acc, float("-inf")), mask=slot_ok)
 
 
 def _launch_indexer(q: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor | None, width: int,
@@ -857,10 +858,10 @@ def _launch_indexer(q: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor | N
     if out.numel():
         _indexer_kernel[(tokens, triton.cdiv(width, KV_BLOCK))](
             q.contiguous(), keys, keys if slots is None else slots.contiguous(), head_weights.float().contiguous(),
-            out, heads, width, dim, keys.stride(-2), slots is not None, scale,
+            valid.contiguous().view(torch.int8), out, heads, width, dim, keys.stride(-2), slots is not None, scale,
             BLOCK_S=KV_BLOCK, BLOCK_D=triton.next_power_of_2(dim),
         )
-    return out.masked_fill(~valid, float("-inf"))
+    return out
 
 
 def indexer_scores(

@@ -125,6 +125,10 @@ kernels = {
                                                             "S": "i32", "D": "i32", "row_stride": "i32",
                                                             "bias_stride": "i32"},
                           {"PAGED": True, "OVERLAP": True, "HAS_BIAS": True, "BLOCK_D": 128}),
+    "indexer": (triton_ops._indexer_kernel, {"q_ptr": bf16, "keys_ptr": bf16, "slots_ptr": "*i64", "w_ptr": fp32,
+                                             "valid_ptr": "*i8", "out_ptr": fp32, "H": "i32", "S": "i32", "D": "i32",
+                                             "key_stride": "i32", "scale": "fp32"},
+                {"PAGED": True, "BLOCK_S": triton_ops.KV_BLOCK, "BLOCK_D": 128}),
     "ascending_topk": (f._ascending_topk_kernel, {"scores_ptr": fp32, "chosen_ptr": "*i64", "out_ptr": "*i64",
                                                   "good_ptr": "*i8", "W": "i32", "K": "i32", "stride": "i32"},
                        {"BLOCK": 512}),
@@ -154,8 +158,8 @@ def test_fused_kernels_compile_for_hopper_without_contraction():
     SwiGLU, the router, Engram's gates and the Gumbel draw are left out: libdevice's exp, log, log1p,
     rsqrt, cos and sin use FMAs by design; they are compiled here all the same, with the experts'
     routing, the argmax and the caches' integer slot arithmetic, Engram's hashing, the indexer's
-    reordering; and the compressors' pooling through state slots, a `triton_ops` kernel whose bits are
-    its own.) Engram's sums are compiled at V4.1-Flash's width: an 8192-leaf tree."""
+    reordering; and the compressors' pooling through state slots and the indexer's scores, `triton_ops`
+    kernels whose bits are their own.) Engram's sums are compiled at V4.1-Flash's width: an 8192-leaf tree."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     helper = COMPILE.split("results = []")[0]
     done = subprocess.run([sys.executable, "-c", FUSED], input=helper, capture_output=True, text=True, env=env,
@@ -167,7 +171,8 @@ def test_fused_kernels_compile_for_hopper_without_contraction():
     assert set(contracted) == {"rotary", "rotary_table", "coefficients", "rms_norm", "collapsed_norm", "collapse",
                                "expand", "swiglu", "combine",
                                "ordered_sum", "gate", "route", "argmax", "gumbel", "paged_slots", "closing_tokens",
-                               "paged_window_pool", "ascending_topk", "engram_rows", "engram_sums", "engram_out",
+                               "paged_window_pool", "indexer", "ascending_topk", "engram_rows", "engram_sums",
+                               "engram_out",
                                *formats}
     assert not any(contracted[name][0] for name in ("rotary", "rms_norm", "collapsed_norm", "collapse", "expand",
                                                     "combine", "ordered_sum", "engram_sums", "route", "argmax",

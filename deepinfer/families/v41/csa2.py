@@ -137,12 +137,11 @@ class Indexer2(nn.Module):
         q = self.wq_b(q_residual).view(x.shape[0], self.n_heads, self.head_dim)
         q = self.formats.index(self.ops, self.ops.rotary(q, *rope))
         weights = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
-        scores = self.ops.paged_indexer_scores(q, entries, entry_slots, column, weights, valid, 1.0)
         candidates = carried.candidates if carried is not None else None
+        scored = valid & candidates if self.role.uses_candidates else valid  # -inf outside the pool too
+        scores = self.ops.paged_indexer_scores(q, entries, entry_slots, column, weights, scored, 1.0)
         if self.role.candidate_source:
             candidates = self._candidate_pool(scores, (positions + 1) // self.role.ratio) & valid
-        elif self.role.uses_candidates:
-            scores = scores.masked_fill(~candidates, float("-inf"))
         chosen, good = self.ops.ascending_topk(scores, min(self.topk, scores.shape[1]))
         return Selection(chosen, good, candidates)
 
