@@ -74,12 +74,12 @@ def ascending_topk(scores: torch.Tensor, k: int, *, topk_indices: Op) -> tuple[t
 
 def paged_indexer_scores(
     q: torch.Tensor, entries: torch.Tensor, entry_slots: torch.Tensor, column: int, head_weights: torch.Tensor,
-    valid: torch.Tensor, scale: float, *, indexer_scores: Op,
+    valid: torch.Tensor, scale: float, *, weight_scale: float = 1.0, indexer_scores: Op,
 ) -> torch.Tensor:
     """Indexer scores of q [T, H, Di] against the index keys of each token's entries: columns
     column .. column + Di of rows entry_slots [T, E] of the entries pool."""
     keys = entries[entry_slots, column:column + q.shape[-1]]
-    return indexer_scores(q, keys, head_weights, valid, scale)
+    return indexer_scores(q, keys, head_weights, valid, scale, weight_scale=weight_scale)
 
 
 def rotary_table(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, *, cos_sin: Op

@@ -130,13 +130,16 @@ def sink_attention(
 
 
 def indexer_scores(
-    q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, valid: torch.Tensor, scale: float
+    q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, valid: torch.Tensor, scale: float, *,
+    weight_scale: float = 1.0,
 ) -> torch.Tensor:
     """Lightning-indexer scores sum_h w[t,h] * relu(q[t,h] . k[t,s]) * scale; invalid -> -inf.
 
-    q [T, H, Di], keys [T, S, Di], head_weights [T, H] fp32, valid [T, S] -> [T, S] fp32.
+    q [T, H, Di], keys [T, S, Di], head_weights [T, H] (w: in fp32, times weight_scale), valid [T, S]
+    -> [T, S] fp32.
     """
     dots = torch.einsum("thd,tsd->ths", q.float(), keys.float())
+    head_weights = head_weights.float() * weight_scale
     scores = (torch.relu(dots) * scale * head_weights.unsqueeze(-1)).sum(dim=1)
     return scores.masked_fill(~valid, float("-inf"))
 

@@ -479,11 +479,14 @@ def sink_attention(
 
 
 def indexer_scores(
-    q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, valid: torch.Tensor, scale: float
+    q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, valid: torch.Tensor, scale: float, *,
+    weight_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Lightning-indexer scores sum_h w[t,h] * relu(q[t,h] . k[t,s]) * scale, heads summed in order."""
+    """Lightning-indexer scores sum_h w[t,h] * relu(q[t,h] . k[t,s]) * scale, heads summed in order, where
+    w = head_weights in fp32 times weight_scale."""
     tokens, width = valid.shape
     key_blocks, _ = _key_blocks(keys.float(), valid)
+    head_weights = head_weights.float() * weight_scale
     weighted = torch.relu(_block_scores(q, key_blocks)) * scale * head_weights[:, None, :, None]
     heads = weighted.unbind(2)
     summed = heads[0]

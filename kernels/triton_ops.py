@@ -829,9 +829,10 @@ def paged_sink_attention(
 
 @triton.jit
 def _indexer_kernel(q_ptr, keys_ptr, slots_ptr, w_ptr, valid_ptr, out_ptr, H, S, D, key_stride, PAGED: tl.constexpr,
-                    scale, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program per (token, block of keys): heads accumulated in order, -inf where valid[token, s] is
-    false. Key s of a token is row slots[token, s] of `keys` (row token * S + s without PAGED)."""
+                    scale, weight_scale, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per (token, block of keys): heads accumulated in order (a head's weight widened to fp32
+    and times weight_scale), -inf where valid[token, s] is false. Key s of a token is row slots[token, s]
+    of `keys` (row token * S + s without PAGED)."""
     token = tl.program_id(0).to(tl.int64)
     slots = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
@@ -845,42 +846,44 @@ def _indexer_kernel(q_ptr, keys_ptr, slots_ptr, w_ptr, valid_ptr, out_ptr, H, S,
     acc = tl.zeros((BLOCK_S,), dtype=tl.float32)
     for head in range(H):
         q = tl.load(q_ptr + (token * H + head) * D + dims, mask=dim_ok, other=0.0).to(tl.float32)
-        weight = tl.load(w_ptr + token * H + head)
+        weight = tl.load(w_ptr + token * H + head).to(tl.float32) * weight_scale
         acc += tl.maximum(tl.sum(keys * q[None, :], axis=1), 0.0) * scale * weight
     valid = tl.load(valid_ptr + token * S + slots, mask=slot_ok, other=0) != 0
     tl.store(out_ptr + token * S + slots, tl.where(valid, acc, float("-inf")), mask=slot_ok)
 
 
 def _launch_indexer(q: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor | None, width: int,
-                    head_weights: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+                    head_weights: torch.Tensor, valid: torch.Tensor, scale: float, weight_scale: float) -> torch.Tensor:
     tokens, heads, dim = q.shape
     out = torch.empty(tokens, width, dtype=torch.float32, device=q.device)
     if out.numel():
         _indexer_kernel[(tokens, triton.cdiv(width, KV_BLOCK))](
-            q.contiguous(), keys, keys if slots is None else slots.contiguous(), head_weights.float().contiguous(),
+            q.contiguous(), keys, keys if slots is None else slots.contiguous(), head_weights.contiguous(),
             valid.contiguous().view(torch.int8), out, heads, width, dim, keys.stride(-2), slots is not None, scale,
-            BLOCK_S=KV_BLOCK, BLOCK_D=triton.next_power_of_2(dim),
+            weight_scale, BLOCK_S=KV_BLOCK, BLOCK_D=triton.next_power_of_2(dim),
         )
     return out
 
 
 def indexer_scores(
-    q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, valid: torch.Tensor, scale: float
+    q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, valid: torch.Tensor, scale: float, *,
+    weight_scale: float = 1.0,
 ) -> torch.Tensor:
     """Lightning-indexer scores sum_h w[t,h] * relu(q[t,h] . k[t,s]) * scale, heads summed in order.
 
-    q [T, H, D], keys [T, S, D], head_weights [T, H] fp32, valid [T, S] -> [T, S] fp32 (-inf where invalid).
+    q [T, H, D], keys [T, S, D], head_weights [T, H] (w: in fp32, times weight_scale), valid [T, S]
+    -> [T, S] fp32 (-inf where invalid).
     """
-    return _launch_indexer(q, keys.contiguous(), None, keys.shape[1], head_weights, valid, scale)
+    return _launch_indexer(q, keys.contiguous(), None, keys.shape[1], head_weights, valid, scale, weight_scale)
 
 
 def paged_indexer_scores(
     q: torch.Tensor, entries: torch.Tensor, entry_slots: torch.Tensor, column: int, head_weights: torch.Tensor,
-    valid: torch.Tensor, scale: float,
+    valid: torch.Tensor, scale: float, *, weight_scale: float = 1.0,
 ) -> torch.Tensor:
     """`composite.paged_indexer_scores` reading each index key in the entries pool through its slot."""
     keys = _row_major(entries)[:, column:column + q.shape[-1]]
-    return _launch_indexer(q, keys, entry_slots, entry_slots.shape[1], head_weights, valid, scale)
+    return _launch_indexer(q, keys, entry_slots, entry_slots.shape[1], head_weights, valid, scale, weight_scale)
 
 
 @triton.jit

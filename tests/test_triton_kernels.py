@@ -511,6 +511,17 @@ def test_indexer_scores_match_reference(dtype: torch.dtype, tokens: int, keys: i
     torch.testing.assert_close(out[valid], ref[valid], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("table", [triton_ops, invariant])
+def test_indexer_head_weights_are_widened_and_scaled_as_the_caller_would(table) -> None:
+    """A projection's bf16 head weights and their scale go in as they are: the bits of widening and
+    scaling them first (one fp32 product each)."""
+    q, k, weights, valid = _indexer_inputs(3, 40, seed=9)
+    weights = weights.bfloat16()
+    scale = 24 ** -0.5 * 4 ** -0.5
+    _assert_same_bits(table.indexer_scores(q, k, weights, valid, 0.2, weight_scale=scale),
+                      table.indexer_scores(q, k, weights.float() * scale, valid, 0.2))
+
+
 @FEW
 @given(batch=st.integers(2, 30).flatmap(lambda t: st.tuples(st.just(t), st.integers(0, t - 1))), seed=seeds)
 def test_indexer_scores_token_does_not_depend_on_batch(batch: tuple[int, int], seed: int) -> None:

@@ -79,9 +79,8 @@ class Indexer(nn.Module):
         keys are columns `column`.. of the entries pool's rows `entry_slots` [T, E]."""
         q = self.wq_b(q_residual).view(x.shape[0], self.n_heads, self.head_dim)
         q = self.ops.rotary(q, cos, sin)
-        head_weights = self.weights_proj(x).float() * self.n_heads**-0.5
-        scores = self.ops.paged_indexer_scores(q, entries, entry_slots, column, head_weights, valid,
-                                               self.head_dim**-0.5)
+        scores = self.ops.paged_indexer_scores(q, entries, entry_slots, column, self.weights_proj(x), valid,
+                                               self.head_dim**-0.5, weight_scale=self.n_heads**-0.5)
         chosen = self.ops.topk_indices(scores, min(self.topk, scores.shape[-1]))
         return chosen, valid.gather(1, chosen)
 

@@ -136,10 +136,10 @@ class Indexer2(nn.Module):
         candidate pool once there is one."""
         q = self.wq_b(q_residual).view(x.shape[0], self.n_heads, self.head_dim)
         q = self.formats.index(self.ops, self.ops.rotary(q, *rope))
-        weights = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
         candidates = carried.candidates if carried is not None else None
         scored = valid & candidates if self.role.uses_candidates else valid  # -inf outside the pool too
-        scores = self.ops.paged_indexer_scores(q, entries, entry_slots, column, weights, scored, 1.0)
+        scores = self.ops.paged_indexer_scores(q, entries, entry_slots, column, self.weights_proj(x), scored, 1.0,
+                                               weight_scale=self.head_dim**-0.5 * self.n_heads**-0.5)
         if self.role.candidate_source:
             candidates = self._candidate_pool(scores, (positions + 1) // self.role.ratio) & valid
         chosen, good = self.ops.ascending_topk(scores, min(self.topk, scores.shape[1]))
