@@ -53,25 +53,26 @@ def pool_prefix(kv_source: int) -> str:
 class Selection:
     """The entries each token attends to, chosen by the latest index source of this step.
 
-    chosen [T, k]: positions into each token's entry list (the KV source's `entry_read`), the valid
-    ones first in ascending order; valid [T, k]; candidates [T, E]: the candidate pool, once the
-    candidate-source layer has run.
+    slots [T, k]: the chosen entries' rows in the entries pool (the KV source's `entry_read` at the
+    chosen positions, the valid ones first in ascending order of position), read once by the index
+    source for every layer reusing its choice (they share its KV source); valid [T, k]; candidates
+    [T, E]: the candidate pool, once the candidate-source layer has run.
     """
 
-    chosen: torch.Tensor
+    slots: torch.Tensor
     valid: torch.Tensor
     candidates: torch.Tensor | None = None
 
     def rows(self, rows: slice) -> "Selection":
         """The selection of the queries `rows`."""
         candidates = self.candidates[rows] if self.candidates is not None else None
-        return Selection(self.chosen[rows], self.valid[rows], candidates)
+        return Selection(self.slots[rows], self.valid[rows], candidates)
 
     @staticmethod
     def joined(parts: list["Selection"]) -> "Selection":
         """The selections of consecutive row ranges as one."""
         candidates = None if parts[0].candidates is None else torch.cat([p.candidates for p in parts])
-        return Selection(torch.cat([p.chosen for p in parts]), torch.cat([p.valid for p in parts]), candidates)
+        return Selection(torch.cat([p.slots for p in parts]), torch.cat([p.valid for p in parts]), candidates)
 
 
 class Compressor2(nn.Module):
@@ -143,7 +144,7 @@ class Indexer2(nn.Module):
         if self.role.candidate_source:
             candidates = self._candidate_pool(scores, (positions + 1) // self.role.ratio) & valid
         chosen, good = self.ops.ascending_topk(scores, min(self.topk, scores.shape[1]))
-        return Selection(chosen, good, candidates)
+        return Selection(entry_slots.gather(1, chosen), good, candidates)
 
     def _candidate_pool(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """Blocks of `candidate_block_size` entries scored by their best entry; the block holding the
@@ -249,7 +250,7 @@ class Attention2(nn.Module):
                 carried = self.indexer.select(x[rows], q_residual[rows], (rope[0][rows], rope[1][rows]), entries,
                                               entry_read, self.head_dim, step.entry_valid[rows], positions[rows],
                                               carried)
-            entry_slots, entry_valid = entry_read.gather(1, carried.chosen), carried.valid
+            entry_slots, entry_valid = carried.slots, carried.valid
             selection = carried
         out = self.ops.paged_sink_attention(q[rows], cache["window"], addresses.window_read[rows],
                                             addresses.window_valid[rows], entries, entry_slots, entry_valid,
