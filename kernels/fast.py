@@ -239,9 +239,11 @@ def grouped_expert_outputs(
     return torch.empty_like(out).index_copy_(0, order, out)
 
 
-def weighted_combine(slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """slots [T, k, H] times their weights [T, k] (in the slots' dtype), summed over k in rank order."""
-    return combine_ranks(slots * weights.unsqueeze(-1).to(slots.dtype))
+def weighted_combine(slots: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
+    """slots [T, k, H] times their weights [T, k] (in the slots' dtype), summed over k in rank order; plus
+    `shared` [T, H] (the shared expert's output) after them, in the slots' dtype."""
+    combined = combine_ranks(slots * weights.unsqueeze(-1).to(slots.dtype))
+    return combined if shared is None else combined + shared
 
 
 def slot_rows(indices: torch.Tensor) -> torch.Tensor:
@@ -258,12 +260,14 @@ def routed_experts(
     limit: float,
     matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     swiglu: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor],
+    shared: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts with a per-token combine in top-k rank order: x [T, H]; indices/weights [T, k].
     Each (token, rank) slot goes through its expert (`expert_outputs`), then a token's slots are
-    weighted and summed rank by rank (`weighted_combine`)."""
+    weighted and summed rank by rank, the shared expert's output `shared` [T, H] added last
+    (`weighted_combine`)."""
     slots = expert_outputs(x, indices.reshape(-1), w13, w2, limit, matmul, swiglu, rows=slot_rows(indices))
-    return weighted_combine(slots.view(*indices.shape, -1), weights)
+    return weighted_combine(slots.view(*indices.shape, -1), weights, shared)
 
 
 def combine_ranks(slots: torch.Tensor) -> torch.Tensor:

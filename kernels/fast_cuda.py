@@ -37,10 +37,10 @@ def expert_outputs(
 
 def moe_experts(
     x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor | QuantizedWeight,
-    w2: torch.Tensor | QuantizedWeight, limit: float,
+    w2: torch.Tensor | QuantizedWeight, limit: float, shared: torch.Tensor | None = None,
 ) -> torch.Tensor:
     slots = expert_outputs(x, indices.reshape(-1), w13, w2, limit, rows=fast.slot_rows(indices))
-    return fast.weighted_combine(slots.view(*indices.shape, -1), weights)
+    return fast.weighted_combine(slots.view(*indices.shape, -1), weights, shared)
 
 
 OPS = {"linear": linear, "grouped_linear": grouped_linear, "expert_outputs": expert_outputs,

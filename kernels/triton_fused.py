@@ -552,9 +552,11 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 
 @triton.jit
-def _combine_kernel(slots_ptr, weights_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _combine_kernel(slots_ptr, weights_ptr, shared_ptr, out_ptr, H, TOP_K: tl.constexpr, SHARED: tl.constexpr,
+                    BLOCK: tl.constexpr):
     """Program (token, column block): sum over ranks, in order, of slot * weight (the weight rounded to
-    the slots' dtype, each product and partial sum rounded to it)."""
+    the slots' dtype, each product and partial sum rounded to it), then with SHARED plus the token's
+    shared-expert row, rounded the same way."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < H
@@ -566,16 +568,22 @@ def _combine_kernel(slots_ptr, weights_ptr, out_ptr, H, TOP_K: tl.constexpr, BLO
         weight = tl.load(weights_ptr + token * TOP_K + rank).to(ty).to(tl.float32)
         term = (tl.load(row + rank * H, mask=ok, other=0.0).to(tl.float32) * weight).to(ty)
         acc = (acc.to(tl.float32) + term.to(tl.float32)).to(ty)
+    if SHARED:
+        acc = (acc.to(tl.float32) + tl.load(shared_ptr + token * H + cols, mask=ok, other=0.0).to(tl.float32)).to(ty)
     tl.store(out_ptr + token * H + cols, acc, mask=ok)
 
 
-def weighted_combine(slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """`fast.combine_ranks(slots * weights)` in one launch: slots [T, k, H], weights [T, k] -> [T, H]."""
+def weighted_combine(slots: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
+    """`fast.weighted_combine` in one launch: slots [T, k, H], weights [T, k], shared [T, H] or None
+    -> [T, H]. A shared term of another dtype is added after, by the op chain."""
     tokens, top_k, width = slots.shape
+    if shared is not None and shared.dtype != slots.dtype:
+        return weighted_combine(slots, weights) + shared
     out = torch.empty(tokens, width, dtype=slots.dtype, device=slots.device)
     if out.numel():
-        _fused(_combine_kernel, (tokens, triton.cdiv(width, BLOCK_H)), slots.contiguous(), weights.contiguous(), out,
-               width, TOP_K=top_k, BLOCK=BLOCK_H)
+        _fused(_combine_kernel, (tokens, triton.cdiv(width, BLOCK_H)), slots.contiguous(), weights.contiguous(),
+               out if shared is None else shared.contiguous(), out, width, TOP_K=top_k, SHARED=shared is not None,
+               BLOCK=BLOCK_H)
     return out
 
 

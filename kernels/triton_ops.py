@@ -560,13 +560,13 @@ def _expert_outputs(x: torch.Tensor, routed: tuple, w13: torch.Tensor | Quantize
 
 def moe_experts(
     x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor | QuantizedWeight,
-    w2: torch.Tensor | QuantizedWeight, limit: float,
+    w2: torch.Tensor | QuantizedWeight, limit: float, shared: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`kernels.fast.routed_experts` on the grouped kernels and the fused weighted combine (slot s of
-    indices [T, k] reads token s // k: `fast.slot_rows`)."""
+    indices [T, k] reads token s // k: `fast.slot_rows`), which adds `shared`."""
     routed = route_slots(indices.reshape(-1), w13.shape[0], per_row=indices.shape[-1])
     slots = _expert_outputs(x, routed, w13, w2, limit)
-    return triton_fused.weighted_combine(slots.view(*indices.shape, -1), weights)
+    return triton_fused.weighted_combine(slots.view(*indices.shape, -1), weights, shared)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:

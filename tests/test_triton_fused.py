@@ -286,6 +286,10 @@ def test_weighted_combine_is_the_rank_ordered_sum_bit_for_bit(dtype: torch.dtype
     slots, weights = _randn(6, 5, 300, seed=19, dtype=dtype), _randn(6, 5, seed=20).abs()
     reference = fast.combine_ranks(slots * weights.unsqueeze(-1).to(dtype))
     _assert_same_bits(triton_fused.weighted_combine(slots, weights), reference)
+    shared = _randn(6, 300, seed=21, dtype=dtype)
+    _assert_same_bits(triton_fused.weighted_combine(slots, weights, shared), reference + shared)
+    other = shared.to(torch.bfloat16 if dtype == torch.float32 else torch.float32)  # added after, by the op chain
+    _assert_same_bits(triton_fused.weighted_combine(slots, weights, other), reference + other)
 
 
 # row invariance ----------------------------------------------------------------------------------------

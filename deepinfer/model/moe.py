@@ -49,8 +49,10 @@ class Experts(nn.Module):
         self.w13 = empty(e, 2 * i, h, dtype=dtype, device=device)
         self.w2 = empty(e, h, i, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return self.ops.moe_experts(x, indices, weights, self.w13, self.w2, self.limit)
+    def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                shared: torch.Tensor | None = None) -> torch.Tensor:
+        """The combined routed output, plus `shared` (the shared expert's [T, H]) when given."""
+        return self.ops.moe_experts(x, indices, weights, self.w13, self.w2, self.limit, shared=shared)
 
     def outputs(self, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Each row [S, H] through the expert of its stacked slot [S], unweighted."""
@@ -85,9 +87,10 @@ class MoE(nn.Module):
         self.shared_experts = SharedExpert(config, ops, dtype, device)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' combined output plus the shared expert's, added in the combine (one
+        launch on CUDA)."""
         indices, weights = self.gate(x, input_ids)
+        shared = self.shared_experts(x)
         if self.exchange is None:
-            routed = self.experts(x, indices, weights)
-        else:
-            routed = self.exchange.routed(x, indices, weights)
-        return routed + self.shared_experts(x)
+            return self.experts(x, indices, weights, shared)
+        return self.exchange.routed(x, indices, weights, shared)

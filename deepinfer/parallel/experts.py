@@ -79,9 +79,10 @@ class ExpertExchange:
         self.copy_slot = torch.tensor(slots, dtype=torch.int64, device=device)
         self.copy_count = torch.tensor([len(c) for c in copies], dtype=torch.int64, device=device)
 
-    def routed(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def routed(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+               shared: torch.Tensor | None = None) -> torch.Tensor:
         """The routed experts' combined output [T, H] for this rank's tokens x [T, H] routed to
-        `indices` / `weights` [T, k]."""
+        `indices` / `weights` [T, k], plus `shared` [T, H] (the shared expert's) when given."""
         split = None if self.context is None else self.context.current
         members = 1 if split is not None else self.layout.attention_ranks
         member = self.layout.rank % members
@@ -101,7 +102,7 @@ class ExpertExchange:
         slots = torch.empty_like(returned)
         slots[order] = returned
         combined = self.experts.ops.weighted_combine(slots.view(mine.shape[0], self.top_k, self.hidden_size),
-                                                     weights[mine])
+                                                     weights[mine], None if shared is None else shared[mine])
         return combined if members == 1 else self._gather(combined, tokens)
 
     def _sized(self, rows: torch.Tensor, dest: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
