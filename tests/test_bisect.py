@@ -18,7 +18,7 @@ from deepinfer.harness.suite_registry import load_suite
 from deepinfer.kernels import Ops
 from deepinfer.model.batch import bucket
 
-PLANTED_LAYER, PLANTED_OP, PLANTED_STEP = "model.layers.1.attn_norm", "rms_norm", 1
+PLANTED_LAYER, PLANTED_OP, PLANTED_STEP = "model.layers.1.attn_norm", "collapsed_norm", 1
 AMPLIFIED_LAYER = "model.layers.3.attn_norm"
 REQUESTS = [{"id": "greedy", "prompt_token_ids": [5, 17, 99, 3], "sampling": {"temperature": 0, "max_tokens": 8}},
             {"id": "sampled", "prompt_token_ids": [7, 8], "sampling": {"temperature": 0.7, "seed": 3, "max_tokens": 8}}]

@@ -126,7 +126,7 @@ def test_the_forward_reads_no_value_back_and_follows_only_shapes():
     host, _ = llm.runner.build_batch(scheduled.chunks)
     ops = llm.model.ops
     table = {name: getattr(ops, name) for name in kernels.OPS}
-    table["moe_experts"] = lambda x, *args: x
+    table["moe_experts"] = lambda x, *args, **kwargs: x
     meta_ops = kernels.Ops(ops.numerics, "cpu", table)
     model = DeepseekV4(llm.model.config, meta_ops, device="meta")
     model.main_rope.to("meta")

@@ -599,15 +599,21 @@ def test_sinkhorn_does_not_depend_on_batch(batch: tuple[int, int], seed: int) ->
 def test_every_registered_op_keeps_the_reference_signature() -> None:
     """Each CUDA op takes what the op it replaces takes: the PyTorch primitive's parameters, a cache
     format's (with its defaults), a sampling chain's, or a composite's (less the primitives
-    `kernels.bind` supplies as keywords)."""
+    `kernels.bind` supplies as keywords); its keyword-only parameters are the reference's."""
     from deepinfer.kernels import composite, ngram, paging, quant, sampling
 
     for name, fn in {**triton_ops.OPS, **triton_fused.OPS}.items():
         reference = next(getattr(module, name) for module in (invariant, quant, sampling, paging, ngram, composite)
                          if hasattr(module, name))
+        keywords = {p: spec.default for p, spec in inspect.signature(reference).parameters.items()
+                    if spec.kind == spec.KEYWORD_ONLY}
         expected = [(p, spec.default) for p, spec in inspect.signature(reference).parameters.items()
                     if spec.kind != spec.KEYWORD_ONLY]
-        got = [(p, spec.default) for p, spec in inspect.signature(fn).parameters.items()]
+        got = [(p, spec.default) for p, spec in inspect.signature(fn).parameters.items()
+               if spec.kind != spec.KEYWORD_ONLY]
+        for p, spec in inspect.signature(fn).parameters.items():  # keywords: the reference's, with its defaults
+            if spec.kind == spec.KEYWORD_ONLY:
+                assert p in keywords and keywords[p] == spec.default, (name, p)
         assert [p for p, _ in got] == [p for p, _ in expected], name
         if name.endswith("_qdq"):
             assert got == expected, name
