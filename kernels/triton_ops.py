@@ -654,7 +654,8 @@ def collapsed_norm(pre: torch.Tensor, streams: torch.Tensor, weight: torch.Tenso
     launch (a power-of-two stream count; any other takes the two ops)."""
     tokens, n, width = streams.shape
     if n & (n - 1):
-        return rms_norm(triton_fused.hyper_collapse(pre, streams), weight, eps)
+        return composite.collapsed_norm(pre, streams, weight, eps, hyper_collapse=triton_fused.hyper_collapse,
+                                        rms_norm=rms_norm)
     x = torch.empty(tokens, width, dtype=streams.dtype, device=streams.device)
     out = torch.empty_like(x)
     if out.numel():
